@@ -1,0 +1,104 @@
+"""Messages between the tokenizer manager, the scheduler and the detokenizer (pickled over ZMQ)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixengine.sampling.sampling_params import SamplingParams
+
+
+# Tokenizer manager -> scheduler ---------------------------------------------------------------
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_text: str | None
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    priority: int | None = None
+    # A request the front end already knows is bad: the scheduler finishes it at once with this
+    # error instead of running it (keeps one path for every finish).
+    error: str | None = None
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReqInput:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    state: dict[str, Any]
+
+
+# Scheduler -> detokenizer ---------------------------------------------------------------------
+
+
+@dataclass
+class BatchTokenIDOut:
+    """One step's outputs. Per request: the output ids so far (all of them, so the detokenizer
+    keeps no state that could drift), and the finish reason once finished."""
+
+    rids: list[str]
+    finished_reasons: list[dict | None]
+    output_ids: list[list[int]]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    skip_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    # Per request, per output token: logprob of the chosen token (only when asked for).
+    output_token_logprobs: list[list[float] | None] = field(default_factory=list)
+
+
+# Detokenizer -> tokenizer manager -------------------------------------------------------------
+
+
+@dataclass
+class BatchStrOut:
+    rids: list[str]
+    finished_reasons: list[dict | None]
+    output_strs: list[str]  # the full text so far (stop strings trimmed once finished)
+    output_ids: list[list[int]]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[list[float] | None] = field(default_factory=list)
+
+
+# Finish reasons (SGLang's JSON shapes) ---------------------------------------------------------
+
+
+def finish_length(length: int) -> dict:
+    return {"type": "length", "length": length}
+
+
+def finish_matched_token(token_id: int) -> dict:
+    return {"type": "stop", "matched": token_id}
+
+
+def finish_matched_str(stop: str) -> dict:
+    return {"type": "stop", "matched": stop}
+
+
+def finish_abort(message: str, status_code: int = 400, err_type: str = "BadRequestError") -> dict:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}

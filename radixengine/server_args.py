@@ -1,0 +1,200 @@
+"""ServerArgs: every flag of the engine, its default and its validation (SGLang's names)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer")
+
+
+@dataclass
+class ServerArgs:
+    # Model
+    model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "cpu"
+    context_length: int | None = None
+    random_seed: int = 0
+    attention_backend: str = "auto"
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+
+    # Memory
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85  # CUDA only
+    page_size: int = 1
+    max_running_requests: int | None = None
+    max_queued_requests: int | None = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None  # None: device default; -1 disables
+    disable_radix_cache: bool = False
+
+    # Scheduling
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    lpm_fallback_queue_len: int = 128
+    disable_in_batch_prefix_caching: bool = False
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    retract_decode_steps: int = 20
+    disable_overlap_schedule: bool = False
+
+    # Runtime
+    num_threads: int | None = None  # CPU intra-op threads; None: all cores
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 160
+    trace_file: str | None = None
+    enable_metrics: bool = True
+    test_mode: bool = False  # the idle self-check raises instead of logging
+    watchdog_timeout: float = 300.0
+
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check_choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("--dtype", self.dtype, DTYPES)
+        _check_choice("--device", self.device, DEVICES)
+        _check_choice("--load-format", self.load_format, LOAD_FORMATS)
+        _check_choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_positive("--page-size", self.page_size)
+        _check_positive("--max-prefill-tokens", self.max_prefill_tokens)
+        _check_positive("--max-total-tokens", self.max_total_tokens, optional=True)
+        _check_positive("--max-running-requests", self.max_running_requests, optional=True)
+        _check_positive("--max-queued-requests", self.max_queued_requests, optional=True)
+        _check_positive("--context-length", self.context_length, optional=True)
+        _check_positive("--lpm-fallback-queue-len", self.lpm_fallback_queue_len)
+        _check_positive("--new-token-ratio-decay-steps", self.new_token_ratio_decay_steps)
+        _check_positive("--num-threads", self.num_threads, optional=True)
+        _check_positive("--cuda-graph-max-bs", self.cuda_graph_max_bs)
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
+            _check_positive("--chunked-prefill-size", self.chunked_prefill_size)
+            if self.chunked_prefill_size % self.page_size:
+                raise ValueError(
+                    f"--chunked-prefill-size ({self.chunked_prefill_size}) must be a multiple of "
+                    f"--page-size ({self.page_size})"
+                )
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if not 0.0 < self.init_new_token_ratio <= 1.0:
+            raise ValueError(f"--init-new-token-ratio must be in (0, 1], got {self.init_new_token_ratio}")
+        if not 0.0 <= self.min_new_token_ratio_factor <= 1.0:
+            raise ValueError(
+                f"--min-new-token-ratio-factor must be in [0, 1], got {self.min_new_token_ratio_factor}"
+            )
+        if self.schedule_conservativeness <= 0:
+            raise ValueError(
+                f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}"
+            )
+        if self.retract_decode_steps < 0:
+            raise ValueError(f"--retract-decode-steps must be >= 0, got {self.retract_decode_steps}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+
+    # Derived values --------------------------------------------------------------------------
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        return self.effective_chunked_prefill_size is not None
+
+    @property
+    def effective_chunked_prefill_size(self) -> int | None:
+        if self.chunked_prefill_size == -1:
+            return None
+        if self.chunked_prefill_size is None:
+            return 8192 if self.device == "cuda" else 2048
+        return self.chunked_prefill_size
+
+    @property
+    def init_ratio(self) -> float:
+        return min(self.init_new_token_ratio * self.schedule_conservativeness, 1.0)
+
+    @property
+    def min_ratio(self) -> float:
+        return min(self.init_ratio * self.min_new_token_ratio_factor, 1.0)
+
+    @property
+    def ratio_decay(self) -> float:
+        return (self.init_ratio - self.min_ratio) / self.new_token_ratio_decay_steps
+
+    # Command line ----------------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            if f.name == "extra":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=default)
+                continue
+            kind = _cli_type(f.type)
+            kwargs: dict = {"type": kind, "default": default}
+            choices = _CHOICES.get(f.name)
+            if choices:
+                kwargs["choices"] = choices
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+_CHOICES = {
+    "schedule_policy": SCHEDULE_POLICIES,
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "load_format": LOAD_FORMATS,
+    "attention_backend": ATTENTION_BACKENDS,
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
+def _cli_type(annotation: str):
+    text = str(annotation)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_positive(flag: str, value: int | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{flag} must be a positive integer, got {value!r}")
