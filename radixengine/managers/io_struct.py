@@ -7,7 +7,6 @@ from typing import Any
 
 from radixengine.sampling.sampling_params import SamplingParams
 
-
 # Tokenizer manager -> scheduler ---------------------------------------------------------------
 
 

@@ -1,0 +1,56 @@
+import argparse
+
+import pytest
+
+from radixengine.server_args import ServerArgs
+
+
+def test_defaults_follow_sglang():
+    args = ServerArgs()
+    assert args.schedule_policy == "fcfs"
+    assert args.page_size == 1
+    assert args.max_prefill_tokens == 16384
+    assert args.priority_scheduling_preemption_threshold == 10
+    assert args.lpm_fallback_queue_len == 128
+    assert args.disable_overlap_schedule is False
+    assert args.init_ratio == pytest.approx(0.7)
+    assert args.min_ratio == pytest.approx(0.098)
+    assert args.ratio_decay == pytest.approx((0.7 - 0.098) / 600)
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"schedule_policy": "sjf"}, "--schedule-policy"),
+        ({"page_size": 0}, "--page-size"),
+        ({"max_total_tokens": -5}, "--max-total-tokens"),
+        ({"chunked_prefill_size": 30, "page_size": 16}, "--chunked-prefill-size"),
+        ({"dtype": "int3"}, "--dtype"),
+        ({"port": 70000}, "--port"),
+        ({"init_new_token_ratio": 0.0}, "--init-new-token-ratio"),
+    ],
+)
+def test_bad_values_name_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        ServerArgs(**kwargs)
+
+
+def test_unknown_kwarg_is_rejected():
+    with pytest.raises(TypeError, match="max_batch"):
+        ServerArgs.from_kwargs(max_batch=3)
+
+
+def test_cli_round_trip():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(
+        ["--schedule-policy", "lpm", "--disable-radix-cache", "--page-size", "16", "--max-total-tokens", "4096"]
+    )
+    args = ServerArgs.from_cli_args(ns)
+    assert (args.schedule_policy, args.disable_radix_cache, args.page_size) == ("lpm", True, 16)
+    assert args.max_total_tokens == 4096
+    assert args.effective_chunked_prefill_size == 2048
+
+
+def test_chunked_prefill_can_be_disabled():
+    assert ServerArgs(chunked_prefill_size=-1).effective_chunked_prefill_size is None
