@@ -1,0 +1,181 @@
+"""Sampler: next tokens from logits, vectorized over a batch whose requests may each use different
+sampling parameters.
+
+Each row keeps the tokens whose probability (softmax of logits / temperature) is at least a per-row
+threshold, the largest of those set by top-k, top-p and min-p, then draws one token by inverse
+CDF: a single uniform u per row, searched in the cumulative sum of the kept probabilities taken
+in token-id order. Unseeded rows draw u from the global torch RNG; seeded rows hash (seed, step)
+into u, so the token a seeded request gets at a step depends only on its seed, its step, its
+parameters and its own logits, never on the rest of the batch (nothing depends on sort order).
+
+Truncation follows SGLang's order: top-k, then top-p on the cumulative mass of the sorted,
+temperature-scaled, not renormalized probabilities (a token is kept when the mass before it is
+<= top_p), then min-p relative to the most likely token. Ties with the last kept value are kept.
+
+Logprobs are those of the chosen token under log_softmax(logits / temperature), before any
+truncation (SGLang's default); for greedy rows (temperature 1) that is log_softmax(logits).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
+
+_M32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: a 32-bit value times one stays inside int64.
+_C1 = 0x7FEB352D
+_C2 = 0x5BD1E995
+
+
+class Sampler(nn.Module):
+    def __init__(self, check_finite: bool = True) -> None:
+        super().__init__()
+        # The finite check costs one host-device sync per call; so does top-p (see _sorted_width).
+        self.check_finite = check_finite
+
+    def forward(
+        self, logits: torch.Tensor, sampling_info: SamplingBatchInfo, return_logprob: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = logits.float()
+        if self.check_finite:
+            logits = sanitize_logits(logits)
+        info = sampling_info
+        if info.is_all_greedy:
+            next_ids = torch.argmax(logits, dim=-1)
+            return next_ids, _chosen_logprobs(logits, next_ids) if return_logprob else None
+
+        scaled = logits / info.temperatures
+        probs = torch.softmax(scaled, dim=-1)
+        kept = _truncate(probs, info)
+        next_ids = _sample_inverse_cdf(kept, _uniforms(info, probs.device))
+        if info.has_greedy:
+            next_ids = torch.where(info.top_ks == 1, torch.argmax(logits, dim=-1), next_ids)
+        return next_ids, _chosen_logprobs(scaled, next_ids) if return_logprob else None
+
+
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN becomes -inf; in a row with +inf, the +inf entries are the only (equal) candidates.
+    Raises ValueError when a row has nothing left to sample (all NaN or -inf)."""
+    row_max = logits.amax(dim=-1)  # NaN propagates
+    if bool(torch.isfinite(row_max).all()):
+        return logits
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    pos_inf = torch.isposinf(logits)
+    has_pos_inf = pos_inf.any(dim=-1, keepdim=True)
+    logits = torch.where(has_pos_inf, torch.where(pos_inf, 0.0, float("-inf")), logits)
+    empty = torch.isneginf(logits).all(dim=-1)
+    if bool(empty.any()):
+        rows = empty.nonzero().view(-1).tolist()
+        raise ValueError(f"logits of batch row(s) {rows} are all NaN or -inf; nothing to sample")
+    return logits
+
+
+def _chosen_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(scaled) at ids, without materializing it."""
+    chosen = scaled.gather(1, ids.view(-1, 1)).view(-1)
+    return chosen - torch.logsumexp(scaled, dim=-1)
+
+
+def _truncate(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """probs with the tokens below each row's threshold set to 0 (probs itself is not modified)."""
+    need_sorted = info.need_top_k_sampling or info.need_top_p_sampling
+    if not (need_sorted or info.need_min_p_sampling):
+        return probs
+    vocab = probs.shape[-1]
+    threshold = None
+    width = _sorted_width(probs, info) if need_sorted else 0
+    if width > 0:
+        if width < vocab // 4:
+            values = torch.topk(probs, width, dim=-1, sorted=True).values
+        else:
+            values = torch.sort(probs, dim=-1, descending=True).values[:, :width]
+        threshold = _top_k_top_p_threshold(values, info, vocab)
+        row_max = values[:, 0]
+    else:
+        row_max = probs.amax(dim=-1)
+    if info.need_min_p_sampling:
+        min_p_threshold = row_max * info.min_ps
+        threshold = min_p_threshold if threshold is None else torch.maximum(threshold, min_p_threshold)
+    if threshold is None:
+        return probs
+    return torch.where(probs >= threshold.view(-1, 1), probs, 0.0)
+
+
+def _sorted_width(probs: torch.Tensor, info: SamplingBatchInfo) -> int:
+    """How many of the largest probabilities of each row decide its top-k / top-p threshold."""
+    vocab = probs.shape[-1]
+    if not info.need_top_p_sampling:
+        return min(info.max_top_k or vocab, vocab)
+    # The nucleus lies within {p >= (1 - top_p) / (2 vocab)}: the tokens below that bound hold less
+    # than (1 - top_p) / 2 of the mass together, so top-p drops all of them.
+    bound = ((1.0 - info.top_ps) / (2 * vocab)).view(-1, 1)
+    counts = (probs >= bound).sum(dim=-1)
+    top_ks = _resolved_top_ks(info, vocab)
+    top_k_only = torch.where(top_ks < vocab, top_ks, 0)
+    needed = torch.where(info.top_ps < 1.0, torch.minimum(counts, top_ks), top_k_only)
+    return min(int(needed.max()), vocab)
+
+
+def _top_k_top_p_threshold(values: torch.Tensor, info: SamplingBatchInfo, vocab: int) -> torch.Tensor:
+    """values: [bs, width] each row's largest probabilities, descending. Returns the smallest kept
+    probability per row (0 for rows that neither top-k nor top-p truncates)."""
+    width = values.shape[-1]
+    top_ks = _resolved_top_ks(info, vocab)
+    n_kept = top_ks.clamp(max=width)
+    truncated = top_ks < vocab
+    if info.need_top_p_sampling:
+        mass_before = torch.cumsum(values, dim=-1) - values
+        n_top_p = (mass_before <= info.top_ps.view(-1, 1)).sum(dim=-1)
+        with_top_p = info.top_ps < 1.0
+        n_kept = torch.where(with_top_p, torch.minimum(n_kept, n_top_p), n_kept)
+        truncated = truncated | with_top_p
+    last_kept = values.gather(1, (n_kept.clamp(min=1) - 1).view(-1, 1)).view(-1)
+    return torch.where(truncated, last_kept, 0.0)
+
+
+def _resolved_top_ks(info: SamplingBatchInfo, vocab: int) -> torch.Tensor:
+    if info.vocab_size is not None:
+        return info.top_ks
+    return torch.where(info.top_ks < 0, vocab, info.top_ks.clamp(max=vocab))
+
+
+def _uniforms(info: SamplingBatchInfo, device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per row: from (seed, step) for seeded rows, else the torch RNG."""
+    if info.all_seeded:
+        return _seeded_uniforms(info.seeds, info.steps)
+    u = torch.rand(info.batch_size, device=device)
+    if info.has_seed:
+        rows = info.seeded_rows
+        seeded = _seeded_uniforms(info.seeds.index_select(0, rows), info.steps.index_select(0, rows))
+        u.index_copy_(0, rows, seeded)
+    return u
+
+
+def _sample_inverse_cdf(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = torch.cumsum(kept, dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the search lands on a token whose cdf step is > 0 (a kept one).
+    target = torch.minimum(u.view(-1, 1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    ids = torch.searchsorted(cdf, target, right=True).view(-1)
+    return ids.clamp_(max=kept.shape[-1] - 1)
+
+
+def _seeded_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A counter-based uniform in [0, 1): a pure function of (seed, step), 24 bits."""
+    key = _fmix32((seeds & _M32) ^ 0x3C6EF372)
+    key = _fmix32(key ^ ((seeds >> 32) & _M32))
+    key = _fmix32(key ^ (steps & _M32))
+    key = _fmix32(key ^ ((steps >> 32) & _M32) ^ 0x1B873593)
+    return (key >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche mix on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _M32
+    x ^= x >> 15
+    x = (x * _C2) & _M32
+    x ^= x >> 16
+    return x

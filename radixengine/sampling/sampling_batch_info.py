@@ -1,0 +1,91 @@
+"""SamplingBatchInfo: the sampling parameters of a batch as tensors, plus flags that let the
+sampler skip work no request needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixengine.sampling.sampling_params import SamplingParams
+
+_SEED_MOD = 1 << 63  # seeds are folded into int64
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # float32 [bs, 1]; 1.0 for greedy rows
+    top_ps: torch.Tensor  # float32 [bs]
+    top_ks: torch.Tensor  # int64 [bs]; -1 resolved to vocab_size (when known); 1 = greedy
+    min_ps: torch.Tensor  # float32 [bs]
+    seeds: torch.Tensor | None  # int64 [bs] (0 for unseeded rows), None when no row is seeded
+    steps: torch.Tensor  # int64 [bs]: tokens each request has sampled so far
+    is_all_greedy: bool
+    need_top_p_sampling: bool
+    need_top_k_sampling: bool
+    need_min_p_sampling: bool
+    has_seed: bool
+    vocab_size: int | None = None
+    # Derived, for the sampler (computed on the host, so reading them costs no device sync):
+    has_greedy: bool = False  # some (not all) rows are greedy
+    max_top_k: int | None = None  # largest k among sampled rows; None = whole vocabulary
+    seeded_rows: torch.Tensor | None = None  # int64 [n_seeded]: rows with a seed
+    all_seeded: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.top_ks.shape[0]
+
+    @classmethod
+    def from_sampling_params(
+        cls,
+        params: list[SamplingParams],
+        steps: list[int],
+        device: torch.device | str,
+        vocab_size: int | None = None,
+    ) -> SamplingBatchInfo:
+        if len(params) != len(steps):
+            raise ValueError(f"{len(params)} sampling params but {len(steps)} steps")
+        ks = [_resolve_top_k(p.top_k, vocab_size) for p in params]
+        greedy = [p.is_greedy for p in params]
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        full = vocab_size if vocab_size is not None else -1
+        need_top_k = any(ks[i] != full for i in sampled)
+        seeded = [i for i, p in enumerate(params) if p.sampling_seed is not None]
+        seeds = None
+        if seeded:
+            seeds = [0 if p.sampling_seed is None else p.sampling_seed % _SEED_MOD for p in params]
+            seeds = torch.tensor(seeds, dtype=torch.int64, device=device)
+        return cls(
+            temperatures=torch.tensor(
+                [[p.temperature] for p in params], dtype=torch.float32, device=device
+            ).view(-1, 1),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            seeds=seeds,
+            steps=torch.tensor(steps, dtype=torch.int64, device=device),
+            is_all_greedy=not sampled,
+            need_top_p_sampling=any(params[i].top_p < 1.0 for i in sampled),
+            need_top_k_sampling=need_top_k,
+            need_min_p_sampling=any(params[i].min_p > 0.0 for i in sampled),
+            has_seed=bool(seeded),
+            vocab_size=vocab_size,
+            has_greedy=bool(sampled) and len(sampled) < len(params),
+            max_top_k=_max_top_k([ks[i] for i in sampled], full) if need_top_k else None,
+            seeded_rows=torch.tensor(seeded, dtype=torch.int64, device=device) if seeded else None,
+            all_seeded=len(seeded) == len(params) > 0,
+        )
+
+
+def _resolve_top_k(top_k: int, vocab_size: int | None) -> int:
+    if vocab_size is None:
+        return top_k
+    return vocab_size if top_k == -1 else min(top_k, vocab_size)
+
+
+def _max_top_k(ks: list[int], full: int) -> int | None:
+    # None when some sampled row keeps the whole vocabulary (k == -1 or k == vocab_size).
+    if not ks or full in ks or -1 in ks:
+        return None
+    return max(ks)
