@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixengine.layers.attention.base_attn_backend import AttentionBackend
+    from radixengine.managers.schedule_batch import ModelWorkerBatch
+    from radixengine.model_executor.model_runner import ModelRunner
 
 
 class ForwardMode(IntEnum):
@@ -18,3 +27,83 @@ class ForwardMode(IntEnum):
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors (and a few CPU lists) of one forward; built by `init_new`."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    req_pool_indices: torch.Tensor  # int64 [bs]
+    seq_lens: torch.Tensor  # int64 [bs]: tokens with KV after this forward
+    seq_lens_cpu: list[int]
+    seq_lens_sum: int
+    out_cache_loc: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+
+    # EXTEND only: new tokens per request, cached prefix per request, offset of each request's
+    # first new token in input_ids, and the index of each request's last token.
+    extend_num_tokens: int | None = None
+    extend_seq_lens: torch.Tensor | None = None
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_start_loc: torch.Tensor | None = None
+    extend_last_loc: torch.Tensor | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+
+    req_to_token_pool: Any = None  # mem_cache.memory_pool.ReqToTokenPool
+    token_to_kv_pool: Any = None  # mem_cache.memory_pool.MHATokenToKVPool
+    attn_backend: AttentionBackend | None = None
+    sampling_info: Any = None  # sampling.sampling_batch_info.SamplingBatchInfo
+    return_logprob: bool = False
+
+    @classmethod
+    def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner) -> ForwardBatch:
+        device = model_runner.device
+        seq_lens = batch.seq_lens.to(device)
+        fb = cls(
+            forward_mode=batch.forward_mode,
+            batch_size=batch.batch_size,
+            input_ids=batch.input_ids.to(device),
+            req_pool_indices=batch.req_pool_indices.to(device),
+            seq_lens=seq_lens,
+            seq_lens_cpu=list(batch.seq_lens_cpu),
+            seq_lens_sum=sum(batch.seq_lens_cpu),
+            out_cache_loc=batch.out_cache_loc.to(device),
+            positions=_decode_positions(seq_lens),
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
+            attn_backend=model_runner.attn_backend,
+            sampling_info=batch.sampling_info,
+            return_logprob=batch.return_logprob,
+        )
+        if fb.forward_mode.is_extend():
+            fb._init_extend(batch.extend_prefix_lens, batch.extend_seq_lens, device)
+        return fb
+
+    def _init_extend(self, prefix_lens: list[int], extend_lens: list[int], device) -> None:
+        prefix = torch.tensor(prefix_lens, dtype=torch.int64)
+        extend = torch.tensor(extend_lens, dtype=torch.int64)
+        start_loc = torch.cumsum(extend, 0) - extend
+        num_tokens = int(extend.sum())
+        offsets = torch.repeat_interleave(start_loc - prefix, extend, output_size=num_tokens)
+        self.positions = (torch.arange(num_tokens) - offsets).to(device)
+        self.extend_num_tokens = num_tokens
+        self.extend_seq_lens = extend.to(device)
+        self.extend_prefix_lens = prefix.to(device)
+        self.extend_start_loc = start_loc.to(device)
+        self.extend_last_loc = (start_loc + extend - 1).to(device)
+        self.extend_seq_lens_cpu = list(extend_lens)
+        self.extend_prefix_lens_cpu = list(prefix_lens)
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Rows of the hidden states whose logits are wanted: each request's last token."""
+        if self.forward_mode.is_extend():
+            return self.extend_last_loc
+        return torch.arange(self.batch_size, device=self.input_ids.device)
+
+
+def _decode_positions(seq_lens: torch.Tensor) -> torch.Tensor:
+    return (seq_lens - 1).clamp_(min=0)

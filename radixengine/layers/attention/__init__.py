@@ -1,0 +1,60 @@
+"""Attention backends, chosen by name (`--attention-backend`)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from radixengine.layers.attention.base_attn_backend import AttentionBackend
+
+# name -> "module:Class"; imported on first use so optional dependencies stay optional.
+ATTENTION_BACKENDS: dict[str, str] = {
+    "torch_native": "radixengine.layers.attention.torch_native_backend:TorchNativeAttnBackend",
+    "native_cpu": "radixengine.layers.attention.native_cpu_backend:NativeCpuAttnBackend",
+    "flashinfer": "radixengine.layers.attention.flashinfer_backend:FlashInferAttnBackend",
+}
+
+
+def register_attention_backend(name: str, target: str) -> None:
+    ATTENTION_BACKENDS[name] = target
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """`auto`: flashinfer on CUDA when it is installed, else torch_native."""
+    if name != "auto":
+        return name
+    if device == "cuda" and _available("flashinfer") and _available(_module("flashinfer")):
+        return "flashinfer"
+    return "torch_native"
+
+
+def create_attention_backend(name: str, model_runner) -> AttentionBackend:
+    name = resolve_attention_backend(name, str(model_runner.device.type))
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}")
+    module_name, cls_name = ATTENTION_BACKENDS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RuntimeError(f"attention backend {name!r} is not available: {e}") from e
+    return getattr(module, cls_name)(model_runner)
+
+
+def _module(name: str) -> str:
+    return ATTENTION_BACKENDS[name].split(":")[0]
+
+
+def _available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "create_attention_backend",
+    "register_attention_backend",
+    "resolve_attention_backend",
+]

@@ -1,0 +1,71 @@
+"""The attention backend interface.
+
+A backend is made once per ModelRunner. Each forward calls `init_forward_metadata(forward_batch)`
+once, then `forward(q, k, v, layer, forward_batch)` once per layer. `forward` writes the new
+tokens' K/V into the KV pool at `forward_batch.out_cache_loc` (unless `save_kv_cache` is False)
+and returns the attention output `[num_tokens, num_heads * head_dim]`.
+
+EXTEND: the new tokens of each request attend, causally, to that request's cached prefix (read
+through `req_to_token`) and to themselves. DECODE: one token per request attends to the
+request's whole KV (`seq_lens` includes the new token).
+
+`layer` is a RadixAttention: `layer_id`, `tp_q_head_num`, `tp_k_head_num`, `tp_v_head_num`,
+`qk_head_dim`, `v_head_dim`, `scaling`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixengine.layers.radix_attention import RadixAttention
+    from radixengine.model_executor.forward_batch_info import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Compute what every layer of this forward shares (indices, masks, plans)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    @abstractmethod
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor: ...
+
+
+def save_kv(k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
+    """Write the new tokens' K/V `[num_tokens, kv_heads, head_dim]` at `out_cache_loc`."""
+    forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)

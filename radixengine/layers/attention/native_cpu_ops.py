@@ -1,0 +1,246 @@
+"""Native CPU ops over the paged KV pool, each with a pure-torch reference.
+
+The KV cache is a paged pool: per layer K and V buffers ``[num_slots, num_kv_heads, head_dim]``
+and ``req_to_token`` (int32 ``[max_reqs, max_context_len]``) mapping (request row, position) to a
+slot. The native kernels (``radixengine/csrc``, built into ``radixengine._native_cpu`` by the
+package's set-up) read K/V through ``req_to_token`` in place; the references gather and use
+``scaled_dot_product_attention`` in fp32.
+
+``decode_attention``, ``extend_attention`` and ``set_kv_buffer`` call the native op when the
+extension is built and fall back to the reference only when it is not: ``native_available()``
+says which, and ``native_unavailable_reason()`` says why. Callers that need the native code
+(an explicitly requested native backend) call ``require_native()``, which raises.
+
+Set ``RADIXENGINE_JIT_BUILD=1`` to compile the extension on import with
+``torch.utils.cpp_extension.load`` instead of importing the prebuilt module (for development).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "decode_attention",
+    "decode_attention_reference",
+    "extend_attention",
+    "extend_attention_reference",
+    "native_available",
+    "native_isa",
+    "native_supports",
+    "native_unavailable_reason",
+    "require_native",
+    "set_kv_buffer",
+    "set_kv_buffer_reference",
+]
+
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _jit_build() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    sources = sorted(str(p) for p in CSRC_DIR.glob("*.cpp"))
+    return load(
+        name="radixengine_native_cpu",
+        sources=sources,
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=os.environ.get("RADIXENGINE_JIT_VERBOSE") == "1",
+    )
+
+
+def _load_native() -> tuple[ModuleType | None, str | None]:
+    try:
+        if os.environ.get("RADIXENGINE_JIT_BUILD") == "1":
+            return _jit_build(), None
+        from radixengine import _native_cpu
+
+        return _native_cpu, None
+    except Exception as exc:  # ImportError, or a compiler error from the JIT build
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+_native, _native_error = _load_native()
+
+
+def native_available() -> bool:
+    """True when the native extension is loaded (built by set-up, or JIT-built)."""
+    return _native is not None
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the native extension could not be loaded; None when it is loaded."""
+    return _native_error
+
+
+def require_native() -> ModuleType:
+    """The native extension module; raises RuntimeError (with the reason) when it is missing."""
+    if _native is None:
+        raise RuntimeError(
+            "radixengine native CPU ops are not available "
+            f"({_native_error}); build them with `pip install --no-build-isolation -e .` "
+            "or set RADIXENGINE_JIT_BUILD=1"
+        )
+    return _native
+
+
+def native_isa() -> str | None:
+    """The instruction set the extension was compiled for ("avx512", "avx2", "scalar")."""
+    return _native.isa() if _native is not None else None
+
+
+def native_supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the native attention ops handle this KV dtype and head size."""
+    return _native is not None and dtype in NATIVE_DTYPES and head_dim % 16 == 0 and head_dim <= 512
+
+
+# ----------------------------------------------------------------------------------------------
+# References (pure torch; fp32 math, output in q's dtype)
+
+
+def _gather(buffer: torch.Tensor, req_to_token: torch.Tensor, row: int, length: int) -> torch.Tensor:
+    slots = req_to_token[row, :length].to(torch.long)
+    return buffer.index_select(0, slots).float()
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """q [Tq, H, D], k/v [Tk, Hkv, D] (fp32) -> [Tq, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.zeros_like(q)
+    for i, (row, length) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        if length == 0:
+            continue
+        k = _gather(k_buffer, req_to_token, row, length)
+        v = _gather(v_buffer, req_to_token, row, length)
+        out[i] = _sdpa(q[i : i + 1].float(), k, v, scale, None)[0].to(q.dtype)
+    return out
+
+
+def extend_attention_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.zeros_like(q)
+    for row, length, ext, start in zip(
+        req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(), extend_start_loc.tolist()
+    ):
+        if ext == 0:
+            continue
+        prefix = length - ext
+        k = _gather(k_buffer, req_to_token, row, length)
+        v = _gather(v_buffer, req_to_token, row, length)
+        query_pos = torch.arange(prefix, length).unsqueeze(1)
+        mask = torch.arange(length).unsqueeze(0) <= query_pos  # [ext, length], True = visible
+        out[start : start + ext] = _sdpa(q[start : start + ext].float(), k, v, scale, mask).to(q.dtype)
+    return out
+
+
+def set_kv_buffer_reference(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# Ops: native when built, else the reference
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_kv_splits: int = 0,
+) -> torch.Tensor:
+    """Attention of one new token per request over positions 0..seq_lens[i]-1 of its row.
+
+    q [bs, H, D]; k_buffer / v_buffer [num_slots, Hkv, D] (H % Hkv == 0); req_to_token int32
+    [max_reqs, max_context_len]; req_pool_indices, seq_lens int64 [bs]. Returns [bs, H, D] in
+    q's dtype. ``num_kv_splits`` > 0 forces that many KV splits (native only; 0 = automatic).
+    """
+    if _native is None:
+        return decode_attention_reference(
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale
+        )
+    return _native.decode_attention(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, num_kv_splits
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the new tokens of each request over its cached prefix and themselves.
+
+    q [T, H, D] holds request i's new tokens at rows extend_start_loc[i] ..
+    + extend_seq_lens[i]; its token j (absolute position seq_lens[i] - extend_seq_lens[i] + j)
+    attends over positions 0..that position, all read through the pool (the new tokens' K/V
+    already written). Returns [T, H, D] in q's dtype.
+    """
+    fn = _native.extend_attention if _native is not None else extend_attention_reference
+    return fn(
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_seq_lens,
+        extend_start_loc,
+        scale,
+    )
+
+
+def set_kv_buffer(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """k_buffer[loc] = k and v_buffer[loc] = v, in place (loc int64 [T], k/v [T, Hkv, D])."""
+    if _native is None:
+        set_kv_buffer_reference(k_buffer, v_buffer, loc, k, v)
+    else:
+        _native.set_kv_buffer(k_buffer, v_buffer, loc, k, v)

@@ -1,0 +1,132 @@
+"""Attention in plain torch ops (SDPA): works on every device; the reference backend.
+
+EXTEND runs one SDPA per request (prefix K/V gathered through `req_to_token`). DECODE gathers
+every request's K/V into one padded batch and runs a single masked SDPA per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from radixengine.layers.attention.base_attn_backend import AttentionBackend, save_kv
+
+if TYPE_CHECKING:
+    from radixengine.layers.radix_attention import RadixAttention
+    from radixengine.model_executor.forward_batch_info import ForwardBatch
+
+
+@dataclass
+class _ExtendRequest:
+    start: int  # first new token in the batch
+    num_new: int
+    slots: torch.Tensor | None  # int64 [seq_len]: KV slots of the whole sequence; None: no prefix
+    mask: torch.Tensor | None  # bool [num_new, seq_len] (causal, offset by the prefix)
+
+
+@dataclass
+class _DecodeMetadata:
+    slots: torch.Tensor  # int64 [bs * max_len]: padded KV slots (padding points at slot 0)
+    mask: torch.Tensor | None  # bool [bs, 1, 1, max_len]; None when no request is padded
+    max_len: int
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, model_runner=None) -> None:
+        self.extend_requests: list[_ExtendRequest] = []
+        self.decode_metadata: _DecodeMetadata | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if forward_batch.forward_mode.is_decode():
+            self.decode_metadata = _decode_metadata(forward_batch)
+        elif forward_batch.forward_mode.is_extend():
+            self.extend_requests = _extend_requests(forward_batch)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
+        q, k, v = _heads(q, k, v, layer)
+        if save_kv_cache:
+            save_kv(k, v, layer, forward_batch)
+        out = torch.empty_like(q)
+        pool = forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        for req in self.extend_requests:
+            rows = slice(req.start, req.start + req.num_new)
+            if req.slots is None:
+                ks, vs = k[rows], v[rows]
+            else:
+                ks, vs = k_buf.index_select(0, req.slots), v_buf.index_select(0, req.slots)
+            out[rows] = _sdpa(q[rows], ks, vs, req.mask, layer.scaling)
+        return out.view(q.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
+        q, k, v = _heads(q, k, v, layer)
+        if save_kv_cache:
+            save_kv(k, v, layer, forward_batch)
+        meta = self.decode_metadata
+        bs, num_kv, dim = q.shape[0], layer.tp_k_head_num, layer.qk_head_dim
+        pool = forward_batch.token_to_kv_pool
+        shape = (bs, meta.max_len, num_kv, dim)
+        ks = pool.get_key_buffer(layer.layer_id).index_select(0, meta.slots).view(shape)
+        vs = pool.get_value_buffer(layer.layer_id).index_select(0, meta.slots).view(shape)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            ks.transpose(1, 2),
+            vs.transpose(1, 2),
+            attn_mask=meta.mask,
+            scale=layer.scaling,
+            enable_gqa=q.shape[1] != num_kv,
+        )
+        return out.reshape(bs, -1)
+
+
+def _heads(q, k, v, layer: RadixAttention):
+    return (
+        q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+        k.view(-1, layer.tp_k_head_num, layer.qk_head_dim),
+        v.view(-1, layer.tp_v_head_num, layer.v_head_dim),
+    )
+
+
+def _sdpa(q, k, v, mask, scale) -> torch.Tensor:
+    """q `[n, H, D]`, k/v `[s, Hkv, D]` -> `[n, H, D]`; causal when `mask` is None (n == s)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
+def _extend_requests(fb: ForwardBatch) -> list[_ExtendRequest]:
+    device = fb.input_ids.device
+    max_len = max(fb.seq_lens_cpu, default=0)
+    table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].to(torch.int64)
+    reqs, start = [], 0
+    for i, (prefix, num_new) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+        slots = mask = None
+        if prefix > 0:
+            seq_len = prefix + num_new
+            slots = table[i, :seq_len]
+            cols = torch.arange(seq_len, device=device)
+            mask = cols[None, :] <= (prefix + torch.arange(num_new, device=device))[:, None]
+        reqs.append(_ExtendRequest(start, num_new, slots, mask))
+        start += num_new
+    return reqs
+
+
+def _decode_metadata(fb: ForwardBatch) -> _DecodeMetadata:
+    max_len = max(fb.seq_lens_cpu)
+    table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].to(torch.int64)
+    cols = torch.arange(max_len, device=table.device)
+    valid = cols[None, :] < fb.seq_lens[:, None]
+    slots = torch.where(valid, table, 0).reshape(-1)
+    # Equal lengths need no mask (SDPA then takes its faster unmasked path).
+    mask = None if min(fb.seq_lens_cpu) == max_len else valid[:, None, None, :]
+    return _DecodeMetadata(slots=slots, mask=mask, max_len=max_len)

@@ -1,0 +1,97 @@
+"""Rotary position embedding (neox style, as HF Llama/Qwen), with linear and Llama-3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE from a `[max_position, rotary_dim]` cache (cos half | sin half)."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        dtype: torch.dtype,
+        scaling: dict | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position_embeddings = max_position_embeddings
+        inv_freq = _scaled_inv_freq(_base_inv_freq(base, rotary_dim), scaling)
+        t = torch.arange(max_position_embeddings, dtype=torch.float)
+        freqs = t[:, None] * inv_freq[None, :]
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` `[num_tokens, num_heads, head_size]` at `positions` `[num_tokens]`.
+
+        The model passes q and k heads together (adjacent in the fused qkv output), so one call
+        rotates both."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        rot = x[..., : self.rotary_dim]
+        half = self.rotary_dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.rotary_dim < self.head_size:
+            out = torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
+        return out
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_config(config) -> tuple[float, dict | None]:
+    """`(rope_theta, scaling dict or None)` from an HF config, old or new style."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return float(theta), (None if rope_type == "default" else params)
+
+
+def get_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None = None,
+    dtype: torch.dtype | None = None,
+) -> RotaryEmbedding:
+    return RotaryEmbedding(
+        head_size, rotary_dim, max_position, base, dtype or torch.get_default_dtype(), rope_scaling
+    )

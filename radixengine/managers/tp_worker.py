@@ -1,0 +1,67 @@
+"""TpModelWorker: ModelWorkerBatch -> ForwardBatch -> forward -> sample (one device, no TP)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixengine.managers.schedule_batch import ModelWorkerBatch
+from radixengine.model_executor.forward_batch_info import ForwardBatch
+from radixengine.model_executor.model_runner import ModelRunner
+from radixengine.server_args import ServerArgs
+
+
+@dataclass
+class GenerationBatchResult:
+    next_token_ids: torch.Tensor  # int64 [bs], on the model's device
+    next_token_logprobs: torch.Tensor | None = None  # float32 [bs] when the batch asked for them
+
+
+@dataclass
+class WorkerInfo:
+    max_total_num_tokens: int
+    max_running_requests: int
+    max_req_len: int  # prompt + output tokens of one request
+    max_req_input_len: int
+    context_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    page_size: int
+    device: str
+
+
+class TpModelWorker:
+    def __init__(self, server_args: ServerArgs, model_runner: ModelRunner | None = None) -> None:
+        self.server_args = server_args
+        self.model_runner = model_runner or ModelRunner(server_args)
+        runner = self.model_runner
+        self.max_total_num_tokens = runner.max_total_num_tokens
+        self.max_running_requests = runner.max_running_requests
+        self.max_req_len = min(runner.context_len - 1, self.max_total_num_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        self.device = runner.device
+
+    def get_worker_info(self) -> WorkerInfo:
+        runner = self.model_runner
+        return WorkerInfo(
+            max_total_num_tokens=self.max_total_num_tokens,
+            max_running_requests=self.max_running_requests,
+            max_req_len=self.max_req_len,
+            max_req_input_len=self.max_req_input_len,
+            context_len=runner.context_len,
+            vocab_size=runner.model_config.vocab_size,
+            eos_token_ids=list(runner.model_config.eos_token_ids),
+            page_size=runner.page_size,
+            device=str(runner.device),
+        )
+
+    def get_memory_pool(self):
+        """`(req_to_token_pool, token_to_kv_pool_allocator)`."""
+        return self.model_runner.req_to_token_pool, self.model_runner.token_to_kv_pool_allocator
+
+    def forward_batch_generation(self, model_worker_batch: ModelWorkerBatch) -> GenerationBatchResult:
+        forward_batch = ForwardBatch.init_new(model_worker_batch, self.model_runner)
+        logits_output = self.model_runner.forward(forward_batch)
+        next_token_ids = self.model_runner.sample(logits_output, forward_batch)
+        return GenerationBatchResult(next_token_ids, logits_output.next_token_logprobs)

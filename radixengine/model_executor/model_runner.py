@@ -1,0 +1,152 @@
+"""ModelRunner: loads the model, sizes and owns the KV pools, runs forward passes and sampling."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from radixengine.layers.attention import create_attention_backend
+from radixengine.layers.logits_processor import LogitsProcessorOutput
+from radixengine.layers.sampler import Sampler
+from radixengine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixengine.model_executor.forward_batch_info import ForwardBatch
+from radixengine.model_loader import ModelConfig, get_model
+from radixengine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# CPU KV pool default: at most this many tokens and this share of the available RAM
+# (raise it with --max-total-tokens).
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+CPU_DEFAULT_RAM_FRACTION = 0.2
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.server_args = server_args
+        self.device = torch.device(server_args.device)
+        self.page_size = server_args.page_size
+        if server_args.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(server_args.num_threads)
+        torch.manual_seed(server_args.random_seed)
+        self.model_config = ModelConfig(
+            server_args.model_path, server_args.context_length, server_args.dtype, server_args.device
+        )
+        self.dtype = self.model_config.dtype
+        self.context_len = self.model_config.context_len
+        self.model = get_model(self.model_config, self.device, server_args.load_format)
+        self.init_memory_pool()
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        self.sampler = Sampler()
+
+    # Memory ------------------------------------------------------------------------------------
+
+    def cell_size(self) -> int:
+        """Bytes of K and V per token, all layers."""
+        c = self.model_config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return c.num_key_value_heads * c.head_dim * c.num_hidden_layers * 2 * itemsize
+
+    def profile_max_num_token(self) -> int:
+        if self.server_args.max_total_tokens is not None:
+            tokens = self.server_args.max_total_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            usable = free - total * (1.0 - self.server_args.mem_fraction_static)
+            tokens = int(usable // self.cell_size())
+        else:
+            ram = psutil.virtual_memory().available * CPU_DEFAULT_RAM_FRACTION
+            tokens = min(CPU_DEFAULT_MAX_TOTAL_TOKENS, int(ram // self.cell_size()))
+        tokens = tokens // self.page_size * self.page_size
+        if tokens <= 0:
+            raise RuntimeError(
+                "not enough memory for the KV cache; lower --mem-fraction-static's share "
+                "taken by others or set --max-total-tokens"
+            )
+        return tokens
+
+    def init_memory_pool(self) -> None:
+        c, args = self.model_config, self.server_args
+        self.max_total_num_tokens = self.profile_max_num_token()
+        pool_size = args.max_running_requests or min(
+            max(int(self.max_total_num_tokens / self.context_len * 512), 2048), 4096
+        )
+        self.max_running_requests = min(
+            args.max_running_requests or self.max_total_num_tokens // 2, pool_size
+        )
+        self.req_to_token_pool = ReqToTokenPool(pool_size, self.context_len + 4, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens,
+            self.page_size,
+            self.dtype,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.num_hidden_layers,
+            self.device,
+        )
+        self.token_to_kv_pool_allocator = self._make_allocator()
+        logger.info(
+            "KV cache: %d tokens (%.2f GB), %d request rows",
+            self.max_total_num_tokens,
+            self.max_total_num_tokens * self.cell_size() / 1e9,
+            pool_size,
+        )
+
+    def _make_allocator(self):
+        # The allocator's free checks sync with the device; keep them on the CPU only.
+        checks = self.device.type == "cpu"
+        if self.page_size == 1:
+            return TokenToKVPoolAllocator(
+                self.max_total_num_tokens, self.dtype, self.device, self.token_to_kv_pool, check_frees=checks
+            )
+        return PagedTokenToKVPoolAllocator(
+            self.max_total_num_tokens,
+            self.page_size,
+            self.dtype,
+            self.device,
+            self.token_to_kv_pool,
+            check_frees=checks,
+        )
+
+    # Forward -----------------------------------------------------------------------------------
+
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(forward_batch)
+        if forward_batch.forward_mode.is_extend():
+            return self.forward_extend(forward_batch)
+        return self.forward_idle(forward_batch)
+
+    @torch.no_grad()
+    def forward_extend(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.no_grad()
+    def forward_decode(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def forward_idle(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        logits = torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=self.device)
+        return LogitsProcessorOutput(next_token_logits=logits)
+
+    @torch.no_grad()
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Next token ids (int64 `[bs]`); sets `logits_output.next_token_logprobs` on request."""
+        logits = logits_output.next_token_logits
+        if forward_batch.sampling_info is None:  # no sampling parameters: greedy
+            next_ids = torch.argmax(logits, dim=-1)
+            if forward_batch.return_logprob:
+                logits_output.next_token_logprobs = _chosen_logprobs(logits, next_ids)
+            return next_ids
+        next_ids, logprobs = self.sampler(logits, forward_batch.sampling_info, forward_batch.return_logprob)
+        logits_output.next_token_logprobs = logprobs
+        return next_ids
+
+
+def _chosen_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return logits.gather(1, ids.view(-1, 1)).view(-1) - torch.logsumexp(logits, dim=-1)

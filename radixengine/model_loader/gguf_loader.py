@@ -1,0 +1,154 @@
+"""GGUF → HF folder (config.json, model.safetensors, tokenizer files), cached per GGUF file.
+
+Dequantizing a GGUF and converting its tokenizer takes many seconds; the result is stored in
+`$RADIXENGINE_CACHE_DIR` (default `~/.cache/radixengine`) under a key made from the file's
+first bytes and size, so later starts load a plain safetensors folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+CONVERSION_VERSION = "1"
+_HASH_PREFIX_BYTES = 16 << 20
+_DONE = "conversion.done"
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_SKIPPED = ("rope_freqs",)  # Llama-3 rope factors: recomputed from the config
+
+
+def is_gguf(path: str | os.PathLike | None) -> bool:
+    return path is not None and str(path).endswith(".gguf") and Path(path).is_file()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RADIXENGINE_CACHE_DIR") or Path.home() / ".cache" / "radixengine")
+
+
+def gguf_cache_key(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(_HASH_PREFIX_BYTES))
+    h.update(f"|{os.path.getsize(path)}|v{CONVERSION_VERSION}".encode())
+    return h.hexdigest()[:32]
+
+
+def convert_gguf(path: str | os.PathLike) -> Path:
+    """The HF folder for this GGUF, converting it on first use (one process at a time)."""
+    target = cache_root() / gguf_cache_key(path)
+    if (target / _DONE).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(target) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / _DONE).exists():
+            logger.info("converting %s to %s (once)", path, target)
+            _convert_into(Path(path), target)
+    return target
+
+
+def _convert_into(path: Path, target: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        config = _save_config_and_tokenizer(path, tmp)
+        from safetensors.torch import save_file
+
+        save_file(dict(gguf_weights_iterator(path, config)), str(tmp / "model.safetensors"))
+        (tmp / _DONE).write_text(str(path))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_config_and_tokenizer(path: Path, out: Path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    arch = _ARCHITECTURES.get(config.model_type)
+    if arch is None:
+        raise ValueError(f"GGUF model type {config.model_type!r} is not supported")
+    config.architectures = [arch]
+    config.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    return config
+
+
+def gguf_weights_iterator(path: str | os.PathLike, config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 tensors with HF names; llama q/k rows un-permuted."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field_str(reader, "general.architecture")
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads
+            if name.endswith("k_proj.weight"):
+                heads = config.num_key_value_heads
+            w = unpermute_qk(w, heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _SKIPPED:
+        return None
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{suffix}"
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> HF half-split)."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field_str(reader, key: str) -> str:
+    field = reader.fields[key]
+    return bytes(field.parts[field.data[0]]).decode()

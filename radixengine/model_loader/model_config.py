@@ -1,0 +1,74 @@
+"""ModelConfig: where the model lives, its HF config, dtype and the numbers the engine sizes by."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from radixengine.model_loader.default_model import default_model_path
+from radixengine.model_loader.gguf_loader import convert_gguf, is_gguf
+from radixengine.model_loader.weight_utils import resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """The HF folder to load from: the path itself, or the converted cache of a GGUF file."""
+    model_path = model_path or default_model_path()
+    if is_gguf(model_path):
+        return str(convert_gguf(model_path))
+    if not Path(model_path, "config.json").exists():
+        raise FileNotFoundError(f"{model_path} is neither a GGUF file nor a folder with config.json")
+    return str(model_path)
+
+
+class ModelConfig:
+    def __init__(
+        self,
+        model_path: str | None = None,
+        context_length: int | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+    ) -> None:
+        from transformers import AutoConfig
+
+        self.model_path = model_path or default_model_path()
+        self.hf_path = resolve_model_path(self.model_path)
+        self.hf_config = AutoConfig.from_pretrained(self.hf_path)
+        self.dtype: torch.dtype = resolve_dtype(dtype, device)
+        c = self.hf_config
+        self.architectures: list[str] = list(getattr(c, "architectures", None) or [])
+        self.hidden_size: int = c.hidden_size
+        self.num_hidden_layers: int = c.num_hidden_layers
+        self.num_attention_heads: int = c.num_attention_heads
+        self.num_key_value_heads: int = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        self.head_dim: int = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.vocab_size: int = c.vocab_size
+        self.context_len: int = self._context_len(context_length)
+        self.eos_token_ids: list[int] = self._eos_token_ids()
+
+    def _context_len(self, requested: int | None) -> int:
+        limit = int(self.hf_config.max_position_embeddings)
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and getattr(self.hf_config, "use_sliding_window", True) and window < limit:
+            logger.warning("sliding-window attention is not implemented; context capped at %d", window)
+            limit = int(window)
+        if requested is not None and requested > limit:
+            raise ValueError(f"--context-length {requested} exceeds the model's limit {limit}")
+        return requested or limit
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = _as_list(getattr(self.hf_config, "eos_token_id", None))
+        gen = Path(self.hf_path, "generation_config.json")
+        if gen.exists():
+            ids += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
+        return sorted(set(ids))
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

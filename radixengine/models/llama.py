@@ -1,0 +1,187 @@
+"""LlamaForCausalLM: Llama 2/3, SmolLM/SmolLM2, Mistral (without sliding window)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from radixengine.layers.activation import SiluAndMul
+from radixengine.layers.layernorm import RMSNorm
+from radixengine.layers.linear import Linear, MergedLinear, QKVLinear
+from radixengine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from radixengine.layers.radix_attention import RadixAttention
+from radixengine.layers.rotary_embedding import get_rope, rope_config
+from radixengine.layers.vocab_embedding import LMHead, VocabEmbedding
+
+if TYPE_CHECKING:
+    from radixengine.model_executor.forward_batch_info import ForwardBatch
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.qkv_bias(config)
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=self.o_bias(config))
+        theta, scaling = rope_config(config)
+        self.rotary_emb = get_rope(
+            self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling
+        )
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def qkv_bias(self, config) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def o_bias(self, config) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = self.split_qk_v(qkv)
+        qk = self.rotary_emb(positions, self.norm_qk(qk))
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = self.attn(q, k, v, forward_batch)
+        return self.o_proj(out)
+
+    def split_qk_v(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.num_heads + self.num_kv_heads
+        return qkv[:, :n], qkv[:, n:]
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        return qk
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_id)
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
+
+    # (fused parameter, checkpoint name, shard id)
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head.weight, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if _skip(name) or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            param_name, shard_id = self._param_for(name)
+            if param_name not in params:
+                raise KeyError(f"checkpoint tensor {name} has no parameter in {type(self).__name__}")
+            param = params[param_name]
+            owner = self.get_submodule(param_name.rsplit(".", 1)[0])
+            weight_loader = getattr(owner, "weight_loader", default_weight_loader)
+            weight_loader(param, tensor.to(param.dtype), shard_id)
+            loaded.add(param_name)
+        return loaded
+
+    def _param_for(self, name: str) -> tuple[str, object]:
+        for fused, part, shard_id in self.stacked_params_mapping:
+            if part + "." in name:
+                return name.replace(part + ".", fused + "."), shard_id
+        return name, None
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _skip(name: str) -> bool:
+    return "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name
+
+
+EntryClass = [LlamaForCausalLM]
