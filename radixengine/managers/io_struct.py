@@ -7,6 +7,25 @@ from typing import Any
 
 from radixengine.sampling.sampling_params import SamplingParams
 
+# Front end (Engine, HTTP) -> tokenizer manager ------------------------------------------------
+
+
+@dataclass
+class GenerateReqInput:
+    """One request as the front end hands it to the tokenizer manager: exactly one of `text`,
+    `input_ids` or `messages` (chat, rendered with the tokenizer's chat template)."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    sampling_params: dict | None = None
+    rid: str | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    priority: int | None = None
+
+
 # Tokenizer manager -> scheduler ---------------------------------------------------------------
 
 

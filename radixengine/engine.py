@@ -1,0 +1,371 @@
+"""Engine: the offline / in-process API over the same processes the HTTP server uses.
+
+    engine = Engine()                       # the bundled SmolLM2 model
+    engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+    engine.shutdown()
+
+The main process runs the TokenizerManager in an asyncio loop on a background thread; the
+scheduler and the detokenizer run in child processes (spawned, talking over ZMQ ipc:// sockets in
+a private temporary directory). Errors: a single-prompt call raises `RequestError` for a request
+the engine refuses or aborts; in a batch call every result carries its own outcome, and a failed
+one has `"error"` (the message) and `meta_info.finish_reason == {"type": "abort", ...}` while the
+others finish normally. If a child process dies, every call raises `EngineDeadError`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from radixengine.managers.io_struct import GenerateReqInput
+from radixengine.managers.tokenizer_manager import (
+    EngineDeadError,
+    RequestError,
+    TokenizerManager,
+    abort_to_error,
+    is_abort,
+    load_tokenizer,
+)
+from radixengine.server_args import ServerArgs
+from radixengine.utils.network import PortArgs
+from radixengine.utils.process import make_ipc_dir, remove_ipc_dir, terminate_processes
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT = 900.0
+
+__all__ = ["Engine", "EngineDeadError", "RequestError", "launch_subprocesses"]
+
+
+def launch_subprocesses(server_args: ServerArgs, tokenizer=None) -> TokenizerManager:
+    """Start the scheduler and detokenizer processes, wait until both are ready, and return the
+    TokenizerManager wired to them (its `processes` are watched; `shutdown_subprocesses` ends them)."""
+    from radixengine.managers.detokenizer_manager import run_detokenizer_process
+    from radixengine.managers.scheduler_process import run_scheduler_process
+    from radixengine.model_loader import resolve_model_path
+
+    for path in {server_args.model_path, server_args.tokenizer_path or server_args.model_path}:
+        resolve_model_path(path)  # a GGUF is converted once, here, not by three processes at once
+    ctx = mp.get_context("spawn")
+    ipc_dir = make_ipc_dir()
+    port_args = PortArgs.init_new(ipc_dir)
+    procs: list[tuple[str, Any, Any]] = []
+    try:
+        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=target, args=(server_args, port_args, writer), name=f"radixengine-{name}", daemon=True
+            )
+            proc.start()
+            writer.close()
+            procs.append((name, proc, reader))
+        if tokenizer is None:
+            tokenizer = load_tokenizer(server_args)
+        infos = {name: _wait_ready(name, proc, reader) for name, proc, reader in procs}
+    except BaseException:
+        terminate_processes([p for _, p, _ in procs])
+        remove_ipc_dir(ipc_dir)
+        raise
+    manager = TokenizerManager(server_args, port_args, infos["scheduler"], tokenizer)
+    manager.processes = [(name, proc) for name, proc, _ in procs]
+    manager.ipc_dir = ipc_dir
+    return manager
+
+
+def _wait_ready(name: str, proc, reader) -> dict:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if reader.poll(0.2):
+            try:
+                info = reader.recv()
+            except EOFError:
+                info = None
+            if info and info.get("status") == "ready":
+                return info
+            error = (info or {}).get("error", "it exited before it was ready")
+            proc.join(5.0)
+            raise RuntimeError(f"the {name} process failed to start: {error}")
+        if not proc.is_alive():
+            raise RuntimeError(f"the {name} process died during start-up (exit code {proc.exitcode})")
+    raise RuntimeError(f"the {name} process was not ready after {STARTUP_TIMEOUT:.0f} s")
+
+
+def shutdown_subprocesses(manager: TokenizerManager) -> None:
+    manager.stopping = True
+    terminate_processes([proc for _, proc in manager.processes])
+    remove_ipc_dir(getattr(manager, "ipc_dir", None))
+
+
+class _Runtime:
+    """What shutdown needs, kept apart from the Engine so that a finalizer can hold it."""
+
+    def __init__(self, manager: TokenizerManager, loop: asyncio.AbstractEventLoop, thread: threading.Thread):
+        self.manager, self.loop, self.thread = manager, loop, thread
+
+    def shutdown(self) -> None:
+        self.manager.stopping = True
+        if self.loop.is_running() and threading.current_thread() is not self.thread:
+            try:
+                asyncio.run_coroutine_threadsafe(self.manager.aclose(), self.loop).result(5.0)
+            except Exception as e:  # best effort: the processes are ended below anyway
+                logger.warning("closing the tokenizer manager: %r", e)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5.0)
+        shutdown_subprocesses(self.manager)
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **kwargs) -> None:
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        logging.basicConfig(level=self.server_args.log_level.upper())
+        self.tokenizer_manager = launch_subprocesses(self.server_args)
+        self.tokenizer = self.tokenizer_manager.tokenizer
+        self.loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=self.loop.run_forever, name="radixengine-tokenizer", daemon=True)
+        thread.start()
+        self._runtime = _Runtime(self.tokenizer_manager, self.loop, thread)
+        # Shut down on shutdown(), on garbage collection and at interpreter exit.
+        self._finalizer = weakref.finalize(self, self._runtime.shutdown)
+        self._run(_start(self.tokenizer_manager))
+
+    # Generation --------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        priority: int | list[int] | None = None,
+        return_logprob: bool = False,
+        rid: str | list[str] | None = None,
+        messages: list[dict] | list[list[dict]] | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        """Generate for one prompt (a dict back; raises `RequestError` if refused) or a batch (a list
+        of dicts in input order, one per prompt and per choice when n > 1; a refused one carries
+        `"error"`). `stream=True` (one prompt) yields chunks with the new text and ids."""
+        objs, single = self._make_requests(prompt, sampling_params, input_ids, priority, return_logprob, rid, messages)
+        if stream:
+            if not single or len(objs) != 1:
+                raise ValueError("stream=True takes a single prompt with n == 1")
+            objs[0].stream = True
+            return self._stream_sync(objs[0])
+        return self._run(self._generate_all(objs, single))
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        priority: int | list[int] | None = None,
+        return_logprob: bool = False,
+        rid: str | list[str] | None = None,
+        messages: list[dict] | list[list[dict]] | None = None,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """`generate` for asyncio callers (any event loop); with stream=True, an async iterator."""
+        objs, single = self._make_requests(prompt, sampling_params, input_ids, priority, return_logprob, rid, messages)
+        if stream:
+            if not single or len(objs) != 1:
+                raise ValueError("stream=True takes a single prompt with n == 1")
+            objs[0].stream = True
+            return self._stream_async(objs[0])
+        future = asyncio.run_coroutine_threadsafe(self._generate_all(objs, single), self.loop)
+        return await asyncio.wrap_future(future)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: dict | list[dict] | None = None, **kwargs):
+        """`generate` on chat messages (one conversation, or a list of them), rendered with the
+        tokenizer's chat template."""
+        return self.generate(sampling_params=sampling_params, messages=messages, **kwargs)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.tokenizer_manager.apply_chat_template(messages)
+
+    # Control -----------------------------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        return self._run(self.tokenizer_manager.flush_cache()).success
+
+    def get_server_info(self) -> dict:
+        state = self._run(self.tokenizer_manager.get_internal_state())
+        info = dataclasses.asdict(self.server_args)
+        info.update({k: v for k, v in self.tokenizer_manager.scheduler_info.items() if k != "status"})
+        info.update(state)
+        return info
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # Internals ---------------------------------------------------------------------------------
+
+    def _run(self, coro):
+        if not self._finalizer.alive:
+            coro.close()
+            raise RuntimeError("the engine has been shut down")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+
+    def _make_requests(self, prompt, sampling_params, input_ids, priority, return_logprob, rid, messages):
+        prompts, single = _as_batch(prompt, input_ids, messages)
+        n_items = len(prompts)
+        params = _per_item(sampling_params, n_items, "sampling_params")
+        priorities = _per_item(priority, n_items, "priority")
+        rids = _per_item(rid, n_items, "rid")
+        objs = []
+        for i, (kind, value) in enumerate(prompts):
+            choices = _expand_n(params[i])
+            for j, choice_params in enumerate(choices):
+                obj = GenerateReqInput(sampling_params=choice_params, priority=priorities[i], return_logprob=return_logprob)
+                setattr(obj, kind, value)
+                if rids[i] is not None:
+                    obj.rid = rids[i] if len(choices) == 1 else f"{rids[i]}-{j}"
+                objs.append(obj)
+        return objs, single and len(objs) == 1
+
+    async def _generate_all(self, objs: list[GenerateReqInput], single: bool):
+        if single:
+            return await _collect(self.tokenizer_manager, objs[0])
+        results = await asyncio.gather(*(_collect_or_error(self.tokenizer_manager, o) for o in objs))
+        return list(results)
+
+    def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict]:
+        items: queue.Queue = queue.Queue()
+        future = asyncio.run_coroutine_threadsafe(_pump(self.tokenizer_manager, obj, items.put), self.loop)
+        delta = _StreamDelta()
+        try:
+            while True:
+                kind, value = items.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise value
+                yield delta(value)
+        finally:
+            future.cancel()
+
+    async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        caller = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            caller.call_soon_threadsafe(items.put_nowait, item)
+
+        future = asyncio.run_coroutine_threadsafe(_pump(self.tokenizer_manager, obj, put), self.loop)
+        delta = _StreamDelta()
+        try:
+            while True:
+                kind, value = await items.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise value
+                yield delta(value)
+        finally:
+            future.cancel()
+
+
+async def _start(manager: TokenizerManager) -> None:
+    manager.ensure_started()
+
+
+async def _collect(manager: TokenizerManager, obj: GenerateReqInput) -> dict:
+    out = None
+    async for chunk in manager.generate_request(obj):
+        out = chunk
+    if out is None or is_abort(out):
+        raise abort_to_error(out) if out is not None else RequestError("no output")
+    return out
+
+
+async def _collect_or_error(manager: TokenizerManager, obj: GenerateReqInput) -> dict:
+    try:
+        return await _collect(manager, obj)
+    except RequestError as e:
+        reason = {"type": "abort", "message": e.message, "status_code": e.status_code, "err_type": e.err_type}
+        meta = {"id": obj.rid, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                "finish_reason": reason, "e2e_latency": 0.0}  # fmt: skip
+        return {"text": "", "output_ids": [], "meta_info": meta, "error": e.message}
+
+
+async def _pump(manager: TokenizerManager, obj: GenerateReqInput, put) -> None:
+    try:
+        async for out in manager.generate_request(obj):
+            if is_abort(out):
+                put(("error", abort_to_error(out)))
+                return
+            put(("out", out))
+        put(("end", None))
+    except Exception as e:
+        put(("error", e))
+
+
+class _StreamDelta:
+    """Turns cumulative outputs into chunks: the new text and ids since the last chunk."""
+
+    def __init__(self) -> None:
+        self.text_len = 0
+        self.ids_len = 0
+
+    def __call__(self, out: dict) -> dict:
+        text, ids = out["text"], out["output_ids"]
+        chunk = {"text": text[self.text_len :], "output_ids": ids[self.ids_len :], "meta_info": out["meta_info"]}
+        self.text_len, self.ids_len = max(self.text_len, len(text)), len(ids)
+        return chunk
+
+
+def _as_batch(prompt, input_ids, messages) -> tuple[list[tuple[str, Any]], bool]:
+    given = [x for x in (prompt, input_ids, messages) if x is not None]
+    if len(given) != 1:
+        raise ValueError("give exactly one of prompt, input_ids or messages")
+    if prompt is not None:
+        if isinstance(prompt, str):
+            return [("text", prompt)], True
+        return [("text", p) for p in prompt], False
+    if input_ids is not None:
+        if input_ids and isinstance(input_ids[0], list):
+            return [("input_ids", ids) for ids in input_ids], False
+        return [("input_ids", input_ids)], True
+    if messages and isinstance(messages[0], list):
+        return [("messages", m) for m in messages], False
+    return [("messages", messages)], True
+
+
+def _per_item(value, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _expand_n(params: dict | None) -> list[dict | None]:
+    """n > 1: that many requests, each with n = 1 (and seed + i when a seed is given)."""
+    if not params or params.get("n", 1) == 1:
+        return [params]
+    n = params["n"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    out = []
+    for i in range(n):
+        p = dict(params, n=1)
+        if p.get("sampling_seed") is not None:
+            p["sampling_seed"] += i
+        out.append(p)
+    return out

@@ -1,0 +1,324 @@
+"""The OpenAI-compatible routes' logic: request → GenerateReqInput(s) (one per prompt and choice),
+outputs → OpenAI response objects and stream chunks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from radixengine.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UsageInfo,
+    make_id,
+    now,
+)
+from radixengine.managers.io_struct import GenerateReqInput
+from radixengine.managers.tokenizer_manager import RequestError, TokenizerManager, abort_to_error, is_abort
+
+MAX_LOGPROBS = 20
+
+
+# Requests -------------------------------------------------------------------------------------
+
+
+def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Parameters we do not implement are refused unless they have their default value."""
+    defaults = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+    for name, default in defaults.items():
+        if getattr(req, name) != default:
+            raise RequestError(f"{name} is not supported (only {default})", param=name)
+    if req.logit_bias:
+        raise RequestError("logit_bias is not supported", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.best_of not in (None, 1):
+            raise RequestError("best_of is not supported (only 1)", param="best_of")
+        if req.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
+    else:
+        if req.tools:
+            raise RequestError("tools are not supported", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise RequestError("only the text response_format is supported", param="response_format")
+
+
+def sampling_params_of(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, param: str) -> dict:
+    if max_tokens is not None and max_tokens <= 0:
+        raise RequestError(f"{param} must be at least 1, got {max_tokens}", param=param)
+    if req.temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {req.temperature}", param="temperature")
+    if not 0 < req.top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    if req.n < 1:
+        raise RequestError(f"n must be at least 1, got {req.n}", param="n")
+    if req.seed is not None and req.seed < 0:
+        raise RequestError(f"seed must be >= 0, got {req.seed}", param="seed")
+    params = {
+        "max_new_tokens": max_tokens,
+        "min_new_tokens": req.min_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+        "sampling_seed": req.seed,
+    }
+    return params
+
+
+def expand_choices(base: GenerateReqInput, params: dict, n: int, rid: str | None) -> list[GenerateReqInput]:
+    objs = []
+    for j in range(n):
+        p = dict(params)
+        if p["sampling_seed"] is not None:
+            p["sampling_seed"] += j
+        obj = GenerateReqInput(
+            text=base.text,
+            input_ids=base.input_ids,
+            messages=base.messages,
+            sampling_params=p,
+            stream=base.stream,
+            return_logprob=base.return_logprob,
+            priority=base.priority,
+            rid=None if rid is None else (rid if n == 1 else f"{rid}-{j}"),
+        )
+        objs.append(obj)
+    return objs
+
+
+def completion_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError("prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def completion_requests(tm: TokenizerManager, req: CompletionRequest):
+    check_unsupported(req)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+    params = sampling_params_of(req, req.max_tokens, "max_tokens")
+    prompts = completion_prompts(req.prompt)
+    objs = []
+    for k, prompt in enumerate(prompts):
+        base = GenerateReqInput(stream=req.stream, return_logprob=req.logprobs is not None, priority=req.priority)
+        if isinstance(prompt, str):
+            base.text = prompt
+        else:
+            base.input_ids = prompt
+        rid = None if req.rid is None else (req.rid if len(prompts) == 1 else f"{req.rid}-{k}")
+        objs += expand_choices(base, params, req.n, rid)
+    return objs, prompts
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    if not req.messages:
+        raise RequestError("messages must not be empty", param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise RequestError("only text content parts are supported", param=f"messages[{i}].content")
+            content = "".join(part.text or "" for part in content)
+        messages.append({"role": m.role, "content": content or ""})
+    return messages
+
+
+def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[GenerateReqInput]:
+    check_unsupported(req)
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+    if req.max_completion_tokens is not None:
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, param = req.max_tokens, "max_tokens"
+    params = sampling_params_of(req, max_tokens, param)
+    base = GenerateReqInput(
+        messages=chat_messages(req), stream=req.stream, return_logprob=req.logprobs, priority=req.priority
+    )
+    return expand_choices(base, params, req.n, req.rid)
+
+
+# Responses ------------------------------------------------------------------------------------
+
+
+def finish_reason_of(out: dict) -> tuple[str | None, object]:
+    reason = out["meta_info"]["finish_reason"]
+    if not reason:
+        return None, None
+    return ("length" if reason["type"] == "length" else "stop"), reason.get("matched")
+
+
+def usage_of(outs: list[dict], n: int) -> dict:
+    firsts = outs[::n]  # one choice per prompt: the prompt counts once
+    prompt = sum(o["meta_info"]["prompt_tokens"] for o in firsts)
+    cached = sum(o["meta_info"]["cached_tokens"] for o in firsts)
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    ).model_dump()
+
+
+def _token_strs(tm: TokenizerManager, ids: list[int]) -> list[str]:
+    return [tm.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+
+def completion_logprobs(tm: TokenizerManager, ids: list[int], logprobs: list[float] | None, top: int, offset: int):
+    """OpenAI's completions logprobs. Only the sampled token's logprob is known: each
+    `top_logprobs` entry holds that token alone."""
+    tokens = _token_strs(tm, ids)
+    lps = list(logprobs or [])[: len(ids)]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": lps,
+        "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)] if top > 0 else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tm: TokenizerManager, ids: list[int], logprobs: list[float] | None, top: int):
+    content = []
+    for t, lp in zip(_token_strs(tm, ids), list(logprobs or [])):
+        entry = {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        entry["top_logprobs"] = [dict(entry)] if top else []
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_response(tm: TokenizerManager, req: CompletionRequest, outs: list[dict], prompts: list) -> dict:
+    choices = []
+    for i, out in enumerate(outs):
+        text = out["text"]
+        if req.echo:
+            prompt = prompts[i // req.n]
+            text = (prompt if isinstance(prompt, str) else tm.tokenizer.decode(prompt)) + text
+        reason, matched = finish_reason_of(out)
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(
+                tm, out["output_ids"], out["meta_info"].get("output_token_logprobs"), req.logprobs, 0
+            )
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched})
+    return {
+        "id": make_id("cmpl"),
+        "object": "text_completion",
+        "created": now(),
+        "model": req.model,
+        "choices": choices,
+        "usage": usage_of(outs, req.n),
+    }
+
+
+def chat_response(tm: TokenizerManager, req: ChatCompletionRequest, outs: list[dict]) -> dict:
+    choices = []
+    for i, out in enumerate(outs):
+        reason, matched = finish_reason_of(out)
+        lp = None
+        if req.logprobs:
+            lp = chat_logprobs(tm, out["output_ids"], out["meta_info"].get("output_token_logprobs"), req.top_logprobs or 0)
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": out["text"]},
+                "logprobs": lp,
+                "finish_reason": reason,
+                "matched_stop": matched,
+            }
+        )
+    return {
+        "id": make_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": now(),
+        "model": req.model,
+        "choices": choices,
+        "usage": usage_of(outs, req.n),
+    }
+
+
+class _Deltas:
+    """Per choice: how much text and how many ids were already sent."""
+
+    def __init__(self) -> None:
+        self.text_len: dict[int, int] = {}
+        self.ids_len: dict[int, int] = {}
+
+    def take(self, i: int, out: dict) -> tuple[str, list[int], list[float] | None]:
+        t0, k0 = self.text_len.get(i, 0), self.ids_len.get(i, 0)
+        text, ids = out["text"], out["output_ids"]
+        self.text_len[i], self.ids_len[i] = max(t0, len(text)), len(ids)
+        lps = out["meta_info"].get("output_token_logprobs")
+        return text[t0:], ids[k0:], (lps[k0 : len(ids)] if lps is not None else None)
+
+
+async def completion_stream(
+    tm: TokenizerManager, req: CompletionRequest, outs: AsyncIterator[tuple[int, dict]], num_prompts: int
+) -> AsyncIterator[dict]:
+    rid, created, deltas, finals = make_id("cmpl"), now(), _Deltas(), {}
+    async for i, out in outs:
+        if is_abort(out):
+            raise abort_to_error(out)
+        text, ids, lps = deltas.take(i, out)
+        reason, matched = finish_reason_of(out)
+        if not text and not ids and reason is None:
+            continue
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(tm, ids, lps, req.logprobs, deltas.text_len[i] - len(text))
+        choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+        yield {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": [choice]}
+        if reason is not None:
+            finals[i] = out
+    if req.stream_options and req.stream_options.include_usage:
+        ordered = [finals[i] for i in sorted(finals)]
+        yield {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": req.model,
+            "choices": [],
+            "usage": usage_of(ordered, req.n),
+        }
+
+
+async def chat_stream(
+    tm: TokenizerManager, req: ChatCompletionRequest, outs: AsyncIterator[tuple[int, dict]]
+) -> AsyncIterator[dict]:
+    rid, created, deltas, finals, started = make_id("chatcmpl"), now(), _Deltas(), {}, set()
+
+    def chunk(choices: list[dict], **extra) -> dict:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                "choices": choices, **extra}  # fmt: skip
+
+    async for i, out in outs:
+        if is_abort(out):
+            raise abort_to_error(out)
+        if i not in started:
+            started.add(i)
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])  # fmt: skip
+        text, ids, lps = deltas.take(i, out)
+        reason, matched = finish_reason_of(out)
+        if not text and not ids and reason is None:
+            continue
+        lp = chat_logprobs(tm, ids, lps, req.top_logprobs or 0) if req.logprobs else None
+        choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
+        if reason is not None:
+            choice["matched_stop"] = matched
+            finals[i] = out
+        yield chunk([choice])
+    if req.stream_options and req.stream_options.include_usage:
+        yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n))

@@ -1,0 +1,30 @@
+"""`python -m radixengine.launch_server [--model-path PATH] [--host --port ...]`: the HTTP server.
+
+With no argument it serves the bundled SmolLM2 model on http://127.0.0.1:30000."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from radixengine.server_args import ServerArgs
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="python -m radixengine.launch_server", description=__doc__)
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return ServerArgs.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from radixengine.entrypoints.http_server import launch_server
+
+    launch_server(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,149 @@
+"""DetokenizerManager: turns the scheduler's token ids into text, incrementally, in its own process.
+
+Incremental decoding as in SGLang: per request, `surr_offset..read_offset` is the window of ids
+already turned into text, kept as context so that the next piece decodes the way it would in the
+full sequence (leading spaces, merges). A piece whose text ends in U+FFFD is an incomplete UTF-8
+character split across tokens: it is held back until the next token completes it. When a request
+finishes, its whole output is decoded once (the final text never depends on how it was streamed)
+and trimmed at the matched stop string or stop token unless `no_stop_trim`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+from radixengine.managers.io_struct import BatchStrOut, BatchTokenIDOut
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class DecodeStatus:
+    decoded_text: str = ""  # text of output_ids[:read_offset], never ending in a broken char
+    surr_offset: int = 0
+    read_offset: int = 0
+
+
+def trim_matched_stop(text: str, output_ids: list[int], finished_reason: dict | None, no_stop_trim: bool):
+    """Cut the output at the stop string or stop token that finished it (SGLang's rule)."""
+    if no_stop_trim or not finished_reason or finished_reason.get("type") != "stop":
+        return text, output_ids
+    matched = finished_reason.get("matched")
+    if isinstance(matched, str):
+        pos = text.find(matched)
+        return (text[:pos] if pos != -1 else text), output_ids
+    if isinstance(matched, int) and output_ids and output_ids[-1] == matched:
+        return text, output_ids[:-1]
+    return text, output_ids
+
+
+class IncrementalDetokenizer:
+    """Per-request decode state over a HF tokenizer (no I/O: the process loop wraps it)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.status: dict[str, DecodeStatus] = {}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def step(
+        self,
+        rid: str,
+        output_ids: list[int],
+        skip_special_tokens: bool,
+        finished_reason: dict | None = None,
+        no_stop_trim: bool = False,
+    ) -> str:
+        """The request's text so far: everything decodable, and the trimmed full text once finished."""
+        if finished_reason is not None:
+            self.status.pop(rid, None)
+            return self.finish_text(output_ids, skip_special_tokens, finished_reason, no_stop_trim)
+        status = self.status.setdefault(rid, DecodeStatus())
+        if len(output_ids) < status.read_offset:  # the request was restarted: decode from scratch
+            status = self.status[rid] = DecodeStatus()
+        if len(output_ids) == status.read_offset:
+            return status.decoded_text
+        surr_text = self.decode(output_ids[status.surr_offset : status.read_offset], skip_special_tokens)
+        new_text = self.decode(output_ids[status.surr_offset :], skip_special_tokens)
+        if new_text.endswith(REPLACEMENT_CHAR):
+            return status.decoded_text  # incomplete character: wait for the next token
+        status.decoded_text += new_text[len(surr_text) :]
+        status.surr_offset = status.read_offset
+        status.read_offset = len(output_ids)
+        return status.decoded_text
+
+    def finish_text(
+        self, output_ids: list[int], skip_special_tokens: bool, finished_reason: dict, no_stop_trim: bool
+    ) -> str:
+        _, ids = trim_matched_stop("", output_ids, finished_reason, no_stop_trim)
+        text = self.decode(ids, skip_special_tokens)
+        text, _ = trim_matched_stop(text, ids, finished_reason, no_stop_trim)
+        return text
+
+    def handle_batch_token_id_out(self, recv: BatchTokenIDOut) -> BatchStrOut:
+        texts = [
+            self.step(
+                rid,
+                recv.output_ids[i],
+                recv.skip_special_tokens[i],
+                recv.finished_reasons[i],
+                recv.no_stop_trim[i],
+            )
+            for i, rid in enumerate(recv.rids)
+        ]
+        return BatchStrOut(
+            rids=recv.rids,
+            finished_reasons=recv.finished_reasons,
+            output_strs=texts,
+            output_ids=recv.output_ids,
+            prompt_tokens=recv.prompt_tokens,
+            cached_tokens=recv.cached_tokens,
+            output_token_logprobs=recv.output_token_logprobs,
+        )
+
+
+class DetokenizerManager:
+    """The detokenizer process: BatchTokenIDOut in (from the scheduler), BatchStrOut out."""
+
+    def __init__(self, server_args, port_args) -> None:
+        import zmq
+
+        from radixengine.managers.tokenizer_manager import load_tokenizer
+
+        self.detokenizer = IncrementalDetokenizer(load_tokenizer(server_args))
+        self.context = zmq.Context(2)
+        self.recv_from_scheduler = self.context.socket(zmq.PULL)
+        self.recv_from_scheduler.bind(port_args.detokenizer_ipc_name)
+        self.send_to_tokenizer = self.context.socket(zmq.PUSH)
+        self.send_to_tokenizer.connect(port_args.tokenizer_ipc_name)
+
+    def event_loop(self) -> None:
+        while True:
+            recv = self.recv_from_scheduler.recv_pyobj()
+            if isinstance(recv, BatchTokenIDOut):
+                self.send_to_tokenizer.send_pyobj(self.detokenizer.handle_batch_token_id_out(recv))
+            else:  # anything else is for the tokenizer manager: pass it on
+                self.send_to_tokenizer.send_pyobj(recv)
+
+
+def run_detokenizer_process(server_args, port_args, pipe_writer) -> None:
+    from radixengine.utils.process import watch_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent shuts us down
+    watch_parent(os.getppid())
+    logging.basicConfig(level=server_args.log_level.upper(), format="[detokenizer] %(message)s")
+    try:
+        manager = DetokenizerManager(server_args, port_args)
+    except Exception as e:  # report, then exit: the parent raises with this message
+        logger.exception("detokenizer failed to start")
+        pipe_writer.send({"status": "error", "error": f"{type(e).__name__}: {e}"})
+        return
+    pipe_writer.send({"status": "ready"})
+    manager.event_loop()

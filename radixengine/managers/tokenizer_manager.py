@@ -1,0 +1,394 @@
+"""TokenizerManager: the front end's side of the engine (main process, asyncio).
+
+It tokenizes a request (text, chat messages through the tokenizer's chat template, or input ids),
+validates it, sends it to the scheduler process and yields the detokenized outputs as they come
+back from the detokenizer process. A watchdog polls the child processes: if one dies, every
+pending request and every later one fails at once with an `EngineDeadError` naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixengine.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+)
+from radixengine.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL = 0.2
+
+
+class RequestError(Exception):
+    """A request the engine refused or aborted (bad input, full queue, ...), with its HTTP status."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.err_type = err_type or ("BadRequestError" if status_code < 500 else "ServiceUnavailableError")
+
+
+class EngineDeadError(RuntimeError):
+    """A child process of the engine died; the engine cannot serve any more requests."""
+
+
+def load_tokenizer(server_args):
+    from radixengine.model_loader import get_tokenizer
+
+    return get_tokenizer(server_args.tokenizer_path or server_args.model_path)
+
+
+def is_abort(out: dict) -> bool:
+    reason = out["meta_info"].get("finish_reason")
+    return bool(reason) and reason.get("type") == "abort"
+
+
+def abort_to_error(out: dict) -> RequestError:
+    reason = out["meta_info"]["finish_reason"]
+    return RequestError(
+        reason.get("message", "request aborted"), reason.get("status_code", 400), err_type=reason.get("err_type")
+    )
+
+
+@dataclass
+class ReqState:
+    obj: GenerateReqInput
+    sampling_params: SamplingParams
+    prompt_tokens: int
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    outs: deque = field(default_factory=deque)
+    finished: bool = False
+    created_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_output_ids: int = 0
+
+
+class TokenizerManager:
+    def __init__(self, server_args, port_args, scheduler_info: dict | None = None, tokenizer=None) -> None:
+        self.server_args = server_args
+        self.port_args = port_args
+        self.scheduler_info = dict(scheduler_info or {})
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(server_args)
+        self.model_path = server_args.model_path
+        self.served_model_name = server_args.served_model_name or _model_name(server_args.model_path)
+        self.context_len: int | None = self.scheduler_info.get("context_len")
+        self.max_req_input_len: int | None = self.scheduler_info.get("max_req_input_len")
+        self.vocab_size: int = self.scheduler_info.get("vocab_size") or len(self.tokenizer)
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.processes: list[tuple[str, Any]] = []  # (name, multiprocessing.Process) for the watchdog
+        self.dead_error: str | None = None
+        self.on_dead = None  # called with the message when a child process dies
+        self.stopping = False
+        self.metrics = None
+        if server_args.enable_metrics:
+            from radixengine.managers.metrics import TokenizerMetricsCollector
+
+            self.metrics = TokenizerMetricsCollector(self.served_model_name)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._pending_replies: dict[type, deque] = {FlushCacheReqOutput: deque(), GetInternalStateReqOutput: deque()}
+
+    # Start-up (in the loop that will serve the requests) ---------------------------------------
+
+    def ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None:
+            raise RuntimeError("the TokenizerManager is bound to another event loop")
+        import zmq
+        import zmq.asyncio
+
+        self._loop = loop
+        self.context = zmq.asyncio.Context(2)
+        self.recv_from_detokenizer = self.context.socket(zmq.PULL)
+        self.recv_from_detokenizer.bind(self.port_args.tokenizer_ipc_name)
+        self.send_to_scheduler = self.context.socket(zmq.PUSH)
+        self.send_to_scheduler.connect(self.port_args.scheduler_input_ipc_name)
+        self._tasks = [loop.create_task(self.handle_loop()), loop.create_task(self.watchdog_loop())]
+
+    async def aclose(self) -> None:
+        """Stop the loops and close the sockets (in the manager's event loop)."""
+        self.stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._loop is not None:
+            self.send_to_scheduler.close(linger=0)
+            self.recv_from_detokenizer.close(linger=0)
+            self.context.term()
+            self._loop = None
+
+    # Requests ----------------------------------------------------------------------------------
+
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        """Yield the request's outputs: one per step when streaming, else the final one. Each
+        output holds the text and output ids *so far* and `meta_info`; aborted requests end with
+        `meta_info.finish_reason.type == "abort"` (see `is_abort`)."""
+        self.ensure_started()
+        self.check_alive()
+        tokenized = self.tokenize_request(obj)
+        state = ReqState(obj, tokenized.sampling_params, len(tokenized.input_ids))
+        self.rid_to_state[tokenized.rid] = state
+        self.send_to_scheduler.send_pyobj(tokenized)
+        try:
+            while True:
+                await state.event.wait()
+                state.event.clear()
+                while state.outs:
+                    out = state.outs.popleft()
+                    if isinstance(out, Exception):
+                        raise out
+                    yield out
+                    if out["meta_info"]["finish_reason"] is not None:
+                        return
+        finally:
+            if not state.finished and tokenized.rid in self.rid_to_state:
+                self.abort_request(tokenized.rid)
+
+    def abort_request(self, rid: str) -> None:
+        if self.rid_to_state.pop(rid, None) is None:
+            return
+        if self._loop is not None and self.dead_error is None:
+            self.send_to_scheduler.send_pyobj(AbortReq(rid))
+
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return await self._request_reply(FlushCacheReqInput(), FlushCacheReqOutput)
+
+    async def get_internal_state(self) -> dict:
+        reply = await self._request_reply(GetInternalStateReq(), GetInternalStateReqOutput)
+        return reply.state
+
+    async def _request_reply(self, msg: object, reply_type: type, timeout: float = 60.0):
+        self.ensure_started()
+        self.check_alive()
+        future = self._loop.create_future()
+        self._pending_replies[reply_type].append(future)
+        self.send_to_scheduler.send_pyobj(msg)
+        return await asyncio.wait_for(future, timeout)
+
+    # Tokenization and validation ---------------------------------------------------------------
+
+    def tokenize_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        input_text, input_ids, param = self.tokenize_prompt(obj)
+        sampling_params = self.make_sampling_params(obj.sampling_params, len(input_ids))
+        self.validate_input_ids(input_ids, sampling_params, param)
+        if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
+            raise RequestError(f"priority must be an integer, got {obj.priority!r}", param="priority")
+        rid = obj.rid or uuid.uuid4().hex
+        if rid in self.rid_to_state:
+            raise RequestError(f"duplicate request id {rid!r}", param="rid")
+        obj.rid = rid
+        return TokenizedGenerateReqInput(
+            rid=rid,
+            input_text=input_text,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            stream=obj.stream,
+            return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num,
+            priority=obj.priority,
+        )
+
+    def make_sampling_params(self, params: dict | SamplingParams | None, prompt_len: int) -> SamplingParams:
+        """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default)."""
+        if isinstance(params, SamplingParams):
+            return params
+        if params is not None and not isinstance(params, dict):
+            raise RequestError("sampling_params must be an object", param="sampling_params")
+        if params is not None and "max_new_tokens" in params and params["max_new_tokens"] is None:
+            room = (self.context_len or prompt_len + 128) - prompt_len
+            params = dict(params, max_new_tokens=max(room, 1))
+        try:
+            sampling_params = SamplingParams.from_dict(params)
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e), param=_param_of(str(e), params)) from None
+        if sampling_params.n != 1:
+            raise RequestError("n > 1 is expanded by the front end; the tokenizer manager takes n == 1", param="n")
+        return sampling_params
+
+    def tokenize_prompt(self, obj: GenerateReqInput) -> tuple[str | None, list[int], str]:
+        given = [name for name in ("text", "input_ids", "messages") if getattr(obj, name) is not None]
+        if len(given) != 1:
+            raise RequestError("give exactly one of text, input_ids or messages", param="text")
+        if obj.messages is not None:
+            text = self.apply_chat_template(obj.messages)
+            return text, self.tokenizer.encode(text, add_special_tokens=False), "messages"
+        if obj.text is not None:
+            if not isinstance(obj.text, str):
+                raise RequestError("text must be a string", param="text")
+            return obj.text, self.tokenizer.encode(obj.text), "text"
+        ids = obj.input_ids
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise RequestError("input_ids must be a list of integers", param="input_ids")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"input_ids must be in [0, {self.vocab_size}); got {bad[0]}", param="input_ids"
+            )
+        return None, list(ids), "input_ids"
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list", param="messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template that rejects the conversation
+            raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
+
+    def validate_input_ids(self, input_ids: list[int], sampling_params: SamplingParams, param: str) -> None:
+        n = len(input_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", param=param)
+        if self.max_req_input_len is not None and n > self.max_req_input_len:
+            raise RequestError(
+                f"the prompt is too long: {n} tokens, the maximum is {self.max_req_input_len}", param=param
+            )
+        if self.context_len is not None and n + sampling_params.max_new_tokens > self.context_len:
+            raise RequestError(
+                f"the prompt ({n} tokens) plus max_new_tokens ({sampling_params.max_new_tokens}) exceeds "
+                f"the model's context length of {self.context_len} tokens",
+                param="max_new_tokens" if n < self.context_len else param,
+            )
+
+    # Outputs -----------------------------------------------------------------------------------
+
+    async def handle_loop(self) -> None:
+        while True:
+            recv = await self.recv_from_detokenizer.recv_pyobj()
+            if isinstance(recv, BatchStrOut):
+                self.handle_batch_output(recv)
+            elif type(recv) in self._pending_replies:
+                queue = self._pending_replies[type(recv)]
+                while queue:
+                    future = queue.popleft()
+                    if not future.done():
+                        future.set_result(recv)
+                        break
+            else:
+                logger.warning("unexpected message from the scheduler: %r", type(recv).__name__)
+
+    def handle_batch_output(self, recv: BatchStrOut) -> None:
+        now = time.perf_counter()
+        for i, rid in enumerate(recv.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue  # aborted by its client
+            reason = recv.finished_reasons[i]
+            out_ids = recv.output_ids[i]
+            self._record_tokens(state, len(out_ids), now)
+            if reason is None and not state.obj.stream:
+                continue
+            text = recv.output_strs[i] if reason is not None else self._visible_text(recv.output_strs[i], state)
+            meta = {
+                "id": rid,
+                "prompt_tokens": recv.prompt_tokens[i],
+                "completion_tokens": len(out_ids),
+                "cached_tokens": recv.cached_tokens[i],
+                "finish_reason": reason,
+                "e2e_latency": now - state.created_time,
+            }
+            if state.obj.return_logprob and i < len(recv.output_token_logprobs):
+                meta["output_token_logprobs"] = recv.output_token_logprobs[i]
+            state.outs.append({"text": text, "output_ids": list(out_ids), "meta_info": meta})
+            if reason is not None:
+                state.finished = True
+                del self.rid_to_state[rid]
+                if self.metrics is not None:
+                    self.metrics.observe_finished(meta, state.first_token_time, state.created_time, now)
+            state.event.set()
+
+    def _record_tokens(self, state: ReqState, num_ids: int, now: float) -> None:
+        new = num_ids - state.num_output_ids
+        if new <= 0:
+            return
+        if self.metrics is not None:
+            self.metrics.observe_tokens(state, new, now)
+        if state.first_token_time is None:
+            state.first_token_time = now
+        state.last_token_time = now
+        state.num_output_ids = num_ids
+
+    @staticmethod
+    def _visible_text(text: str, state: ReqState) -> str:
+        """While streaming, hold back a tail that may turn out to be the start of a stop string."""
+        params = state.sampling_params
+        if not params.stop_strs or params.no_stop_trim:
+            return text
+        for stop in params.stop_strs:
+            pos = text.find(stop)
+            if pos != -1:
+                text = text[:pos]
+        hold = 0
+        for stop in params.stop_strs:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold]
+
+    # Liveness ----------------------------------------------------------------------------------
+
+    def check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+
+    async def watchdog_loop(self) -> None:
+        while self.dead_error is None:
+            await asyncio.sleep(WATCHDOG_INTERVAL)
+            if self.stopping:
+                return
+            for name, proc in self.processes:
+                if not proc.is_alive():
+                    self.fail_all(f"the {name} process (pid {proc.pid}) died unexpectedly (exit code {proc.exitcode})")
+                    break
+
+    def fail_all(self, message: str) -> None:
+        logger.error("%s; failing every request", message)
+        self.dead_error = message
+        for state in self.rid_to_state.values():
+            state.outs.append(EngineDeadError(message))
+            state.finished = True
+            state.event.set()
+        self.rid_to_state.clear()
+        if self.on_dead is not None:
+            self.on_dead(message)
+        for queue in self._pending_replies.values():
+            while queue:
+                future = queue.popleft()
+                if not future.done():
+                    future.set_exception(EngineDeadError(message))
+
+
+def _model_name(model_path: str | None) -> str:
+    if not model_path:
+        return "SmolLM2-135M-Instruct"
+    return model_path.rstrip("/")
+
+
+def _param_of(message: str, params: dict | None) -> str:
+    for name in params or {}:
+        if message.startswith(name) or f" {name}" in message or f"{name} " in message:
+            return name
+    return "sampling_params"

@@ -1,0 +1,129 @@
+"""Helpers shared by the engine, HTTP and detokenizer tests: a tiny random Llama saved as an HF
+folder with a real byte-level BPE tokenizer (and a chat template), and the transformers oracle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. héllo wörld, 世界 你好 café naïve",
+    "hello world this is a test of the tokenizer and of the engine that serves it",
+    "Once upon a time there was a small model that answered every question with numbers 0 1 2 3",
+]
+
+
+def build_tokenizer(path: str, vocab_size: int = 400):
+    """Train a small byte-level BPE (multi-byte characters outside the corpus split into byte
+    tokens) and save it as a transformers tokenizer with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny_model(path: str, seed: int = 0, max_position_embeddings: int = 1024) -> str:
+    """A random-weight 2-layer Llama with the tokenizer above, saved as an HF folder (fp32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger logits: greedy choices far from ties
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_greedy(model, input_ids: list[list[int]], max_new_tokens: int, eos_id: int | None = None) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time (no padding effects);
+    stops after `eos_id` when given, otherwise runs `max_new_tokens` (EOS not masked)."""
+    import torch
+
+    outs = []
+    with torch.no_grad():
+        for ids in input_ids:
+            out = model(torch.tensor([ids]), use_cache=True)
+            tokens: list[int] = []
+            while True:
+                token = int(out.logits[0, -1].argmax())
+                tokens.append(token)
+                if len(tokens) >= max_new_tokens or token == eos_id:
+                    break
+                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            outs.append(tokens)
+    return outs
+
+
+def load_hf_model(path: str, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
+def child_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
+    """The pids still alive (zombies count as gone) after waiting up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if _alive(p)}
+        if alive:
+            time.sleep(0.1)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
