@@ -51,18 +51,21 @@ def launch_subprocesses(server_args: ServerArgs, tokenizer=None) -> TokenizerMan
     from radixengine.managers.scheduler_process import run_scheduler_process
     from radixengine.model_loader import resolve_model_path
 
-    for path in {server_args.model_path, server_args.tokenizer_path or server_args.model_path}:
-        resolve_model_path(path)  # a GGUF is converted once, here, not by three processes at once
+    resolve_model_path(server_args.model_path)  # a GGUF is converted once, here, not by each process
+    tokenizer_dir = resolve_model_path(server_args.tokenizer_path or server_args.model_path)
+    detokenizer_args = dataclasses.replace(server_args, tokenizer_path=tokenizer_dir)
     ctx = mp.get_context("spawn")
     ipc_dir = make_ipc_dir()
     port_args = PortArgs.init_new(ipc_dir)
     procs: list[tuple[str, Any, Any]] = []
     try:
-        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+        children = (
+            ("scheduler", run_scheduler_process, server_args),
+            ("detokenizer", run_detokenizer_process, detokenizer_args),
+        )
+        for name, target, args in children:
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=target, args=(server_args, port_args, writer), name=f"radixengine-{name}", daemon=True
-            )
+            proc = ctx.Process(target=target, args=(args, port_args, writer), name=f"radixengine-{name}", daemon=True)
             proc.start()
             writer.close()
             procs.append((name, proc, reader))
@@ -122,8 +125,14 @@ class _Runtime:
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, **kwargs) -> None:
-        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+    def __init__(self, model_path: str | None = None, server_args: ServerArgs | None = None, **kwargs) -> None:
+        """`Engine(model_path, **server_args)` (ServerArgs' fields; an unknown one is a TypeError),
+        or `Engine(server_args=ServerArgs(...))`."""
+        if server_args is None:
+            server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        elif model_path is not None or kwargs:
+            raise TypeError("give either server_args or keyword arguments, not both")
+        self.server_args = server_args
         logging.basicConfig(level=self.server_args.log_level.upper())
         self.tokenizer_manager = launch_subprocesses(self.server_args)
         self.tokenizer = self.tokenizer_manager.tokenizer

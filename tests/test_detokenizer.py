@@ -7,7 +7,7 @@ import random
 import pytest
 from test_engine_utils import build_tokenizer
 
-from radixengine.managers.detokenizer_manager import IncrementalDetokenizer, trim_matched_stop
+from radixengine.managers.detokenizer_manager import FastDecoder, IncrementalDetokenizer, trim_matched_stop
 from radixengine.managers.io_struct import BatchTokenIDOut, finish_length, finish_matched_str
 
 TEXTS = [
@@ -19,8 +19,13 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tokenizer(str(tmp_path_factory.mktemp("tok")))
+def tok_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tok")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    return build_tokenizer(str(tok_dir))
 
 
 def full_decode(tok, ids, skip=True):
@@ -109,3 +114,12 @@ def test_batch_message(tokenizer):
     assert out.output_strs == [full_decode(tokenizer, ids[:1]), "hello world"]
     assert out.cached_tokens == [0, 2] and out.output_token_logprobs[1] == [-0.5] * len(ids)
     assert set(detok.status) == {"x"}
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_fast_decoder_equals_transformers(tokenizer, tok_dir, skip):
+    decoder = FastDecoder(str(tok_dir / "tokenizer.json"))
+    rng = random.Random(1)
+    for _ in range(50):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 30))]
+        assert decoder.decode(ids, skip) == full_decode(tokenizer, ids, skip)

@@ -100,6 +100,16 @@ def load_hf_model(path: str, **kwargs):
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for a Python subprocess that imports radixengine from this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def child_pids() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 

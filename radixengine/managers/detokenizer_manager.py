@@ -109,15 +109,36 @@ class IncrementalDetokenizer:
         )
 
 
+class FastDecoder:
+    """Decoding straight from `tokenizer.json` with the `tokenizers` library: what a transformers
+    fast tokenizer does to decode, without importing transformers (seconds of start-up)."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(path)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False):
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def load_decoder(server_args):
+    """`server_args.tokenizer_path` is the resolved tokenizer folder (the engine sets it)."""
+    path = os.path.join(server_args.tokenizer_path or "", "tokenizer.json")
+    if server_args.tokenizer_path and os.path.exists(path):
+        return FastDecoder(path)
+    from radixengine.managers.tokenizer_manager import load_tokenizer
+
+    return load_tokenizer(server_args)
+
+
 class DetokenizerManager:
     """The detokenizer process: BatchTokenIDOut in (from the scheduler), BatchStrOut out."""
 
     def __init__(self, server_args, port_args) -> None:
         import zmq
 
-        from radixengine.managers.tokenizer_manager import load_tokenizer
-
-        self.detokenizer = IncrementalDetokenizer(load_tokenizer(server_args))
+        self.detokenizer = IncrementalDetokenizer(load_decoder(server_args))
         self.context = zmq.Context(2)
         self.recv_from_scheduler = self.context.socket(zmq.PULL)
         self.recv_from_scheduler.bind(port_args.detokenizer_ipc_name)

@@ -7,6 +7,7 @@ manager."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -66,19 +67,9 @@ def build_scheduler(server_args, io: ZmqSchedulerIO):
 
 
 def ready_info(scheduler) -> dict:
-    worker = scheduler.tp_worker
-    runner = getattr(worker, "model_runner", None)
-    info = {
-        "status": "ready",
-        "max_total_num_tokens": scheduler.max_total_num_tokens,
-        "max_req_input_len": scheduler.max_req_input_len,
-        "context_len": getattr(runner, "context_len", None) or getattr(scheduler, "context_len", None),
-    }
-    model_config = getattr(runner, "model_config", None)
-    vocab = getattr(model_config, "vocab_size", None)
-    if vocab is not None:
-        info["vocab_size"] = vocab
-    return info
+    """What the front end needs to validate requests: the worker's limits."""
+    info = dataclasses.asdict(scheduler.tp_worker.get_worker_info())
+    return {"status": "ready", **info}
 
 
 def run_scheduler_process(server_args, port_args, pipe_writer) -> None:
@@ -96,7 +87,8 @@ def run_scheduler_process(server_args, port_args, pipe_writer) -> None:
         pipe_writer.send({"status": "error", "error": f"{type(e).__name__}: {e}"})
         return
     pipe_writer.send(info)
-    if server_args.disable_overlap_schedule:
+    overlap = getattr(scheduler, "event_loop_overlap", None)
+    if server_args.disable_overlap_schedule or overlap is None:
         scheduler.event_loop_normal()
     else:
-        scheduler.event_loop_overlap()
+        overlap()

@@ -90,6 +90,7 @@ class TokenizerManager:
         self.served_model_name = server_args.served_model_name or _model_name(server_args.model_path)
         self.context_len: int | None = self.scheduler_info.get("context_len")
         self.max_req_input_len: int | None = self.scheduler_info.get("max_req_input_len")
+        self.max_req_len: int | None = self.scheduler_info.get("max_req_len") or self.context_len
         self.vocab_size: int = self.scheduler_info.get("vocab_size") or len(self.tokenizer)
         self.rid_to_state: dict[str, ReqState] = {}
         self.processes: list[tuple[str, Any]] = []  # (name, multiprocessing.Process) for the watchdog
@@ -215,7 +216,7 @@ class TokenizerManager:
         if params is not None and not isinstance(params, dict):
             raise RequestError("sampling_params must be an object", param="sampling_params")
         if params is not None and "max_new_tokens" in params and params["max_new_tokens"] is None:
-            room = (self.context_len or prompt_len + 128) - prompt_len
+            room = (self.max_req_len or prompt_len + 128) - prompt_len
             params = dict(params, max_new_tokens=max(room, 1))
         try:
             sampling_params = SamplingParams.from_dict(params)
@@ -261,15 +262,15 @@ class TokenizerManager:
         n = len(input_ids)
         if n == 0:
             raise RequestError("the prompt is empty", param=param)
-        if self.max_req_input_len is not None and n > self.max_req_input_len:
+        if self.max_req_input_len is not None and n >= self.max_req_input_len:
             raise RequestError(
-                f"the prompt is too long: {n} tokens, the maximum is {self.max_req_input_len}", param=param
+                f"the prompt is too long: {n} tokens, the maximum is {self.max_req_input_len - 1}", param=param
             )
-        if self.context_len is not None and n + sampling_params.max_new_tokens > self.context_len:
+        if self.max_req_len is not None and n + sampling_params.max_new_tokens > self.max_req_len:
             raise RequestError(
                 f"the prompt ({n} tokens) plus max_new_tokens ({sampling_params.max_new_tokens}) exceeds "
-                f"the model's context length of {self.context_len} tokens",
-                param="max_new_tokens" if n < self.context_len else param,
+                f"the {self.max_req_len} tokens a request may have (context length {self.context_len})",
+                param="max_new_tokens" if n < self.max_req_len else param,
             )
 
     # Outputs -----------------------------------------------------------------------------------

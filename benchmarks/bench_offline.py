@@ -1,0 +1,278 @@
+"""Offline throughput: radixengine's Engine against transformers' batched `generate` (and,
+optionally, llama-cpp-python) on the shared workloads, in one run.
+
+    python benchmarks/bench_offline.py                                  # W1, W2; fcfs, lpm, dfs-weight; bf16 + fp32
+    python benchmarks/bench_offline.py --workloads W1 --dtypes bfloat16 --policies lpm
+    python benchmarks/bench_offline.py --peers transformers,llamacpp    # llama-cpp-python must be installed
+
+For each dtype and workload: one Engine per policy gets all 32 requests in one call (streamed, to
+time the first token of each); transformers runs the same prompts as one left-padded batch of 32
+at the same dtype and thread count. Reported: output tokens/s, the ratio to transformers, time to
+first token (mean, p50, max), and the cache hit rate against the ideal (every token of a prompt
+that an earlier prompt of the batch already has, at least one token recomputed per prompt)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WORKLOADS_DIR = REPO.parent / "shared" / "workloads"
+DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def load_workload(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def prompt_ids(tokenizer, items: list[dict]) -> list[list[int]]:
+    out = []
+    for item in items:
+        if "messages" in item:
+            text = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=False)
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            out.append(tokenizer.encode(item["text"]))
+    return out
+
+
+def ideal_cached_tokens(prompts: list[list[int]]) -> int:
+    """Tokens of each prompt already present in an earlier one (trie), at most len - 1 each."""
+    root: dict = {}
+    total = 0
+    for ids in prompts:
+        node, shared = root, 0
+        for t in ids:
+            if t not in node:
+                break
+            node, shared = node[t], shared + 1
+        total += min(shared, len(ids) - 1)
+        node = root
+        for t in ids:
+            node = node.setdefault(t, {})
+    return total
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[k]
+
+
+# radixengine ----------------------------------------------------------------------------------
+
+
+async def _run_requests(engine, items: list[dict]) -> tuple[float, list[float], list[dict]]:
+    start = time.perf_counter()
+
+    async def one(item: dict) -> tuple[float, dict]:
+        first, meta = None, None
+        stream = await engine.async_generate(
+            messages=item.get("messages"), prompt=item.get("text"), sampling_params=item["sampling_params"], stream=True
+        )
+        async for chunk in stream:
+            if first is None and chunk["output_ids"]:
+                first = time.perf_counter() - start
+            meta = chunk["meta_info"]
+        return first, meta
+
+    results = await asyncio.gather(*(one(item) for item in items))
+    elapsed = time.perf_counter() - start
+    return elapsed, [r[0] for r in results], [r[1] for r in results]
+
+
+def run_radixengine(items: list[dict], policy: str, dtype: str, threads: int, model_path: str | None) -> dict:
+    from radixengine import Engine
+
+    with Engine(
+        model_path=model_path, schedule_policy=policy, dtype=dtype, num_threads=threads, log_level="warning"
+    ) as engine:
+        engine.generate("Warm-up.", {"max_new_tokens": 8, "temperature": 0})
+        engine.flush_cache()
+        elapsed, ttfts, metas = asyncio.run(_run_requests(engine, items))
+        info = engine.get_server_info()
+    completion = sum(m["completion_tokens"] for m in metas)
+    prompt = sum(m["prompt_tokens"] for m in metas)
+    cached = sum(m["cached_tokens"] for m in metas)
+    return {
+        "system": f"radixengine {policy}",
+        "elapsed_s": elapsed,
+        "output_tokens": completion,
+        "output_tok_s": completion / elapsed,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "ttft_mean_s": statistics.mean(ttfts),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_max_s": max(ttfts),
+        "num_prefill_tokens": info.get("num_prefill_tokens"),
+        "num_retracted_reqs": info.get("num_retracted_reqs"),
+    }
+
+
+# transformers ---------------------------------------------------------------------------------
+
+
+def run_transformers(prompts: list[list[int]], max_new_tokens: int, dtype: str, threads: int, hf_path: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(hf_path)
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=getattr(torch, dtype)).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = {"do_sample": False, "pad_token_id": pad}
+    with torch.inference_mode():
+        model.generate(input_ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, **kwargs)
+        start = time.perf_counter()
+        out = model.generate(
+            input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **kwargs
+        )
+        elapsed = time.perf_counter() - start
+    tokens = (out.shape[1] - width) * len(prompts)
+    del model
+    gc.collect()
+    return {"system": "transformers", "elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+
+
+# llama-cpp-python -----------------------------------------------------------------------------
+
+
+def run_llamacpp(prompts: list[list[int]], max_new_tokens: int, threads: int, gguf_path: str) -> dict:
+    """Requests one after another; llama-cpp-python reuses the longest common prefix with the
+    previous prompt's KV. Extra buffer types (the AMX repack path) are turned off: on this CPU
+    they crash at the first decode (llama.cpp #20824)."""
+    import llama_cpp.llama_cpp as lib
+    from llama_cpp import Llama
+
+    default_params = lib.llama_model_default_params
+
+    def params_without_extra_bufts():
+        params = default_params()
+        if hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = params_without_extra_bufts
+    llm = Llama(model_path=gguf_path, n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
+    start = time.perf_counter()
+    ttfts, tokens = [], 0
+    for ids in prompts:
+        t0 = time.perf_counter()
+        for i, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True)):
+            if i == 0:
+                ttfts.append(time.perf_counter() - t0)
+            tokens += 1
+            if i + 1 >= max_new_tokens:
+                break
+    elapsed = time.perf_counter() - start
+    return {
+        "system": "llama-cpp-python (sequential, prefix reuse)",
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / elapsed,
+        "ttft_mean_s": statistics.mean(ttfts),
+    }
+
+
+# Main -----------------------------------------------------------------------------------------
+
+
+def bench_workload(name: str, items: list[dict], dtype: str, args, hf_path: str, tokenizer) -> list[dict]:
+    prompts = prompt_ids(tokenizer, items)
+    max_new = max(item["sampling_params"].get("max_new_tokens", 128) for item in items)
+    ideal = ideal_cached_tokens(prompts)
+    rows = []
+    for policy in args.policies:
+        print(f"[{name} {dtype}] radixengine {policy} ...", file=sys.stderr, flush=True)
+        row = run_radixengine(items, policy, dtype, args.threads, args.model_path)
+        row["ideal_cached_tokens"] = ideal
+        row["cached_vs_ideal"] = row["cached_tokens"] / ideal if ideal else None
+        rows.append(row)
+    if "transformers" in args.peers:
+        print(f"[{name} {dtype}] transformers ...", file=sys.stderr, flush=True)
+        rows.append(run_transformers(prompts, max_new, dtype, args.threads, hf_path))
+    if "llamacpp" in args.peers and dtype == args.dtypes[0]:
+        print(f"[{name}] llama-cpp-python ...", file=sys.stderr, flush=True)
+        rows.append(run_llamacpp(prompts, max_new, args.threads, args.gguf_path))
+    hf = next((r for r in rows if r["system"] == "transformers"), None)
+    for r in rows:
+        r.update(workload=name, dtype=dtype)
+        r["ratio_vs_transformers"] = r["output_tok_s"] / hf["output_tok_s"] if hf else None
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    header = "| workload | dtype | system | output tok/s | × transformers | TTFT mean / max (s) | cache hit | cached / ideal |"
+    print(header)
+    print("|" + "---|" * 8)
+    for r in rows:
+        ttft = f"{r['ttft_mean_s']:.2f} / {r.get('ttft_max_s', float('nan')):.2f}" if "ttft_mean_s" in r else "–"
+        hit = f"{r['cache_hit_rate']:.1%}" if "cache_hit_rate" in r else "–"
+        ideal = f"{r['cached_vs_ideal']:.1%}" if r.get("cached_vs_ideal") is not None else "–"
+        ratio = f"{r['ratio_vs_transformers']:.2f}" if r.get("ratio_vs_transformers") else "–"
+        print(f"| {r['workload']} | {DTYPE_NAMES.get(r['dtype'], r['dtype'])} | {r['system']} | "
+              f"{r['output_tok_s']:.1f} | {ratio} | {ttft} | {hit} | {ideal} |")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None, help="default: the bundled SmolLM2 GGUF")
+    parser.add_argument("--workloads-dir", default=str(WORKLOADS_DIR))
+    parser.add_argument("--workloads", default="W1,W2")
+    parser.add_argument("--policies", default="fcfs,lpm,dfs-weight")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--peers", default="transformers", help="comma list: transformers, llamacpp")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_offline.json"))
+    args = parser.parse_args(argv)
+    for name in ("workloads", "policies", "dtypes", "peers"):
+        setattr(args, name, [x for x in getattr(args, name).split(",") if x])
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from radixengine.model_loader import default_model_path, get_tokenizer, resolve_model_path
+
+    args.gguf_path = args.model_path or default_model_path()
+    hf_path = resolve_model_path(args.model_path)
+    tokenizer = get_tokenizer(args.model_path)
+    rows = []
+    for dtype in args.dtypes:
+        for name in args.workloads:
+            items = load_workload(Path(args.workloads_dir) / f"{name}.jsonl")
+            rows += bench_workload(name, items, dtype, args, hf_path, tokenizer)
+    print_table(rows)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": " ".join(sys.argv), "threads": args.threads, "cpu": _cpu_name(), "time": time.ctime()}
+    with open(args.output, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    print(f"\nwrote {args.output}", file=sys.stderr)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Engine (scheduler + detokenizer processes over ZMQ) against the transformers greedy oracle on a
+tiny random Llama: batch and stream, text, input ids and chat, the radix cache on a second pass,
+concurrent async calls, and bad requests that fail alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_engine_utils import build_tiny_model, hf_greedy, load_hf_model
+
+from radixengine import Engine
+from radixengine.engine import RequestError
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "hello world this is a test",
+    "Once upon a time there was a small model",
+    "héllo wörld, 世界 你好 café",
+    "numbers 0 1 2 3 and the engine that serves it",
+]
+MAX_NEW = 12
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    engine = Engine(model_path=model_path, dtype="float32", max_total_tokens=8192, num_threads=1, log_level="warning")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    torch.set_num_threads(1)
+    return load_hf_model(model_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def oracle(engine, hf_model):
+    """Greedy continuation (MAX_NEW tokens, EOS not stopping) of each prompt, by transformers."""
+    tok = engine.tokenizer
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def run(ids_list: list[list[int]]) -> list[list[int]]:
+        missing = [ids for ids in ids_list if tuple(ids) not in cache]
+        for ids, out in zip(missing, hf_greedy(hf_model, missing, MAX_NEW)):
+            cache[tuple(ids)] = out
+        return [cache[tuple(ids)] for ids in ids_list]
+
+    run.encode = lambda text: tok.encode(text)
+    return run
+
+
+def decode(engine, ids):
+    return engine.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def assert_accounting(engine) -> None:
+    info = engine.get_server_info()
+    assert info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0
+    assert info["available_tokens"] + info["evictable_tokens"] + info["protected_tokens"] == info["max_total_tokens"]
+
+
+def test_unknown_server_arg_is_a_type_error():
+    with pytest.raises(TypeError, match="not_a_flag"):
+        Engine(model_path="unused", not_a_flag=1)
+
+
+def test_batch_text_matches_transformers_and_second_pass_hits_cache(engine, oracle):
+    assert engine.flush_cache()
+    expected = oracle([oracle.encode(p) for p in PROMPTS])
+    for attempt in range(2):
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert [o["output_ids"] for o in outs] == expected
+        for o, p, e in zip(outs, PROMPTS, expected):
+            meta = o["meta_info"]
+            assert o["text"] == decode(engine, e)
+            assert meta["prompt_tokens"] == len(oracle.encode(p))
+            assert meta["completion_tokens"] == MAX_NEW
+            assert meta["finish_reason"] == {"type": "length", "length": MAX_NEW}
+            assert meta["e2e_latency"] > 0
+            if attempt == 1:  # all but the last prompt token come from the radix cache
+                assert meta["cached_tokens"] == meta["prompt_tokens"] - 1
+    assert_accounting(engine)
+
+
+def test_input_ids_single_and_batch(engine, oracle):
+    ids = [oracle.encode(p) for p in PROMPTS[:3]]
+    expected = oracle(ids)
+    one = engine.generate(input_ids=ids[0], sampling_params=GREEDY)
+    assert one["output_ids"] == expected[0]
+    outs = engine.generate(input_ids=ids, sampling_params=[GREEDY] * 3)
+    assert [o["output_ids"] for o in outs] == expected
+
+
+def test_stream_chunks_add_up(engine, oracle):
+    expected = oracle([oracle.encode(PROMPTS[3])])[0]
+    chunks = list(engine.generate(PROMPTS[3], GREEDY, stream=True))
+    assert len(chunks) > 1
+    assert sum((c["output_ids"] for c in chunks), []) == expected
+    assert "".join(c["text"] for c in chunks) == decode(engine, expected)
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all("\ufffd" not in c["text"] for c in chunks[:-1]) or "\ufffd" in decode(engine, expected)
+
+
+def test_chat_messages_use_the_chat_template(engine, oracle):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    out = engine.chat(messages, GREEDY)
+    assert out["output_ids"] == oracle([ids])[0]
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+    batch = engine.chat([messages, messages[1:]], GREEDY)
+    assert batch[0]["output_ids"] == out["output_ids"] and len(batch) == 2
+
+
+def test_concurrent_async_generate(engine, oracle):
+    expected = oracle([oracle.encode(p) for p in PROMPTS])
+
+    async def main():
+        return await asyncio.gather(*(engine.async_generate(p, GREEDY) for p in PROMPTS * 2))
+
+    outs = asyncio.run(main())
+    assert [o["output_ids"] for o in outs] == expected * 2
+
+    async def stream():
+        pieces = []
+        async for chunk in await engine.async_generate(PROMPTS[0], GREEDY, stream=True):
+            pieces += chunk["output_ids"]
+        return pieces
+
+    assert asyncio.run(stream()) == expected[0]
+
+
+def test_stop_string_trims_the_output(engine, oracle):
+    expected = oracle([oracle.encode(PROMPTS[1])])[0]
+    full = decode(engine, expected)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip("\ufffd"), "the greedy text must have a printable middle"
+    out = engine.generate(PROMPTS[1], {**GREEDY, "stop": stop})
+    assert out["text"] == full[: full.find(stop)]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    kept = engine.generate(PROMPTS[1], {**GREEDY, "stop": stop, "no_stop_trim": True})
+    assert kept["text"].endswith(stop)
+
+
+def test_n_choices_and_logprobs(engine, oracle):
+    expected = oracle([oracle.encode(PROMPTS[0])])[0]
+    outs = engine.generate(PROMPTS[0], {**GREEDY, "n": 2}, return_logprob=True)
+    assert [o["output_ids"] for o in outs] == [expected, expected]
+    lps = outs[0]["meta_info"]["output_token_logprobs"]
+    assert len(lps) == MAX_NEW and all(lp <= 0 for lp in lps)
+
+
+def test_bad_request_fails_alone(engine, oracle):
+    expected = oracle([oracle.encode(PROMPTS[0])])[0]
+    with pytest.raises(RequestError, match="temperature"):
+        engine.generate(PROMPTS[0], {"temperature": -1})
+    with pytest.raises(RequestError, match="too long"):
+        engine.generate(input_ids=[5] * 5000)
+    with pytest.raises(RequestError, match="unknown sampling parameter"):
+        engine.generate(PROMPTS[0], {"max_new_tokenz": 3})
+    outs = engine.generate([PROMPTS[0], ""], [GREEDY, GREEDY])
+    assert outs[0]["output_ids"] == expected
+    assert "empty" in outs[1]["error"] and outs[1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+    async def both():
+        good = engine.async_generate(PROMPTS[0], GREEDY)
+        bad = engine.async_generate(input_ids=[10**6], sampling_params=GREEDY)
+        return await asyncio.gather(good, bad, return_exceptions=True)
+
+    good, bad = asyncio.run(both())
+    assert good["output_ids"] == expected
+    assert isinstance(bad, RequestError) and bad.status_code == 400
+    assert_accounting(engine)
+
+
+def test_server_info(engine):
+    info = engine.get_server_info()
+    assert info["model_path"] and info["dtype"] == "float32"
+    for key in ("num_retracted_reqs", "num_preempted_reqs", "num_prefill_tokens", "num_cached_tokens"):
+        assert key in info
+    assert info["num_cached_tokens"] > 0
+    assert_accounting(engine)

@@ -1,0 +1,96 @@
+"""The Engine's processes: a killed scheduler gives a clear error (not a hang) and no orphan;
+shutdown() and garbage collection leave no child process behind."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from test_engine_utils import build_tiny_model, subprocess_env, wait_gone
+
+from radixengine import Engine
+from radixengine.engine import EngineDeadError
+
+ARGS = {"dtype": "float32", "max_total_tokens": 4096, "num_threads": 1, "log_level": "error"}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+def engine_children(engine: Engine) -> dict[str, int]:
+    return {name: proc.pid for name, proc in engine.tokenizer_manager.processes}
+
+
+def engine_pids() -> set[int]:
+    """Our child processes, without multiprocessing's shared resource tracker."""
+    kids = psutil.Process().children(recursive=True)
+    return {p.pid for p in kids if "resource_tracker" not in " ".join(_cmdline(p))}
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_garbage_collected_engine_leaves_no_child(model_path):
+    before = engine_pids()
+    engine = Engine(model_path=model_path, **ARGS)
+    assert engine.generate("hello", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    children = set(engine_children(engine).values())
+    assert children <= engine_pids() - before
+    del engine
+    gc.collect()
+    assert wait_gone(children) == set()
+
+
+def test_killed_scheduler_raises_instead_of_hanging(model_path):
+    engine = Engine(model_path=model_path, **ARGS)
+    pids = engine_children(engine)
+    stream = engine.generate("hello", {"max_new_tokens": 1000, "ignore_eos": True}, stream=True)
+    next(stream)
+    os.kill(pids["scheduler"], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="scheduler process .* died"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < 10
+    with pytest.raises(EngineDeadError):  # and every later call
+        engine.generate("hello")
+    engine.shutdown()
+    assert wait_gone(set(pids.values())) == set()
+    engine.shutdown()  # idempotent
+
+
+PARENT_SCRIPT = """
+import sys, time
+from radixengine import Engine
+if __name__ == "__main__":
+    engine = Engine(model_path=sys.argv[1], dtype="float32", max_total_tokens=4096, num_threads=1, log_level="error")
+    print(" ".join(str(p.pid) for _, p in engine.tokenizer_manager.processes), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_children_exit_when_the_parent_is_killed(model_path, tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_SCRIPT)
+    parent = subprocess.Popen(
+        [sys.executable, str(script), model_path], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
+    try:
+        children = {int(p) for p in parent.stdout.readline().split()}
+        assert len(children) == 2 and wait_gone(children, timeout=0.5) == children
+    finally:
+        parent.kill()
+        parent.wait()
+    assert wait_gone(children, timeout=10) == set()
