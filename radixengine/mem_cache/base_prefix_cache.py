@@ -1,0 +1,139 @@
+"""The prefix-cache contract shared by RadixCache and ChunkCache, and the helpers both use."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from radixengine.mem_cache.memory_pool import ReqToTokenPool
+
+
+class CacheReq(Protocol):
+    """What a cache needs of a request; the scheduler's `Req` provides it."""
+
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    fill_ids: list[int]
+    req_pool_idx: int
+    prefix_indices: torch.Tensor
+    last_node: Any
+
+
+class MatchResult(NamedTuple):
+    """`device_indices`: int64 KV slots of the cached prefix, one per token.
+    `last_node`: the node that ends the prefix; lock it before using the indices."""
+
+    device_indices: torch.Tensor
+    last_node: Any
+
+    @property
+    def last_device_node(self) -> Any:
+        return self.last_node
+
+
+def as_token_key(key: Any) -> tuple[int, ...]:
+    """Check that `key` is a list or tuple of int token ids and return it as a tuple."""
+    if isinstance(key, tuple):
+        tokens = key
+    elif isinstance(key, list):
+        tokens = tuple(key)
+    else:
+        raise TypeError(f"key must be a list or tuple of int token ids, got {type(key).__name__}")
+    # A sum of ints is an int; any float, str, None, numpy scalar... changes its type or raises.
+    # It is several times cheaper than testing each element's type.
+    try:
+        all_ints = type(sum(tokens)) is int
+    except TypeError:
+        all_ints = False
+    if not all_ints:
+        tokens = tuple(map(_token_id, tokens))
+    return tokens
+
+
+def _token_id(token: Any) -> int:
+    if isinstance(token, (float, str, bytes)) or not hasattr(token, "__index__"):
+        raise TypeError(f"key must hold int token ids, found {type(token).__name__} {token!r}")
+    return token.__index__()
+
+
+def finished_kv_len(req: CacheReq) -> int:
+    """Tokens of a request that have KV: the last sampled token has none yet."""
+    return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+
+
+def req_kv_indices(req_to_token_pool: ReqToTokenPool, req: CacheReq, length: int) -> torch.Tensor:
+    """An int64 copy of the first `length` KV slots of the request's row."""
+    row = req_to_token_pool.req_to_token[req.req_pool_idx, :length]
+    return row.to(torch.int64, copy=True)
+
+
+class BasePrefixCache(ABC):
+    """A cache of KV slots keyed by token-id prefixes.
+
+    Ownership: a KV slot belongs either to the cache (it was inserted) or to exactly one request
+    (allocated for it and not yet handed over). `cache_finished_req` / `cache_unfinished_req` hand a
+    request's slots over and free whatever the cache already held, so no slot is ever owned twice.
+
+    Accounting: `evictable_size() + protected_size()` is every token the cache holds; with the
+    allocator's `available_size()` it adds up to the pool size whenever no request is running.
+    """
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget everything (the caller clears the allocator)."""
+
+    @abstractmethod
+    def match_prefix(self, key: list[int] | tuple[int, ...]) -> MatchResult:
+        """The longest cached prefix of `key` (page-aligned). The indices are valid only while
+        `last_node` is locked or until the next call that may evict."""
+
+    @abstractmethod
+    def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor | None = None) -> int:
+        """Cache `value[i]` as the KV slot of `key[:i + 1]`; returns how many leading tokens were
+        already cached. The cache takes ownership of `value[returned:]`; the caller still owns,
+        and must free, `value[:returned]`."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` unlocked tokens, least recently used first, if there are
+        that many; returns how many were freed (whole nodes, so it may be more)."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> int:
+        """Protect the path from `node` to the root from eviction; returns the change in
+        `evictable_size()`."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> int:
+        """Undo one `inc_lock_ref(node)`; raises if the node is not locked. Returns the change in
+        `evictable_size()`."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens held by the cache that nothing locks."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Tokens held by the cache that some request protects."""
+
+    @abstractmethod
+    def total_size(self) -> int:
+        """Tokens held by the cache, counted afresh."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
+        """Hand over a finished (or, with `is_insert=False`, retracted) request: keep or free its
+        KV slots, free its `req_to_token` row and release its lock."""
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: CacheReq) -> None:
+        """Hand over the KV of `req.fill_ids` while the request goes on. Afterwards
+        `req.prefix_indices` lists the slots to reuse, the request's row points at them, and
+        `req.last_node` is locked in place of the old one."""
+
+    @abstractmethod
+    def pretty_print(self) -> None:
+        """Print the cache's contents."""

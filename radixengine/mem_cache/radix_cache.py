@@ -1,0 +1,377 @@
+"""RadixCache: a radix tree of token ids whose nodes hold the KV slots of their edge.
+
+With page_size > 1 the tree works in whole pages: keys are truncated to a multiple of the page
+size, a child is keyed by the tuple of its first page, and matches advance a page at a time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixengine.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    CacheReq,
+    MatchResult,
+    as_token_key,
+    finished_kv_len,
+    req_kv_indices,
+)
+from radixengine.mem_cache.chunk_cache import ChunkCache
+from radixengine.mem_cache.memory_pool import check_count
+
+if TYPE_CHECKING:
+    from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+    from radixengine.mem_cache.memory_pool import ReqToTokenPool
+
+_node_ids = itertools.count()
+
+# Matching compares this many tokens per slice before looking for the first difference.
+_SCAN_BLOCK = 64
+
+
+@dataclass(eq=False, slots=True)
+class TreeNode:
+    key: tuple[int, ...] = ()
+    value: torch.Tensor | None = None
+    parent: TreeNode | None = None
+    children: dict[Any, TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    # A logical clock (one tick per match/insert): the LRU order of SGLang's wall-clock times,
+    # without ties.
+    last_access_time: int = 0
+    id: int = field(default_factory=lambda: next(_node_ids))
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return self.last_access_time < other.last_access_time
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+
+
+def _common_prefix_len(stored: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+    """Length of the common prefix of `stored` and `key[start:]`."""
+    limit = min(len(stored), len(key) - start)
+    if key[start : start + limit] == stored[:limit]:
+        return limit
+    i = 0
+    while (
+        i + _SCAN_BLOCK <= limit and key[start + i : start + i + _SCAN_BLOCK] == stored[i : i + _SCAN_BLOCK]
+    ):
+        i += _SCAN_BLOCK
+    while stored[i] == key[start + i]:
+        i += 1
+    return i
+
+
+class RadixCache(BasePrefixCache):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool | None,
+        token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator | None,
+        page_size: int = 1,
+        disable: bool = False,
+    ):
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = check_count("page_size", page_size, 1)
+        self.disable = disable
+        self.device = getattr(token_to_kv_pool_allocator, "device", "cpu")
+        # With the tree disabled, requests are handed over as ChunkCache does.
+        self._no_share = ChunkCache(req_to_token_pool, token_to_kv_pool_allocator, self.page_size)
+        self.reset()
+
+    def reset(self) -> None:
+        self.root_node = TreeNode(value=self._empty())
+        self.root_node.lock_ref = 1
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+        self._clock = 0
+        # Unlocked leaves, and a heap of (last_access_time, id, node) over them whose entries may
+        # be stale: evict() skips or refreshes those.
+        self._evictable_leaves: set[TreeNode] = set()
+        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        self._no_share.reset()
+
+    # ---- lookups ----
+
+    def match_prefix(self, key: list[int] | tuple[int, ...]) -> MatchResult:
+        key = self._page_aligned(as_token_key(key))
+        if self.disable or not key:
+            return MatchResult(self._empty(), self.root_node)
+        values, node = self._match_prefix_helper(key)
+        indices = torch.cat(values) if values else self._empty()
+        return MatchResult(indices, node)
+
+    def _match_prefix_helper(self, key: tuple[int, ...]) -> tuple[list[torch.Tensor], TreeNode]:
+        now = self._tick()
+        node, values, i = self.root_node, [], 0
+        node.last_access_time = now
+        while i < len(key):
+            child = node.children.get(self._child_key(key, i))
+            if child is None:
+                break
+            matched = self._match_len(child.key, key, i)
+            if matched < len(child.key):
+                node = self._split_node(child, matched)
+                node.last_access_time = now
+                values.append(node.value)
+                break
+            child.last_access_time = now
+            values.append(child.value)
+            node, i = child, i + matched
+        return values, node
+
+    def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor | None = None) -> int:
+        key_tokens = as_token_key(key)
+        if value is None:
+            value = torch.tensor(key_tokens, dtype=torch.int64, device=self.device)
+        if len(value) != len(key_tokens):
+            raise ValueError(f"insert: value has {len(value)} slots for {len(key_tokens)} tokens")
+        if self.disable:
+            return 0
+        aligned = self._page_aligned(key_tokens)
+        return self._insert_helper(
+            aligned, value if len(aligned) == len(key_tokens) else value[: len(aligned)]
+        )
+
+    def _insert_helper(self, key: tuple[int, ...], value: torch.Tensor) -> int:
+        now = self._tick()
+        node, i = self.root_node, 0
+        node.last_access_time = now
+        while i < len(key):
+            child = node.children.get(self._child_key(key, i))
+            if child is None:
+                break
+            matched = self._match_len(child.key, key, i)
+            if matched < len(child.key):
+                child = self._split_node(child, matched)
+            child.last_access_time = now
+            node, i = child, i + matched
+        if i < len(key):
+            self._add_leaf(node, key[i:], value[i:], now)
+        return i
+
+    # ---- tree surgery ----
+
+    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Cut `child`'s edge after `split_len` tokens; returns the new upper node."""
+        parent = child.parent
+        upper = TreeNode(
+            key=child.key[:split_len],
+            value=child.value[:split_len].clone(),
+            parent=parent,
+            lock_ref=child.lock_ref,
+            last_access_time=child.last_access_time,
+        )
+        child.key = child.key[split_len:]
+        child.value = child.value[split_len:].clone()
+        child.parent = upper
+        upper.children[self._child_key(child.key, 0)] = child
+        parent.children[self._child_key(upper.key, 0)] = upper
+        return upper
+
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor, now: int) -> None:
+        owned = value.clone() if value.dtype == torch.int64 else value.to(torch.int64)
+        leaf = TreeNode(key=key, value=owned, parent=parent, last_access_time=now)
+        self._evictable_leaves.discard(parent)
+        parent.children[self._child_key(key, 0)] = leaf
+        self.evictable_size_ += len(key)
+        self._mark_evictable(leaf)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        del parent.children[self._child_key(node.key, 0)]
+        node.parent = None
+        self.evictable_size_ -= len(node.key)
+        self._evictable_leaves.discard(node)
+        if not parent.children and parent.lock_ref == 0:
+            self._mark_evictable(parent)
+
+    def _mark_evictable(self, node: TreeNode) -> None:
+        self._evictable_leaves.add(node)
+        heapq.heappush(self._leaf_heap, (node.last_access_time, node.id, node))
+        if len(self._leaf_heap) > 4 * len(self._evictable_leaves) + 1024:
+            self._leaf_heap = [(n.last_access_time, n.id, n) for n in self._evictable_leaves]
+            heapq.heapify(self._leaf_heap)
+
+    # ---- eviction and locks ----
+
+    def evict(self, num_tokens: int) -> int:
+        num_tokens = check_count("num_tokens", num_tokens)
+        if self.disable:
+            return 0
+        freed: list[torch.Tensor] = []
+        evicted = 0
+        while evicted < num_tokens and self._leaf_heap:
+            access_time, _, node = heapq.heappop(self._leaf_heap)
+            if node not in self._evictable_leaves:
+                continue
+            if access_time != node.last_access_time:
+                heapq.heappush(self._leaf_heap, (node.last_access_time, node.id, node))
+                continue
+            freed.append(node.value)
+            evicted += len(node.key)
+            self._delete_leaf(node)
+        if freed:
+            self.token_to_kv_pool_allocator.free(torch.cat(freed))
+        return evicted
+
+    def inc_lock_ref(self, node: TreeNode | None) -> int:
+        if self.disable or node is None:
+            return 0
+        delta = 0
+        for path_node in self._path_to_root(node):
+            if path_node.lock_ref == 0:
+                self.evictable_size_ -= len(path_node.key)
+                self.protected_size_ += len(path_node.key)
+                delta -= len(path_node.key)
+                self._evictable_leaves.discard(path_node)
+            path_node.lock_ref += 1
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode | None) -> int:
+        if self.disable or node is None:
+            return 0
+        path = self._path_to_root(node)
+        if path and node.lock_ref <= 0:
+            raise RuntimeError(f"dec_lock_ref: node {node.id} is not locked (lock_ref {node.lock_ref})")
+        delta = 0
+        for path_node in path:
+            if path_node.lock_ref == 1:
+                self.evictable_size_ += len(path_node.key)
+                self.protected_size_ -= len(path_node.key)
+                delta += len(path_node.key)
+                if not path_node.children:
+                    self._mark_evictable(path_node)
+            path_node.lock_ref -= 1
+        return delta
+
+    def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes from `node` up to, not including, the root; raises if `node` is not in the tree."""
+        path = []
+        while node is not self.root_node:
+            if node.parent is None:
+                raise ValueError(f"node {node.id} is not in this tree (evicted, or from before a reset)")
+            path.append(node)
+            node = node.parent
+        return path
+
+    # ---- sizes ----
+
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        if self.disable:
+            return self._no_share.protected_size()
+        return self.protected_size_
+
+    def total_size(self) -> int:
+        if self.disable:
+            return self._no_share.total_size()
+        return sum(len(node.key) for node in self._iter_nodes())
+
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def pretty_print(self) -> None:
+        print(self._format_tree())
+
+    def _format_tree(self) -> str:
+        lines: list[str] = []
+        stack = [(child, 0) for child in self.root_node.children.values()]
+        while stack:
+            node, depth = stack.pop()
+            head = list(node.key[:10])
+            more = "..." if len(node.key) > 10 else ""
+            lines.append(f"{'  ' * depth}{len(node.key)} {head}{more} lock_ref={node.lock_ref}")
+            stack.extend((child, depth + 1) for child in node.children.values())
+        lines.append(
+            f"#tokens: {self.total_size()} (evictable {self.evictable_size_}, protected {self.protected_size_})"
+        )
+        return "\n".join(lines)
+
+    # ---- requests ----
+
+    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
+        if self.disable:
+            self._no_share.cache_finished_req(req, is_insert)
+            return
+        all_len = finished_kv_len(req)
+        token_ids = (list(req.origin_input_ids) + list(req.output_ids))[:all_len]
+        kv = req_kv_indices(self.req_to_token_pool, req, all_len)
+        aligned = all_len // self.page_size * self.page_size
+        owned = self._tree_owned_len(req)
+        allocator = self.token_to_kv_pool_allocator
+        if is_insert:
+            new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned])
+            allocator.free(kv[owned:new_prefix_len])
+        else:
+            allocator.free(kv[owned:aligned])
+        allocator.free(kv[aligned:])
+        self.req_to_token_pool.free(req.req_pool_idx)
+        self.dec_lock_ref(req.last_node)
+
+    def cache_unfinished_req(self, req: CacheReq) -> None:
+        if self.disable:
+            self._no_share.cache_unfinished_req(req)
+            return
+        token_ids = list(req.fill_ids)
+        kv = req_kv_indices(self.req_to_token_pool, req, len(token_ids))
+        aligned = len(token_ids) // self.page_size * self.page_size
+        owned = self._tree_owned_len(req)
+        new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned])
+        self.token_to_kv_pool_allocator.free(kv[owned:new_prefix_len])
+
+        new_indices, new_last_node = self.match_prefix(token_ids[:aligned])
+        if len(new_indices) != aligned:
+            raise RuntimeError(
+                f"cache_unfinished_req: matched {len(new_indices)} of {aligned} just-inserted tokens"
+            )
+        # Point the row at the tree's slots: the duplicates freed above may be handed out again.
+        self.req_to_token_pool.write((req.req_pool_idx, slice(owned, aligned)), new_indices[owned:])
+        req.last_matched_prefix_len = aligned
+        self.dec_lock_ref(req.last_node)
+        self.inc_lock_ref(new_last_node)
+        if self.page_size > 1:
+            new_indices = torch.cat((new_indices, kv[aligned:]))
+        req.prefix_indices = new_indices
+        req.last_node = new_last_node
+
+    def _tree_owned_len(self, req: CacheReq) -> int:
+        # With pages, prefix_indices may end in the request's own partial page; the tree owns only
+        # the whole pages before it.
+        return len(req.prefix_indices) // self.page_size * self.page_size
+
+    # ---- helpers ----
+
+    def _child_key(self, key: tuple[int, ...], start: int) -> Any:
+        if self.page_size == 1:
+            return key[start]
+        return key[start : start + self.page_size]
+
+    def _match_len(self, stored: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+        matched = _common_prefix_len(stored, key, start)
+        return matched if self.page_size == 1 else matched // self.page_size * self.page_size
+
+    def _page_aligned(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        if self.page_size == 1:
+            return key
+        return key[: len(key) // self.page_size * self.page_size]
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((0,), dtype=torch.int64, device=self.device)
