@@ -1,13 +1,42 @@
-"""Req, ScheduleBatch and ModelWorkerBatch: a request's state and the batches built from them."""
+"""Req, ScheduleBatch and ModelWorkerBatch: a request's state and the batches built from them.
+
+A `ScheduleBatch` is the scheduler's view of a batch (the requests, plus CPU and device tensors
+kept in step with them); `get_model_worker_batch` turns it into the `ModelWorkerBatch` the model
+worker runs. The per-step work is vectorized over the batch; per-request Python loops are only
+where a request's own list must change (prefill set-up, appending sampled tokens).
+
+Overlap-safe by construction: tensors a launched forward may still read are never mutated in
+place (`seq_lens = seq_lens + 1`, filters and merges build new tensors), and `output_ids` holds
+the last sampled tokens as a device tensor (real ids, or negative FutureMap placeholders under
+the overlap loop), so the next decode never waits for the host.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixengine.managers.io_struct import (
+    finish_abort,
+    finish_length,
+    finish_matched_str,
+    finish_matched_token,
+)
 from radixengine.model_executor.forward_batch_info import ForwardMode
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
+from radixengine.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixengine.server_args import ServerArgs
+
+
+_EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
 
 
 @dataclass
@@ -30,3 +59,425 @@ class ModelWorkerBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+# Request ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class TimeStats:
+    wait_queue_entry_time: float = 0.0  # arrival (set once, kept across retractions)
+    forward_entry_time: float = 0.0  # first admitted to a prefill batch
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+
+
+class Req:
+    """One generation request and its progress. Identity semantics (hashable by object)."""
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_text: str | None,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        priority: int | None = None,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_text = origin_input_text
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.stream = stream
+        self.priority = priority
+
+        self.output_ids: list[int] = []
+        self.output_token_logprobs: list[float] = []
+        # The tokens this round computes KV for (origin + output, truncated for a chunk).
+        self.fill_ids: list[int] = []
+        self.prefix_indices: torch.Tensor = _EMPTY_INDICES
+        self.last_node: Any = None
+        self.last_matched_prefix_len = 0
+        self.extend_input_len = 0
+        self.host_hit_length = 0
+        self.req_pool_idx: int | None = None
+
+        self.finished_reason: dict | None = None
+        self.to_abort = False
+        self.to_abort_message = "The request was aborted."
+        self.to_abort_status_code = 499
+
+        self.is_chunked = 0  # chunk batches launched and not processed yet
+        self.is_retracted = False
+        self.retraction_count = 0
+        self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
+        self.already_computed = 0
+        self.time_stats = TimeStats()
+
+        self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self._stop_str_max_len = max((len(s) for s in sampling_params.stop_strs), default=0)
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    # Prefix matching ---------------------------------------------------------------------------
+
+    def adjust_max_prefix_ids(self) -> list[int]:
+        """The ids a prefix match may cover: all but the last, so at least one token is computed
+        and its logits exist."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        return self.fill_ids[: len(self.fill_ids) - 1]
+
+    def init_next_round_input(self, tree_cache: Any = None) -> None:
+        """Set fill_ids and extend_input_len for this round; with a tree cache, (re)match the
+        prefix first (without one, the prefix of the last match or chunk is kept)."""
+        prefix_ids = self.adjust_max_prefix_ids()
+        if tree_cache is not None:
+            match = tree_cache.match_prefix(prefix_ids)
+            self.prefix_indices, self.last_node = match.device_indices, match.last_node
+            self.last_matched_prefix_len = len(self.prefix_indices)
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    # Finishing ---------------------------------------------------------------------------------
+
+    def check_finished(self, eos_token_ids: frozenset[int], tokenizer: Any = None) -> None:
+        """SGLang's order: abort, length, stop token ids / EOS, stop strings. Stop conditions
+        other than abort and length wait for min_new_tokens."""
+        if self.finished_reason is not None:
+            return
+        if self.to_abort:
+            self.finished_reason = finish_abort(
+                self.to_abort_message, self.to_abort_status_code, "Aborted"
+            )
+            return
+        params = self.sampling_params
+        num_out = len(self.output_ids)
+        if num_out >= params.max_new_tokens:
+            self.finished_reason = finish_length(params.max_new_tokens)
+            return
+        if num_out == 0 or num_out < params.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if last in self._stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+            self.finished_reason = finish_matched_token(last)
+            return
+        if self._stop_str_max_len and tokenizer is not None:
+            # A token decodes to at least one character, so this tail covers any stop string.
+            tail = tokenizer.decode(self.output_ids[-(self._stop_str_max_len + 1) :])
+            for stop in params.stop_strs:
+                if stop in tail:
+                    self.finished_reason = finish_matched_str(stop)
+                    return
+
+    def abort(self, message: str, status_code: int = 400, err_type: str = "BadRequestError") -> None:
+        self.finished_reason = finish_abort(message, status_code, err_type)
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = _EMPTY_INDICES
+        self.last_node = None
+        self.last_matched_prefix_len = 0
+        self.extend_input_len = 0
+        self.fill_ids = []
+        self.req_pool_idx = None
+        self.is_chunked = 0
+        self.is_retracted = True
+        self.retraction_count += 1
+        self.already_computed = 0
+
+    @contextmanager
+    def as_prefilled_upto(self, kv_len: int):
+        """Present this request to the tree cache as if its KV covered exactly the first
+        `kv_len` of its tokens (for releasing a partially prefilled, aborted request through
+        `cache_finished_req`, which assumes the prompt is complete)."""
+        saved = self.origin_input_ids, self.output_ids
+        self.origin_input_ids = (self.origin_input_ids + self.output_ids)[:kv_len]
+        self.output_ids = []
+        try:
+            yield
+        finally:
+            self.origin_input_ids, self.output_ids = saved
+
+
+# Batch ------------------------------------------------------------------------------------------
+
+
+def _int64(values, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    req_to_token_pool: Any
+    token_to_kv_pool_allocator: Any
+    tree_cache: Any
+    device: torch.device | str = "cpu"
+    page_size: int = 1
+    vocab_size: int | None = None
+    enable_overlap: bool = False
+
+    forward_mode: ForwardMode = ForwardMode.IDLE
+    batch_is_full: bool = False
+    input_ids: torch.Tensor | None = None
+    req_pool_indices: torch.Tensor = field(default_factory=lambda: _int64([]))
+    seq_lens: torch.Tensor = field(default_factory=lambda: _int64([]))  # device
+    seq_lens_cpu: torch.Tensor = field(default_factory=lambda: _int64([]))
+    origin_lens_cpu: torch.Tensor = field(default_factory=lambda: _int64([]))
+    out_cache_loc: torch.Tensor | None = None
+    # The last sampled token of each request: real ids, or -placeholders under overlap.
+    output_ids: torch.Tensor | None = None
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    extend_num_tokens: int = 0
+    return_logprob: bool = False
+    _sampling_base: SamplingBatchInfo | None = field(default=None, repr=False)
+
+    @classmethod
+    def init_new(cls, reqs: list[Req], **kwargs) -> ScheduleBatch:
+        return cls(reqs=list(reqs), return_logprob=any(r.return_logprob for r in reqs), **kwargs)
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def copy(self) -> ScheduleBatch:
+        """A shallow copy for the overlap loop's result queue: later filters and merges of the
+        running batch build new lists and tensors, so the copy keeps what was launched."""
+        return dataclasses.replace(self, reqs=list(self.reqs))
+
+    # Memory ------------------------------------------------------------------------------------
+
+    def _evict_for(self, num_tokens: int) -> None:
+        shortfall = num_tokens - self.token_to_kv_pool_allocator.available_size()
+        if shortfall > 0:
+            self.tree_cache.evict(shortfall)
+
+    def _alloc_failed(self, what: str, num_tokens: int) -> RuntimeError:
+        avail = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        return RuntimeError(
+            f"Out of memory allocating {num_tokens} KV slots for {what} "
+            f"(available {avail}, evictable {evictable}). Try a smaller batch."
+        )
+
+    def _alloc_req_rows(self) -> list[int]:
+        rows: list[int | None] = [r.req_pool_idx for r in self.reqs]  # a chunked req keeps its row
+        need = sum(1 for x in rows if x is None)
+        fresh = self.req_to_token_pool.alloc(need) if need else []
+        if fresh is None:
+            raise RuntimeError(
+                f"No free request rows for {need} requests (available "
+                f"{self.req_to_token_pool.available_size()}); lower --max-running-requests."
+            )
+        it = iter(fresh)
+        return [x if x is not None else next(it) for x in rows]
+
+    def _alloc_extend_slots(self, prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+        n = self.extend_num_tokens
+        allocator = self.token_to_kv_pool_allocator
+        if self.page_size == 1:
+            self._evict_for(n)
+            out = allocator.alloc(n)
+        else:
+            self._evict_for(n + len(self.reqs) * self.page_size)
+            last_loc = _int64(
+                [int(r.prefix_indices[-1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)],
+                self.device,
+            )
+            out = allocator.alloc_extend(
+                _int64(prefix_lens, self.device), _int64(seq_lens, self.device), last_loc, n
+            )
+        if out is None:
+            raise self._alloc_failed("prefill", n)
+        return out
+
+    # Prefill -----------------------------------------------------------------------------------
+
+    def prepare_for_extend(self) -> None:
+        self.forward_mode = ForwardMode.EXTEND
+        reqs = self.reqs
+        prefix_lens = [len(r.prefix_indices) for r in reqs]
+        extend_lens = [r.extend_input_len for r in reqs]
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        self.prefix_lens, self.extend_lens = prefix_lens, extend_lens
+        self.extend_num_tokens = sum(extend_lens)
+        input_ids = list(chain.from_iterable(r.fill_ids[p:] for r, p in zip(reqs, prefix_lens)))
+
+        rows = self._alloc_req_rows()
+        out_cache_loc = self._alloc_extend_slots(prefix_lens, seq_lens)
+        pool = self.req_to_token_pool
+        now = time.perf_counter()
+        pt = 0
+        for req, row, pre, seq in zip(reqs, rows, prefix_lens, seq_lens):
+            req.req_pool_idx = row
+            if pre:
+                pool.write((row, slice(0, pre)), req.prefix_indices)
+            pool.write((row, slice(pre, seq)), out_cache_loc[pt : pt + seq - pre])
+            pt += seq - pre
+            req.cached_tokens += max(pre - req.already_computed, 0)
+            req.already_computed = seq
+            req.is_retracted = False
+            if not req.time_stats.forward_entry_time:
+                req.time_stats.forward_entry_time = now
+
+        self.input_ids = _int64(input_ids, self.device)
+        self.req_pool_indices = _int64(rows, self.device)
+        self.seq_lens_cpu = _int64(seq_lens)
+        self.seq_lens = self.seq_lens_cpu.to(self.device)
+        self.origin_lens_cpu = _int64([len(r.origin_input_ids) for r in reqs])
+        self.out_cache_loc = out_cache_loc
+        self.output_ids = None
+        self._sampling_base = None
+
+    # Decode ------------------------------------------------------------------------------------
+
+    def new_tokens_next_decode(self, selected: torch.Tensor | None = None) -> int:
+        """KV slots the next decode step needs: one per request, or with pages, a whole page
+        for each request whose next token starts one (seq_lens counts the KV already held, so
+        the formula is the same with and without overlap)."""
+        seq = self.seq_lens_cpu if selected is None else self.seq_lens_cpu[selected]
+        if self.page_size == 1:
+            return int(seq.numel())
+        return int((seq % self.page_size == 0).sum()) * self.page_size
+
+    def check_decode_mem(self, selected: torch.Tensor | None = None, buf_multiplier: int = 1) -> bool:
+        num_tokens = self.new_tokens_next_decode(selected) * buf_multiplier
+        self._evict_for(num_tokens)
+        return self.token_to_kv_pool_allocator.available_size() >= num_tokens
+
+    def prepare_for_decode(self) -> None:
+        self.forward_mode = ForwardMode.DECODE
+        self.input_ids, self.output_ids = self.output_ids, None
+        self.prefix_lens, self.extend_lens, self.extend_num_tokens = [], [], 0
+        bs = len(self.reqs)
+        allocator = self.token_to_kv_pool_allocator
+        positions = self.seq_lens  # the new token's position, before the increment
+        if self.page_size == 1:
+            self._evict_for(bs)
+            out = allocator.alloc(bs)
+        else:
+            self._evict_for(self.new_tokens_next_decode())
+            last_loc = self.req_to_token_pool.req_to_token[self.req_pool_indices, positions - 1]
+            out = allocator.alloc_decode(positions + 1, last_loc.to(torch.int64))
+        if out is None:
+            raise self._alloc_failed("decode", bs)
+        self.req_to_token_pool.write((self.req_pool_indices, positions), out.to(torch.int32))
+        self.out_cache_loc = out
+        # Never in place: the previous forward may still read the old tensors.
+        self.seq_lens = self.seq_lens + 1
+        self.seq_lens_cpu = self.seq_lens_cpu + 1
+
+    # Composition -------------------------------------------------------------------------------
+
+    def filter_batch(
+        self,
+        chunked_req_to_exclude: Req | list[Req] | None = None,
+        keep_indices: list[int] | None = None,
+    ) -> None:
+        if keep_indices is None:
+            exclude = chunked_req_to_exclude
+            if exclude is None:
+                exclude = []
+            elif isinstance(exclude, Req):
+                exclude = [exclude]
+            keep_indices = [
+                i for i, r in enumerate(self.reqs)
+                if not r.finished() and not any(r is e for e in exclude)
+            ]
+        if len(keep_indices) == len(self.reqs):
+            return
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        idx_cpu = _int64(keep_indices)
+        idx = idx_cpu.to(self.device)
+        self.req_pool_indices = self.req_pool_indices[idx]
+        self.seq_lens = self.seq_lens[idx]
+        self.seq_lens_cpu = self.seq_lens_cpu[idx_cpu]
+        self.origin_lens_cpu = self.origin_lens_cpu[idx_cpu]
+        if self.output_ids is not None:
+            self.output_ids = self.output_ids[idx]
+        self.return_logprob = any(r.return_logprob for r in self.reqs)
+        self._sampling_base = None
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        if self.is_empty():
+            self.reqs = []
+        self.req_pool_indices = torch.cat([self.req_pool_indices.to(self.device), other.req_pool_indices])
+        self.seq_lens = torch.cat([self.seq_lens.to(self.device), other.seq_lens])
+        self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
+        self.origin_lens_cpu = torch.cat([self.origin_lens_cpu, other.origin_lens_cpu])
+        if self.output_ids is None or not self.reqs:
+            self.output_ids = other.output_ids
+        else:
+            self.output_ids = torch.cat([self.output_ids, other.output_ids])
+        self.reqs = self.reqs + other.reqs
+        self.return_logprob = self.return_logprob or other.return_logprob
+        self._sampling_base = None
+
+    # Retraction --------------------------------------------------------------------------------
+
+    def release_req(self, idx: int, remaining_req_count: int, server_args: ServerArgs) -> None:
+        """Return request `idx` to the waiting state: its KV is freed (not inserted: the space
+        is needed now), and room is made for the remaining requests' next steps."""
+        req = self.reqs[idx]
+        self.tree_cache.cache_finished_req(req, is_insert=False)
+        self._evict_for(remaining_req_count * server_args.retract_decode_steps)
+        req.reset_for_retract()
+
+    def retract_decode(self, server_args: ServerArgs) -> tuple[list[Req], float]:
+        """Retract requests until the next decode step fits: fewest decoded tokens first, then
+        the longest prompt. Returns the retracted requests and the new new_token_ratio."""
+        order = sorted(
+            range(len(self.reqs)),
+            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
+            reverse=True,
+        )
+        retracted: list[Req] = []
+        while order and (not retracted or not self.check_decode_mem(_int64(order))):
+            idx = order.pop()
+            retracted.append(self.reqs[idx])
+            self.release_req(idx, len(order), server_args)
+        self.filter_batch(keep_indices=sorted(order))
+        decoded = sum(len(r.output_ids) for r in self.reqs)
+        max_new = sum(r.sampling_params.max_new_tokens for r in self.reqs)
+        new_ratio = min(1.0, (decoded + server_args.retract_decode_steps * len(self.reqs)) / (max_new + 1))
+        return retracted, (new_ratio if self.reqs else 0.0)
+
+    # Worker batch ------------------------------------------------------------------------------
+
+    def _sampling_info(self) -> SamplingBatchInfo:
+        # Tokens each request sampled before this step (a partial chunk samples nothing useful).
+        steps = (self.seq_lens_cpu - self.origin_lens_cpu).clamp_(min=0)
+        if self._sampling_base is None:
+            self._sampling_base = SamplingBatchInfo.from_sampling_params(
+                [r.sampling_params for r in self.reqs], steps.tolist(), self.device, self.vocab_size
+            )
+            return self._sampling_base
+        return dataclasses.replace(self._sampling_base, steps=steps.to(self.device))
+
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        is_extend = self.forward_mode.is_extend()
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens_cpu.tolist(),
+            out_cache_loc=self.out_cache_loc,
+            extend_prefix_lens=list(self.prefix_lens) if is_extend else None,
+            extend_seq_lens=list(self.extend_lens) if is_extend else None,
+            sampling_info=self._sampling_info(),
+            return_logprob=self.return_logprob,
+        )

@@ -1,0 +1,628 @@
+"""Scheduler: continuous batching over the radix cache.
+
+One step: recv → `process_input_requests` (validate, build `Req`, queue) → `get_next_batch_to_run`
+(prefill first; else the running decode batch, after `update_running_batch`, which may retract)
+→ `run_batch` (ScheduleBatch → ModelWorkerBatch → forward → sample) → `process_batch_result`
+(append tokens, check stop conditions, cache or free KV) → one `BatchTokenIDOut` for the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixengine.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+    finish_length,
+)
+from radixengine.managers.schedule_batch import Req, ScheduleBatch
+from radixengine.managers.schedule_policy import (
+    IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
+    AddReqResult,
+    PrefillAdder,
+    PrefixTrie,
+    SchedulePolicy,
+    lowest_priority_value,
+)
+from radixengine.managers.scheduler_io import InProcessIO, SchedulerIO, SchedulerIOClosed
+from radixengine.mem_cache.accounting import TokenAccountingError, check_token_accounting
+from radixengine.mem_cache.chunk_cache import ChunkCache
+from radixengine.mem_cache.radix_cache import RadixCache
+from radixengine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    num_prefill_tokens: int = 0  # prompt tokens computed (KV written by a prefill)
+    num_cached_tokens: int = 0  # prompt tokens served from the cache
+    num_generated_tokens: int = 0
+    num_retracted_reqs: int = 0
+    num_preempted_reqs: int = 0
+    num_forward_steps: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        total = self.num_prefill_tokens + self.num_cached_tokens
+        return self.num_cached_tokens / total if total else 0.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        tp_worker: Any = None,
+        tokenizer: Any = None,
+        io: SchedulerIO | None = None,
+    ) -> None:
+        self.server_args = server_args
+        if tp_worker is None:
+            from radixengine.managers.tp_worker import TpModelWorker
+
+            tp_worker = TpModelWorker(server_args)
+        self.tp_worker = tp_worker
+        self.tokenizer = tokenizer
+        self.io: SchedulerIO = io if io is not None else InProcessIO()
+        self.page_size = server_args.page_size
+        self.enable_overlap = False
+
+        self._init_worker_info()
+        self._init_memory_and_cache()
+        args = server_args
+        self.enable_in_batch_prefix_caching = not args.disable_in_batch_prefix_caching and not self.tree_cache.disable
+        self.policy = SchedulePolicy(
+            args.schedule_policy,
+            self.tree_cache,
+            enable_priority_scheduling=args.enable_priority_scheduling,
+            schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+            lpm_fallback_queue_len=args.lpm_fallback_queue_len,
+            enable_in_batch_prefix_caching=self.enable_in_batch_prefix_caching,
+        )
+        self.try_preemption = args.enable_priority_scheduling
+        self.chunked_prefill_size = args.effective_chunked_prefill_size
+        self.max_prefill_tokens = args.max_prefill_tokens
+
+        self.init_new_token_ratio = args.init_ratio
+        self.min_new_token_ratio = args.min_ratio
+        self.new_token_ratio_decay = args.ratio_decay
+        self.new_token_ratio = self.init_new_token_ratio
+
+        self.waiting_queue: list[Req] = []
+        self.running_batch: ScheduleBatch = self._new_batch([])
+        self.cur_batch: ScheduleBatch | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.chunked_req: Req | None = None
+        self.stats = SchedulerStats()
+        self._pending_outputs: list[Req] = []
+        self._shutdown = False
+
+    def _init_worker_info(self) -> None:
+        info = self.tp_worker.get_worker_info()
+        self.max_total_num_tokens: int = info.max_total_num_tokens
+        self.max_running_requests: int = info.max_running_requests
+        self.max_req_len: int = info.max_req_len
+        self.max_req_input_len: int = info.max_req_input_len
+        self.context_len: int = info.context_len
+        self.vocab_size: int = info.vocab_size
+        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.device = torch.device(info.device)
+        if info.page_size != self.page_size:
+            raise ValueError(f"--page-size {self.page_size} differs from the worker's pools ({info.page_size})")
+
+    def _init_memory_and_cache(self) -> None:
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = self.tp_worker.get_memory_pool()
+        cache_cls = ChunkCache if self.server_args.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch.init_new(
+            reqs,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            tree_cache=self.tree_cache,
+            device=self.device,
+            page_size=self.page_size,
+            vocab_size=self.vocab_size,
+            enable_overlap=self.enable_overlap,
+        )
+
+    # Input -------------------------------------------------------------------------------------
+
+    def recv_requests(self, block: bool = False) -> list[object]:
+        return self.io.recv(block)
+
+    def process_input_requests(self, msgs: list[object]) -> None:
+        for msg in msgs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.handle_generate_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg.rid)
+            elif isinstance(msg, FlushCacheReqInput):
+                ok, message = self._flush_cache()
+                self.io.send(FlushCacheReqOutput(success=ok, message=message))
+            elif isinstance(msg, GetInternalStateReq):
+                self.io.send(GetInternalStateReqOutput(state=self.get_internal_state()))
+            else:
+                logger.error("scheduler: ignoring a message of unknown type %s", type(msg).__name__)
+
+    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        req = Req(
+            recv.rid,
+            recv.input_text,
+            recv.input_ids,
+            recv.sampling_params,
+            return_logprob=recv.return_logprob,
+            top_logprobs_num=recv.top_logprobs_num,
+            stream=recv.stream,
+            priority=recv.priority,
+        )
+        if self.server_args.enable_priority_scheduling and req.priority is None:
+            req.priority = lowest_priority_value(self.server_args.schedule_low_priority_values_first)
+        error = recv.error or self._validate_request(req)
+        if error is not None:
+            self._finish_at_once(req, error, 400)
+            return
+        self._add_request_to_queue(req)
+
+    def _validate_request(self, req: Req) -> str | None:
+        try:
+            req.sampling_params.verify()
+        except ValueError as e:
+            return f"Invalid sampling parameters: {e}"
+        ids = req.origin_input_ids
+        n = len(ids)
+        if n == 0:
+            return "The prompt is empty: at least one input token is required."
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            return f"Input token id {bad} is outside the vocabulary [0, {self.vocab_size})."
+        if n >= self.max_req_input_len:
+            return (
+                f"The input ({n} tokens) is longer than the model's context length allows "
+                f"(at most {self.max_req_input_len - 1} input tokens)."
+            )
+        max_new = req.sampling_params.max_new_tokens
+        if n + max_new > self.max_req_len:
+            return (
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.max_req_len} tokens: {n} input tokens + max_new_tokens {max_new} = {n + max_new}. "
+                f"Reduce the prompt or max_new_tokens."
+            )
+        return None
+
+    def _finish_at_once(self, req: Req, message: str, status_code: int) -> None:
+        err_type = "ServiceUnavailableError" if status_code == 503 else "BadRequestError"
+        req.abort(message, status_code, err_type)
+        req.time_stats.finish_time = time.perf_counter()
+        self._pending_outputs.append(req)
+
+    def _priority_key(self, req: Req) -> tuple[int, float]:
+        """Ascending = more important first; ties: earlier arrival first."""
+        sign = 1 if self.server_args.schedule_low_priority_values_first else -1
+        return req.priority * sign, req.time_stats.wait_queue_entry_time
+
+    def _add_request_to_queue(self, req: Req) -> None:
+        req.time_stats.wait_queue_entry_time = time.perf_counter()
+        limit = self.server_args.max_queued_requests
+        if limit is not None and len(self.waiting_queue) >= limit:
+            if not self.server_args.enable_priority_scheduling:
+                self._finish_at_once(req, "The request queue is full.", 503)
+                return
+            worst = max(self.waiting_queue, key=self._priority_key)
+            if self._priority_key(req)[0] >= self._priority_key(worst)[0]:
+                self._finish_at_once(req, "The request queue is full.", 503)
+                return
+            self.waiting_queue.remove(worst)
+            self._finish_at_once(worst, "The request is aborted by a higher priority request.", 503)
+        self.waiting_queue.append(req)
+
+    def _requeue(self, reqs: list[Req]) -> None:
+        """Retracted or preempted requests go back to the waiting queue (no queue limit)."""
+        for req in reqs:
+            if req.to_abort:
+                req.check_finished(self.eos_token_ids)
+                self._pending_outputs.append(req)
+            else:
+                self.waiting_queue.append(req)
+
+    # Scheduling --------------------------------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        last = self.last_batch
+        if self.chunked_req is not None and last is not None and any(r is self.chunked_req for r in last.reqs):
+            if self.chunked_req.to_abort:
+                self._release_aborted_chunked_req(in_last_batch=True)
+            else:
+                # Hand the chunk to the cache; the request keeps its row for the next chunk.
+                self.tree_cache.cache_unfinished_req(self.chunked_req)
+        elif self.chunked_req is not None and self.chunked_req.to_abort:
+            self._release_aborted_chunked_req(in_last_batch=False)
+
+        if last is not None and last.forward_mode.is_extend():
+            launched_bs = last.batch_size()
+            last.filter_batch(chunked_req_to_exclude=self.chunked_req)
+            if last.batch_size() < launched_bs:
+                self.running_batch.batch_is_full = False
+            if not last.is_empty():
+                if self.running_batch.is_empty():
+                    last.batch_is_full = self.running_batch.batch_is_full
+                    self.running_batch = last
+                else:
+                    self.running_batch.merge_batch(last)
+
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if self.running_batch.is_empty():
+            return None
+        self.running_batch = self.update_running_batch(self.running_batch)
+        return None if self.running_batch.is_empty() else self.running_batch
+
+    def _num_allocatable_reqs(self, running_bs: int, chunked_in_batch: bool = False) -> int:
+        """How many requests this prefill batch may hold (the chunked request keeps its row)."""
+        rows = self.req_to_token_pool.available_size() + int(chunked_in_batch)
+        return min(self.max_running_requests - running_bs, rows)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        running = self.running_batch
+        if self.try_preemption:
+            running.batch_is_full = False
+        if (running.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
+            return None
+        if self._num_allocatable_reqs(len(running.reqs)) <= 0 and self.chunked_req is None and not self.try_preemption:
+            running.batch_is_full = True
+            return None
+
+        prefix_computed = self.policy.calc_priority(self.waiting_queue) if self.waiting_queue else False
+        adder = PrefillAdder(
+            self.page_size,
+            self.tree_cache,
+            self.token_to_kv_pool_allocator,
+            running,
+            self.new_token_ratio,
+            self.max_prefill_tokens,
+            self.chunked_prefill_size,
+            priority_scheduling_preemption_threshold=self.server_args.priority_scheduling_preemption_threshold,
+        )
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        trie = self._in_batch_prefix_trie(adder.can_run_list)
+        chunked_in_batch = bool(adder.can_run_list)
+
+        for req in self.waiting_queue:
+            req.init_next_round_input(None if prefix_computed else self.tree_cache)
+            if trie is not None and self._prefix_being_computed(req, trie):
+                continue  # wait one round: it will hit the cache instead of computing it again
+            if len(adder.can_run_list) >= self._num_allocatable_reqs(len(running.reqs), chunked_in_batch):
+                running.batch_is_full = True
+            if running.batch_is_full:
+                if not (self.try_preemption and adder.preempt_to_schedule(req, self.server_args)):
+                    break
+            res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
+            if res == AddReqResult.NO_TOKEN and req not in adder.can_run_list and self.try_preemption:
+                if adder.preempt_to_schedule(req, self.server_args):
+                    res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
+            if trie is not None and adder.can_run_list and adder.can_run_list[-1] is req:
+                trie.insert(req.fill_ids)
+            if res != AddReqResult.CONTINUE:
+                if res == AddReqResult.NO_TOKEN:
+                    running.batch_is_full = True
+                break
+
+        can_run = adder.can_run_list
+        if adder.preempt_list:
+            self.stats.num_preempted_reqs += len(adder.preempt_list)
+        if not can_run:
+            self._requeue(adder.preempt_list)
+            return None
+        admitted = {id(r) for r in can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        self._requeue(adder.preempt_list)
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+
+        batch = self._new_batch(can_run)
+        cached_before = sum(r.cached_tokens for r in can_run)
+        batch.prepare_for_extend()
+        self.stats.num_cached_tokens += sum(r.cached_tokens for r in can_run) - cached_before
+        self.stats.num_prefill_tokens += batch.extend_num_tokens
+        return batch
+
+    def _in_batch_prefix_trie(self, admitted: list[Req]) -> PrefixTrie | None:
+        """What this round (and any batch still in flight) is about to compute."""
+        if not self.enable_in_batch_prefix_caching:
+            return None
+        trie = PrefixTrie()
+        for req in (*self._inflight_prefill_reqs(), *admitted):
+            trie.insert(req.fill_ids)
+        return trie
+
+    def _inflight_prefill_reqs(self) -> list[Req]:
+        """Requests of launched prefill batches whose results are not processed yet (their
+        prefixes are not in the tree yet). None in the normal loop."""
+        return []
+
+    def _prefix_being_computed(self, req: Req, trie: PrefixTrie) -> bool:
+        shared = trie.match(req.fill_ids[: len(req.fill_ids) - 1])
+        shared = shared // self.page_size * self.page_size
+        return shared - len(req.prefix_indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+
+    def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
+        batch.filter_batch()
+        if batch.is_empty():
+            batch.batch_is_full = False
+            return batch
+        initial_bs = batch.batch_size()
+        if not batch.check_decode_mem():
+            old_ratio = self.new_token_ratio
+            retracted, self.new_token_ratio = batch.retract_decode(self.server_args)
+            self.stats.num_retracted_reqs += len(retracted)
+            logger.info(
+                "KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
+                len(retracted),
+                old_ratio,
+                self.new_token_ratio,
+            )
+            self._requeue(retracted)
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        if batch.batch_size() < initial_bs:
+            batch.batch_is_full = False
+        if not batch.is_empty():
+            batch.prepare_for_decode()
+        return batch
+
+    # Running -----------------------------------------------------------------------------------
+
+    def run_batch(self, batch: ScheduleBatch) -> Any:
+        self.stats.num_forward_steps += 1
+        result = self.tp_worker.forward_batch_generation(batch.get_model_worker_batch())
+        batch.output_ids = result.next_token_ids
+        return result
+
+    def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
+        if batch.forward_mode.is_decode():
+            self.process_batch_result_decode(batch, result)
+        elif batch.forward_mode.is_extend():
+            self.process_batch_result_prefill(batch, result)
+
+    @staticmethod
+    def _host_results(batch: ScheduleBatch, result: Any) -> tuple[list[int], list[float] | None]:
+        next_ids = result.next_token_ids.tolist()
+        logprobs = None
+        if batch.return_logprob and result.next_token_logprobs is not None:
+            logprobs = result.next_token_logprobs.tolist()
+        return next_ids, logprobs
+
+    def _append_token(self, req: Req, token: int, logprob: float | None) -> None:
+        if req.sampling_params.max_new_tokens == 0:  # prefill only
+            req.finished_reason = finish_length(0)
+            return
+        req.output_ids.append(token)
+        if req.return_logprob and logprob is not None:
+            req.output_token_logprobs.append(logprob)
+        self.stats.num_generated_tokens += 1
+        if len(req.output_ids) == 1:
+            req.time_stats.first_token_time = time.perf_counter()
+        req.check_finished(self.eos_token_ids, self.tokenizer)
+
+    def _finish_req(self, req: Req) -> None:
+        req.time_stats.finish_time = time.perf_counter()
+        self.tree_cache.cache_finished_req(req)
+
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: Any) -> None:
+        next_ids, logprobs = self._host_results(batch, result)
+        stale: list[int] = []
+        for i, req in enumerate(batch.reqs):
+            if req.is_retracted or req.finished():
+                # Overlap only: retracted while this batch ran; a re-prefill holds one slot more
+                # than cache_finished_req freed (its last output token's).
+                if req.is_retracted and req.output_ids:
+                    stale.append(i)
+                continue
+            if req.is_chunked > 0:
+                req.is_chunked -= 1  # a partial prefill: its token is not an output
+                continue
+            self._append_token(req, next_ids[i], logprobs[i] if logprobs else None)
+            if req.finished():
+                self._finish_req(req)
+            else:
+                self.tree_cache.cache_unfinished_req(req)
+            self._pending_outputs.append(req)
+        self._free_stale_slots(batch, stale)
+
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: Any) -> None:
+        next_ids, logprobs = self._host_results(batch, result)
+        allocator = self.token_to_kv_pool_allocator
+        allocator.free_group_begin()
+        stale: list[int] = []
+        for i, req in enumerate(batch.reqs):
+            if req.is_retracted or req.finished():
+                stale.append(i)  # overlap only: it finished (or was retracted) one step earlier
+                continue
+            self._append_token(req, next_ids[i], logprobs[i] if logprobs else None)
+            if req.finished():
+                self._finish_req(req)
+            self._pending_outputs.append(req)
+        self._free_stale_slots(batch, stale)
+        allocator.free_group_end()
+
+    def _free_stale_slots(self, batch: ScheduleBatch, stale: list[int]) -> None:
+        """Free the one slot this batch allocated for each request that was already released:
+        with pages, only when that slot opened a page of its own (else the page went with the
+        request's last page)."""
+        if not stale:
+            return
+        idx = torch.tensor(stale, dtype=torch.int64)
+        slot_pos = batch.seq_lens_cpu[idx] - 1
+        if batch.forward_mode.is_extend():  # each request's last new token
+            last = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
+            locs = batch.out_cache_loc[last[idx].to(batch.out_cache_loc.device)]
+        else:
+            locs = batch.out_cache_loc[idx.to(batch.out_cache_loc.device)]
+        if self.page_size > 1:
+            locs = locs[(slot_pos % self.page_size == 0).to(locs.device)]
+        self.token_to_kv_pool_allocator.free(locs)
+
+    def stream_output(self) -> None:
+        """One BatchTokenIDOut for every request that got a token, finished or failed this step."""
+        reqs, self._pending_outputs = self._pending_outputs, []
+        if not reqs:
+            return
+        self.io.send(
+            BatchTokenIDOut(
+                rids=[r.rid for r in reqs],
+                finished_reasons=[r.finished_reason for r in reqs],
+                output_ids=[list(r.output_ids) for r in reqs],
+                prompt_tokens=[len(r.origin_input_ids) for r in reqs],
+                cached_tokens=[r.cached_tokens for r in reqs],
+                skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
+                no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
+                output_token_logprobs=[list(r.output_token_logprobs) if r.return_logprob else None for r in reqs],
+            )
+        )
+
+    # Abort, flush, state -----------------------------------------------------------------------
+
+    def abort_request(self, rid: str) -> None:
+        for i, req in enumerate(self.waiting_queue):
+            if req.rid == rid:
+                del self.waiting_queue[i]
+                req.to_abort = True
+                req.check_finished(self.eos_token_ids)
+                req.time_stats.finish_time = time.perf_counter()
+                self._pending_outputs.append(req)
+                return
+        for req in self._active_reqs():
+            if req.rid == rid and not req.finished():
+                req.to_abort = True  # finished at its next result, which frees its KV
+
+    def _active_reqs(self) -> list[Req]:
+        reqs = list(self.running_batch.reqs)
+        for batch in (self.last_batch, self.cur_batch):
+            if batch is not None:
+                reqs.extend(batch.reqs)
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        return reqs
+
+    def _release_aborted_chunked_req(self, in_last_batch: bool) -> None:
+        """Finish a request aborted between chunks: its KV covers the chunks computed so far."""
+        req, self.chunked_req = self.chunked_req, None
+        kv_len = len(req.fill_ids) if in_last_batch else len(req.prefix_indices)
+        req.is_chunked = 0
+        req.check_finished(self.eos_token_ids)
+        if req.req_pool_idx is not None:
+            with req.as_prefilled_upto(kv_len):
+                self._finish_req(req)
+        self._pending_outputs.append(req)
+
+    def flush_cache(self) -> bool:
+        return self._flush_cache()[0]
+
+    def _flush_cache(self) -> tuple[bool, str]:
+        if not self.is_idle():
+            running = sum(1 for r in set(self._active_reqs()) if not r.finished())
+            message = f"Cache not flushed: {running} running and {len(self.waiting_queue)} waiting requests."
+            logger.warning(message)
+            return False, message
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+        self.last_batch = self.cur_batch = None
+        self.running_batch = self._new_batch([])
+        self.new_token_ratio = self.init_new_token_ratio
+        return True, "Cache flushed."
+
+    def get_internal_state(self) -> dict:
+        available = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        s = self.stats
+        return {
+            "num_running_reqs": len(self.running_batch.reqs),
+            "num_queue_reqs": len(self.waiting_queue),
+            "num_retracted_reqs": s.num_retracted_reqs,
+            "num_preempted_reqs": s.num_preempted_reqs,
+            "num_prefill_tokens": s.num_prefill_tokens,
+            "num_cached_tokens": s.num_cached_tokens,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_forward_steps": s.num_forward_steps,
+            "max_total_tokens": self.max_total_num_tokens,
+            "available_tokens": available,
+            "evictable_tokens": evictable,
+            "protected_tokens": self.tree_cache.protected_size(),
+            "token_usage": 1.0 - (available + evictable) / self.max_total_num_tokens,
+            "cache_hit_rate": s.cache_hit_rate,
+            "new_token_ratio": self.new_token_ratio,
+        }
+
+    def is_idle(self) -> bool:
+        """Nothing queued, running, or in a batch whose requests go on."""
+        if self.waiting_queue or self.chunked_req is not None:
+            return False
+        return all(r.finished() for r in self._active_reqs())
+
+    def self_check_during_idle(self) -> None:
+        """The token-accounting invariant, when nothing holds KV but the tree."""
+        if not self.running_batch.is_empty() or self.chunked_req is not None:
+            return
+        try:
+            check_token_accounting(self.token_to_kv_pool_allocator, self.tree_cache, self.req_to_token_pool)
+        except TokenAccountingError as e:
+            if self.server_args.test_mode:
+                raise
+            logger.error("%s", e)
+        self.new_token_ratio = self.init_new_token_ratio
+
+    # Loops -------------------------------------------------------------------------------------
+
+    def run_step(self) -> ScheduleBatch | None:
+        """One step of the normal loop after input: schedule, run, process, stream."""
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+        else:
+            self.self_check_during_idle()
+        self.last_batch = batch
+        self.stream_output()
+        return batch
+
+    def event_loop_normal(self) -> None:
+        """Run until the I/O closes or `shutdown()` is called."""
+        while not self._shutdown:
+            try:
+                msgs = self.recv_requests(block=self.is_idle())
+            except SchedulerIOClosed:
+                return
+            self.process_input_requests(msgs)
+            self.run_step()
+
+    def shutdown(self) -> None:
+        self._shutdown = True
+
+    def run_until_idle(self, max_steps: int = 100_000) -> int:
+        """Test helper: step the normal loop until nothing is queued, running or pending.
+        Returns the number of steps; raises if `max_steps` pass first."""
+        for step in range(1, max_steps + 1):
+            self.process_input_requests(self.recv_requests(block=False))
+            batch = self.run_step()
+            if batch is None and self.is_idle() and not getattr(self.io, "inbox", None):
+                return step
+        raise RuntimeError(f"scheduler not idle after {max_steps} steps: {self.get_internal_state()}")
