@@ -71,6 +71,7 @@ def make_runner(model_path: str | Path, page_size: int = 1, **kwargs) -> ModelRu
         max_total_tokens=4096,
         page_size=page_size,
         attention_backend="torch_native",
+        num_threads=1,  # a shared machine: one thread is faster than oversubscribed two
     )
     args.update(kwargs)
     return ModelRunner(ServerArgs(**args))

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from model_utils import ModelDriver, assert_close_rel, hf_last_logits, make_runner, save_tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3"]

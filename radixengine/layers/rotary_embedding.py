@@ -84,6 +84,9 @@ def rope_config(config) -> tuple[float, dict | None]:
     return float(theta), (None if rope_type == "default" else params)
 
 
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
 def get_rope(
     head_size: int,
     rotary_dim: int,
@@ -92,6 +95,10 @@ def get_rope(
     rope_scaling: dict | None = None,
     dtype: torch.dtype | None = None,
 ) -> RotaryEmbedding:
-    return RotaryEmbedding(
-        head_size, rotary_dim, max_position, base, dtype or torch.get_default_dtype(), rope_scaling
-    )
+    """A RotaryEmbedding, shared by every layer (and model) with the same parameters."""
+    dtype = dtype or torch.get_default_dtype()
+    scaling_key = tuple(sorted((k, str(v)) for k, v in (rope_scaling or {}).items()))
+    key = (head_size, rotary_dim, max_position, base, scaling_key, dtype, str(torch.get_default_device()))
+    if key not in _ROPE_CACHE:
+        _ROPE_CACHE[key] = RotaryEmbedding(head_size, rotary_dim, max_position, base, dtype, rope_scaling)
+    return _ROPE_CACHE[key]

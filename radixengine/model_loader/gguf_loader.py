@@ -92,6 +92,7 @@ def _convert_into(path: Path, target: Path) -> None:
 
         save_file(dict(gguf_weights_iterator(path, config)), str(tmp / "model.safetensors"))
         (tmp / _DONE).write_text(str(path))
+        tmp.chmod(0o755)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     finally:
@@ -128,7 +129,7 @@ def gguf_weights_iterator(path: str | os.PathLike, config) -> Iterator[tuple[str
             if name.endswith("k_proj.weight"):
                 heads = config.num_key_value_heads
             w = unpermute_qk(w, heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w))
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -161,9 +161,11 @@ class LlamaForCausalLM(nn.Module):
             if param_name not in params:
                 raise KeyError(f"checkpoint tensor {name} has no parameter in {type(self).__name__}")
             param = params[param_name]
-            owner = self.get_submodule(param_name.rsplit(".", 1)[0])
-            weight_loader = getattr(owner, "weight_loader", default_weight_loader)
-            weight_loader(param, tensor.to(param.dtype), shard_id)
+            tensor = tensor.to(param.dtype)
+            if shard_id is not None or not _adopt(param, tensor):
+                owner = self.get_submodule(param_name.rsplit(".", 1)[0])
+                weight_loader = getattr(owner, "weight_loader", default_weight_loader)
+                weight_loader(param, tensor, shard_id)
             loaded.add(param_name)
         return loaded
 
@@ -178,6 +180,14 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def _adopt(param: nn.Parameter, loaded: torch.Tensor) -> bool:
+    """Use the loaded tensor itself as the parameter's storage when it fits (saves a copy)."""
+    fits = param.shape == loaded.shape and param.device == loaded.device and loaded.is_contiguous()
+    if fits:
+        param.data = loaded
+    return fits
 
 
 def _skip(name: str) -> bool:
