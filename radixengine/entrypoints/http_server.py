@@ -11,8 +11,9 @@ import asyncio
 import dataclasses
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -243,6 +244,10 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = parse_model(CompletionRequest, await parse_json(request))
+        with openai_params("prompt", "max_tokens"):
+            return await _completions(request, req)
+
+    async def _completions(request: Request, req: CompletionRequest) -> Response:
         check_model(tm, req.model)
         objs, prompts = oai.completion_requests(tm, req)
         if req.stream:
@@ -255,6 +260,11 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_model(ChatCompletionRequest, await parse_json(request))
+        max_tokens = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        with openai_params("messages", max_tokens):
+            return await _chat_completions(request, req)
+
+    async def _chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
         check_model(tm, req.model)
         objs = oai.chat_requests(tm, req)
         if req.stream:
@@ -294,6 +304,24 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         return Response(tm.metrics.render(state), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+@contextmanager
+def openai_params(prompt_param: str, max_tokens_param: str):
+    """Name the OpenAI field in errors the engine reports under its own names."""
+    names = {
+        "text": prompt_param,
+        "input_ids": prompt_param,
+        "messages": prompt_param,
+        "max_new_tokens": max_tokens_param,
+        "min_new_tokens": "min_tokens",
+        "sampling_seed": "seed",
+    }
+    try:
+        yield
+    except RequestError as e:
+        e.param = names.get(e.param, e.param)
+        raise
 
 
 def check_model(tm: TokenizerManager, model: str) -> None:
@@ -412,6 +440,10 @@ def launch_server(server_args) -> None:
         server.should_exit = True
 
     tm.on_dead = on_dead
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the handler
+    # it found: make that one a no-op, so that the child processes are ended below and we exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
 
     async def serve() -> None:
         task = asyncio.ensure_future(server.serve())
