@@ -178,3 +178,23 @@ def test_alloc_extend_out_of_pages_changes_nothing_and_bad_input_raises():
         alloc.alloc_decode([0], [-1])
     alloc.free(torch.tensor([4, 5, 6, 7, 8]))
     assert alloc.available_size() == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_paged_alloc_on_cuda_matches_cpu():
+    cpu, gpu = _paged_allocator(256, 16), PagedTokenToKVPoolAllocator(256, 16, torch.float16, "cuda", None)
+    first = [a.alloc_extend([0, 0, 0], [5, 16, 17], [-1, -1, -1], 38) for a in (cpu, gpu)]
+    assert first[1].device.type == "cuda" and first[0].tolist() == first[1].tolist()
+    pre, seq = torch.tensor([5, 16, 17]), torch.tensor([20, 18, 40])
+    last = torch.tensor([first[0][4], first[0][20], first[0][37]])
+    out_cpu = cpu.alloc_extend(pre, seq, last, 40)
+    out_gpu = gpu.alloc_extend(pre.cuda(), seq.cuda(), last.cuda(), 40, prefix_lens_cpu=pre, seq_lens_cpu=seq)
+    assert out_cpu.tolist() == out_gpu.tolist()
+    dec_cpu = cpu.alloc_decode(seq + 1, out_cpu[[14, 16, 39]])
+    dec_gpu = gpu.alloc_decode((seq + 1).cuda(), out_gpu[[14, 16, 39]], seq_lens_cpu=seq + 1)
+    assert dec_cpu.tolist() == dec_gpu.tolist()
+    gpu.free(torch.cat((first[1], out_gpu, dec_gpu)))
+    assert gpu.available_size() == 256
+    with pytest.raises(ValueError, match="double free"):
+        gpu.free(out_gpu[:1])

@@ -30,13 +30,20 @@ class FakeReq:
 
 
 class Setup:
-    def __init__(self, page_size: int = 1, size: int = 256, disable: bool = False, chunk: bool = False):
+    def __init__(
+        self,
+        page_size: int = 1,
+        size: int = 256,
+        disable: bool = False,
+        chunk: bool = False,
+        device: str = "cpu",
+    ):
         self.page_size = page_size
-        self.pool = ReqToTokenPool(8, 128, "cpu")
+        self.pool = ReqToTokenPool(8, 128, device)
         if page_size == 1:
-            self.alloc = TokenToKVPoolAllocator(size, torch.float16, "cpu", None)
+            self.alloc = TokenToKVPoolAllocator(size, torch.float16, device, None)
         else:
-            self.alloc = PagedTokenToKVPoolAllocator(size, page_size, torch.float16, "cpu", None)
+            self.alloc = PagedTokenToKVPoolAllocator(size, page_size, torch.float16, device, None)
         if chunk:
             self.tree = ChunkCache(self.pool, self.alloc, page_size)
         else:
@@ -237,7 +244,11 @@ def test_disabled_cache_matches_nothing_and_frees_on_finish():
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_request_lifecycle_shares_prefixes_and_keeps_accounting(page_size):
-    s = Setup(page_size=page_size)
+    check_lifecycle(page_size, "cpu")
+
+
+def check_lifecycle(page_size: int, device: str) -> None:
+    s = Setup(page_size=page_size, device=device)
     prompt = list(range(40, 50))
     a = s.start(prompt)
     s.extend(a, prompt)
@@ -270,7 +281,11 @@ def test_request_lifecycle_shares_prefixes_and_keeps_accounting(page_size):
 def test_unfinished_req_row_points_at_canonical_slots(page_size):
     """Two requests prefill the same prompt at once; the second one's duplicate slots are freed and
     its row must be rewritten to the tree's slots, including a shared partial page."""
-    s = Setup(page_size=page_size)
+    check_canonical_rows(page_size, "cpu")
+
+
+def check_canonical_rows(page_size: int, device: str) -> None:
+    s = Setup(page_size=page_size, device=device)
     prompt = list(range(60, 70))
     a, b = s.start(prompt), s.start(prompt)
     for req in (a, b):  # first chunk: 6 tokens
@@ -285,7 +300,7 @@ def test_unfinished_req_row_points_at_canonical_slots(page_size):
     s.tree.cache_unfinished_req(b)
     aligned = 10 // page_size * page_size
     assert s.row(b, aligned) == s.row(a, aligned)
-    b_slots = torch.tensor(s.row(b, 10))
+    b_slots = torch.tensor(s.row(b, 10), device=device)
     assert not s.alloc.free_mask[b_slots // page_size].any()  # nothing b uses is free
     assert s.tree.total_size() == aligned and s.tree.protected_size() == aligned
     for req in (a, b):
@@ -339,3 +354,16 @@ def test_pretty_print_and_reset(capsys):
     assert "#tokens: 4" in out and "[1, 2]" in out
     s.tree.reset()
     assert s.tree.total_size() == 0 and s.tree.match_prefix([1, 2]).device_indices.numel() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_request_flows_on_cuda(page_size):
+    check_lifecycle(page_size, "cuda")
+    check_canonical_rows(page_size, "cuda")
+    s = Setup(page_size=page_size, device="cuda")
+    s.tree.insert([1, 2, 3, 4, 5, 6, 7, 8], s.alloc.alloc(8))
+    match = s.tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert match.device_indices.device.type == "cuda" and len(match.device_indices) == 8
+    assert s.tree.evict(8) == 8 and s.alloc.available_size() == s.alloc.size

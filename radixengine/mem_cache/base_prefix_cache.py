@@ -126,7 +126,8 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
         """Hand over a finished (or, with `is_insert=False`, retracted) request: keep or free its
-        KV slots, free its `req_to_token` row and release its lock."""
+        KV slots, free its `req_to_token` row and release its lock. Every token of
+        `origin_input_ids + output_ids[:-1]` must have its KV slot in the row."""
 
     @abstractmethod
     def cache_unfinished_req(self, req: CacheReq) -> None:
