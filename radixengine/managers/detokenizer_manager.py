@@ -106,6 +106,7 @@ class IncrementalDetokenizer:
             prompt_tokens=recv.prompt_tokens,
             cached_tokens=recv.cached_tokens,
             output_token_logprobs=recv.output_token_logprobs,
+            queue_times=recv.queue_times,
         )
 
 

@@ -87,6 +87,9 @@ class BatchTokenIDOut:
     no_stop_trim: list[bool]
     # Per request, per output token: logprob of the chosen token (only when asked for).
     output_token_logprobs: list[list[float] | None] = field(default_factory=list)
+    # Per request: seconds from arrival to its first prefill batch (None while it waits); empty
+    # when the scheduler does not report it. Feeds the per-priority queue-time metric.
+    queue_times: list[float | None] = field(default_factory=list)
 
 
 # Detokenizer -> tokenizer manager -------------------------------------------------------------
@@ -101,6 +104,7 @@ class BatchStrOut:
     prompt_tokens: list[int]
     cached_tokens: list[int]
     output_token_logprobs: list[list[float] | None] = field(default_factory=list)
+    queue_times: list[float | None] = field(default_factory=list)
 
 
 # Finish reasons (SGLang's JSON shapes) ---------------------------------------------------------

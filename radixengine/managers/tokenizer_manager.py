@@ -78,6 +78,7 @@ class ReqState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_output_ids: int = 0
+    queue_time_seen: bool = False
 
 
 class TokenizerManager:
@@ -299,6 +300,8 @@ class TokenizerManager:
             reason = recv.finished_reasons[i]
             out_ids = recv.output_ids[i]
             self._record_tokens(state, len(out_ids), now)
+            if i < len(recv.queue_times):
+                self._record_queue_time(state, recv.queue_times[i])
             if reason is None and not state.obj.stream:
                 continue
             text = recv.output_strs[i] if reason is not None else self._visible_text(recv.output_strs[i], state)
@@ -330,6 +333,13 @@ class TokenizerManager:
             state.first_token_time = now
         state.last_token_time = now
         state.num_output_ids = num_ids
+
+    def _record_queue_time(self, state: ReqState, queue_time: float | None) -> None:
+        if queue_time is None or state.queue_time_seen:
+            return
+        state.queue_time_seen = True
+        if self.metrics is not None:
+            self.metrics.observe_queue_time(state.obj.priority, queue_time)
 
     @staticmethod
     def _visible_text(text: str, state: ReqState) -> str:
