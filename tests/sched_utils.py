@@ -107,9 +107,9 @@ def _worker(page_size: int, max_total_tokens: int, max_running_requests: int | N
     )
 
 
-def make_scheduler(tokenizer=None, **overrides) -> Scheduler:
+def make_scheduler(tokenizer=None, overlap: bool = False, **overrides) -> Scheduler:
     """A scheduler over a cached worker whose pools are cleared first; test mode (the idle
-    self-check raises) and the normal loop unless told otherwise."""
+    self-check raises); the overlap loop if `overlap`."""
     args = dict(
         model_path=tiny_model_dir(),
         device="cpu",
@@ -119,7 +119,7 @@ def make_scheduler(tokenizer=None, **overrides) -> Scheduler:
         max_total_tokens=4096,
         chunked_prefill_size=-1,
         test_mode=True,
-        disable_overlap_schedule=True,
+        disable_overlap_schedule=not overlap,
     )
     args.update(overrides)
     server_args = ServerArgs(**args)

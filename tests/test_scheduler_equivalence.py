@@ -38,13 +38,18 @@ def run_in_waves(sched, reqs: list, first: int = 6, steps_between: int = 3):
     return collect(sched.io.take_outputs())
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize("chunk", [16, 64, -1])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no_radix"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_greedy_matches_transformers(policy, radix, page_size, chunk):
+def test_greedy_matches_transformers(policy, radix, page_size, chunk, overlap):
     sched = make_scheduler(
-        schedule_policy=policy, disable_radix_cache=not radix, page_size=page_size, chunked_prefill_size=chunk
+        schedule_policy=policy,
+        disable_radix_cache=not radix,
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        overlap=overlap,
     )
     reqs = workload("eq")
     results = run_in_waves(sched, reqs)
@@ -55,11 +60,13 @@ def test_greedy_matches_transformers(policy, radix, page_size, chunk):
     assert all(results[r.rid].num_messages == len(results[r.rid].output_ids) for r in reqs)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no_radix"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_retraction_keeps_tokens(policy, radix, page_size):
+def test_retraction_keeps_tokens(policy, radix, page_size, overlap):
     sched = make_scheduler(
+        overlap=overlap,
         schedule_policy=policy,
         disable_radix_cache=not radix,
         page_size=page_size,

@@ -48,17 +48,20 @@ def step(sched, n: int = 1) -> None:
 
 @pytest.mark.parametrize("chunk", [-1, 16])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_shared_system_prompt_is_computed_once(policy, chunk):
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_shared_system_prompt_is_computed_once(policy, chunk, overlap):
     """32 requests sharing a 64-token system prompt, submitted at once: the prompt is prefilled
     once, whatever the policy; the others wait one round and hit the cache."""
     tails = [[100 + i] + t for i, t in enumerate(random_prompts(301, 32, 7, 7))]  # distinct tails
     reqs = [gen_req(f"s{i}", SYSTEM + t, max_new_tokens=4) for i, t in enumerate(tails)]
-    sched = make_scheduler(schedule_policy=policy, chunked_prefill_size=chunk)
+    sched = make_scheduler(schedule_policy=policy, chunked_prefill_size=chunk, overlap=overlap)
     results = run_to_completion(sched, reqs)
     assert sched.stats.num_prefill_tokens == 64 + 32 * 8
     assert sorted(results[r.rid].cached_tokens for r in reqs) == [0] + [64] * 31
 
-    off = make_scheduler(schedule_policy=policy, chunked_prefill_size=chunk, disable_in_batch_prefix_caching=True)
+    off = make_scheduler(
+        schedule_policy=policy, chunked_prefill_size=chunk, disable_in_batch_prefix_caching=True, overlap=overlap
+    )
     run_to_completion(off, reqs)
     if chunk == -1:  # one batch, each request computes the prompt itself
         assert off.stats.num_prefill_tokens == 32 * 72
@@ -85,10 +88,11 @@ def test_cached_tokens_per_request():
 
 
 @pytest.mark.parametrize("radix", [True, False])
-def test_abort_mid_decode_frees_everything(radix):
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_abort_mid_decode_frees_everything(radix, overlap):
     prompts = random_prompts(310, 3, 10, 30)
     reqs = [gen_req(f"a{i}", p, max_new_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)]
-    sched = make_scheduler(disable_radix_cache=not radix)
+    sched = make_scheduler(disable_radix_cache=not radix, overlap=overlap)
     sched.io.put(*reqs)
     step(sched, 6)
     sched.io.put(AbortReq("a1"), AbortReq("no-such-request"))
@@ -103,9 +107,10 @@ def test_abort_mid_decode_frees_everything(radix):
     assert_matches_oracle(others, results)
 
 
-def test_abort_waiting_and_chunked_requests():
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_abort_waiting_and_chunked_requests(overlap):
     long_prompt = random_prompts(311, 1, 120, 120)[0]
-    sched = make_scheduler(chunked_prefill_size=16, max_running_requests=2)
+    sched = make_scheduler(chunked_prefill_size=16, max_running_requests=2, overlap=overlap)
     reqs = [
         gen_req("chunked", long_prompt, 8),
         gen_req("w1", [5, 6, 8], 8),
@@ -128,8 +133,9 @@ def test_abort_waiting_and_chunked_requests():
 # Bad requests ------------------------------------------------------------------------------------
 
 
-def test_bad_requests_finish_at_once_while_others_finish():
-    sched = make_scheduler(max_queued_requests=4)
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_bad_requests_finish_at_once_while_others_finish(overlap):
+    sched = make_scheduler(max_queued_requests=4, overlap=overlap)
     ctx = sched.max_req_len
     good = [gen_req(f"ok{i}", p, 8) for i, p in enumerate(random_prompts(320, 2, 5, 20))]
     with pytest.raises(ValueError, match="unknown sampling parameter"):
@@ -192,10 +198,11 @@ def test_full_queue_with_priorities_evicts_the_worst():
 
 
 @pytest.mark.parametrize("limit", ["running", "memory"])
-def test_priority_preemption(limit):
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_priority_preemption(limit, overlap):
     """A much more important request preempts a running one (back to the queue, later finishing
     with the same tokens)."""
-    overrides = dict(enable_priority_scheduling=True)
+    overrides = dict(enable_priority_scheduling=True, overlap=overlap)
     if limit == "running":
         overrides.update(max_running_requests=2)
     else:
@@ -239,7 +246,8 @@ class CharTokenizer:
         return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
-def test_stop_token_ids_strings_and_min_new_tokens():
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_stop_token_ids_strings_and_min_new_tokens(overlap):
     prompt = random_prompts(340, 1, 12, 12)[0]
     full = oracle_greedy(prompt, 24)
     assert EOS not in full
@@ -256,7 +264,7 @@ def test_stop_token_ids_strings_and_min_new_tokens():
     ]
     results = run_to_completion(make_scheduler(), reqs)  # no tokenizer: stop strings unchecked
     assert results["str"].output_ids == full
-    results = run_to_completion(make_scheduler(tokenizer=CharTokenizer()), reqs)
+    results = run_to_completion(make_scheduler(tokenizer=CharTokenizer(), overlap=overlap), reqs)
     assert results["tok"].output_ids == full[: first + 1]
     assert results["tok"].finished_reason == {"type": "stop", "matched": stop_tok}
     end = text.index(stop_str) + len(stop_str)
@@ -296,13 +304,14 @@ def test_check_finished_order_and_eos():
     assert r.finished_reason["type"] == "abort"
 
 
-def test_eos_and_ignore_eos_end_to_end():
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_eos_and_ignore_eos_end_to_end(overlap):
     """The worker's EOS ids stop a request unless ignore_eos (EOS set here to a token the greedy
     continuation reaches: the random model rarely picks its configured one)."""
     prompt = random_prompts(341, 1, 10, 10)[0]
     cont = oracle_greedy(prompt, 24, ignore_eos=True)
     eos = cont[6]
-    sched = make_scheduler()
+    sched = make_scheduler(overlap=overlap)
     sched.eos_token_ids = frozenset({eos})
     reqs = [gen_req("eos", prompt, 24), gen_req("ignore", prompt, 24, ignore_eos=True)]
     results = run_to_completion(sched, reqs)

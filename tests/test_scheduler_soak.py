@@ -37,9 +37,10 @@ def reference_outputs() -> dict[str, list[int]]:
     return {rid: r.output_ids for rid, r in collect(sched.io.take_outputs()).items()}
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize("priority", [False, True], ids=["fifo", "priority"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_randomized_soak(policy, priority):
+def test_randomized_soak(policy, priority, overlap):
     seed = POLICIES.index(policy) * 2 + priority
     rng = random.Random(seed)
     sched = make_scheduler(
@@ -51,6 +52,7 @@ def test_randomized_soak(policy, priority):
         enable_priority_scheduling=priority,
         max_running_requests=16 if priority else None,
         init_new_token_ratio=0.1,  # optimistic admission: decode runs short and retracts
+        overlap=overlap,
     )
     reqs = list(soak_requests())
     aborts: dict[int, list[str]] = {}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ from radixengine.managers.io_struct import (
     TokenizedGenerateReqInput,
     finish_length,
 )
+from radixengine.managers.overlap_utils import FutureMap, StepTimer, write_chrome_trace
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.schedule_policy import (
     IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
@@ -39,6 +42,7 @@ from radixengine.mem_cache.accounting import TokenAccountingError, check_token_a
 from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.radix_cache import RadixCache
 from radixengine.server_args import ServerArgs
+from radixengine.utils.streams import CpuStream, CudaStream, get_default_stream, new_stream
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.io: SchedulerIO = io if io is not None else InProcessIO()
         self.page_size = server_args.page_size
-        self.enable_overlap = False
+        self.enable_overlap = not server_args.disable_overlap_schedule
 
         self._init_worker_info()
         self._init_memory_and_cache()
@@ -106,6 +110,21 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._pending_outputs: list[Req] = []
         self._shutdown = False
+        self.timer = StepTimer(trace=args.trace_file is not None)
+        self._trace_written_at = time.perf_counter()
+        # Launched batches whose results are not processed yet (at most two, under overlap).
+        self.result_queue: deque[tuple[ScheduleBatch, Any]] = deque()
+        if self.enable_overlap:
+            self.init_overlap()
+
+    def init_overlap(self) -> None:
+        self.forward_stream = new_stream(self.device, "forward")
+        if isinstance(self.forward_stream, CpuStream):
+            weakref.finalize(self, self.forward_stream.close)
+        self.default_stream = get_default_stream(self.device)
+        self.future_map = FutureMap(self.req_to_token_pool.size, self.device)
+        # Keeps the inputs of the last two launched batches alive while the device reads them.
+        self.batch_record_buf: deque[Any] = deque(maxlen=2)
 
     def _init_worker_info(self) -> None:
         info = self.tp_worker.get_worker_info()
@@ -355,7 +374,7 @@ class Scheduler:
     def _inflight_prefill_reqs(self) -> list[Req]:
         """Requests of launched prefill batches whose results are not processed yet (their
         prefixes are not in the tree yet). None in the normal loop."""
-        return []
+        return [r for batch, _ in self.result_queue if batch.forward_mode.is_extend() for r in batch.reqs]
 
     def _prefix_being_computed(self, req: Req, trie: PrefixTrie) -> bool:
         shared = trie.match(req.fill_ids[: len(req.fill_ids) - 1])
@@ -391,9 +410,31 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduleBatch) -> Any:
         self.stats.num_forward_steps += 1
-        result = self.tp_worker.forward_batch_generation(batch.get_model_worker_batch())
-        batch.output_ids = result.next_token_ids
+        mwb = batch.get_model_worker_batch()
+        if not self.enable_overlap:
+            with self.timer.phase("forward"):
+                result = self.tp_worker.forward_batch_generation(mwb)
+            batch.output_ids = result.next_token_ids
+            return result
+        # Overlap: launch on the forward stream and return at once; the next batch takes this
+        # one's tokens as placeholders, resolved on the stream from the FutureMap.
+        result = OverlapResult()
+        self.batch_record_buf.append(mwb)
+        self.forward_stream.wait_stream(self.default_stream)
+        self.forward_stream.submit(
+            self._forward_on_stream, mwb, batch.req_pool_indices, result, label=batch.forward_mode.name.lower()
+        )
+        result.copy_done = self.forward_stream.record_event()
+        batch.output_ids = self.future_map.placeholders(batch.req_pool_indices)
         return result
+
+    def _forward_on_stream(self, mwb: Any, req_pool_indices: torch.Tensor, result: OverlapResult) -> None:
+        mwb.input_ids = self.future_map.resolve_future(mwb.input_ids)
+        out = self.tp_worker.forward_batch_generation(mwb)
+        self.future_map.store_to_map(req_pool_indices, out.next_token_ids)
+        result.next_token_ids = _to_host(out.next_token_ids)
+        if out.next_token_logprobs is not None:
+            result.next_token_logprobs = _to_host(out.next_token_logprobs)
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         if batch.forward_mode.is_decode():
@@ -401,8 +442,11 @@ class Scheduler:
         elif batch.forward_mode.is_extend():
             self.process_batch_result_prefill(batch, result)
 
-    @staticmethod
-    def _host_results(batch: ScheduleBatch, result: Any) -> tuple[list[int], list[float] | None]:
+    def _host_results(self, batch: ScheduleBatch, result: Any) -> tuple[list[int], list[float] | None]:
+        copy_done = getattr(result, "copy_done", None)
+        if copy_done is not None:
+            with self.timer.phase("wait"):
+                copy_done.synchronize()  # raises if the forward failed
         next_ids = result.next_token_ids.tolist()
         logprobs = None
         if batch.return_logprob and result.next_token_logprobs is not None:
@@ -527,9 +571,11 @@ class Scheduler:
         kv_len = len(req.fill_ids) if in_last_batch else len(req.prefix_indices)
         req.is_chunked = 0
         req.check_finished(self.eos_token_ids)
+        req.time_stats.finish_time = time.perf_counter()
         if req.req_pool_idx is not None:
+            # Not inserted: under overlap its last chunk may still be computing.
             with req.as_prefilled_upto(kv_len):
-                self._finish_req(req)
+                self.tree_cache.cache_finished_req(req, is_insert=False)
         self._pending_outputs.append(req)
 
     def flush_cache(self) -> bool:
@@ -573,7 +619,7 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         """Nothing queued, running, or in a batch whose requests go on."""
-        if self.waiting_queue or self.chunked_req is not None:
+        if self.waiting_queue or self.chunked_req is not None or self.result_queue:
             return False
         return all(r.finished() for r in self._active_reqs())
 
@@ -592,37 +638,125 @@ class Scheduler:
     # Loops -------------------------------------------------------------------------------------
 
     def run_step(self) -> ScheduleBatch | None:
-        """One step of the normal loop after input: schedule, run, process, stream."""
-        batch = self.get_next_batch_to_run()
+        """One step of the event loop after input: schedule, run, process, stream."""
+        if self.enable_overlap:
+            return self.run_step_overlap()
+        with self.timer.phase("schedule"):
+            batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None:
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result)
+            with self.timer.phase("launch"):
+                result = self.run_batch(batch)
+            with self.timer.phase("process"):
+                self.process_batch_result(batch, result)
         else:
             self.self_check_during_idle()
         self.last_batch = batch
-        self.stream_output()
+        self._end_step()
         return batch
+
+    def run_step_overlap(self) -> ScheduleBatch | None:
+        """Launch batch N, then process batch N-1 while the device computes N."""
+        with self.timer.phase("schedule"):
+            batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch is not None:
+            with self.timer.phase("launch"):
+                result = self.run_batch(batch)
+                self.result_queue.append((batch.copy(), result))
+        if self.last_batch is not None:
+            with self.timer.phase("process"):
+                self.process_batch_result(*self.result_queue.popleft())
+        elif batch is None:
+            self.self_check_during_idle()
+        self.last_batch = batch
+        self._end_step()
+        return batch
+
+    def _end_step(self) -> None:
+        self.stream_output()
+        self.timer.end_step()
+        if self.server_args.trace_file and time.perf_counter() - self._trace_written_at > 5.0:
+            self.write_trace()
+
+    def _recv_and_process(self) -> None:
+        with self.timer.phase("recv"):
+            msgs = self.recv_requests(block=self.is_idle())
+            self.process_input_requests(msgs)
 
     def event_loop_normal(self) -> None:
         """Run until the I/O closes or `shutdown()` is called."""
-        while not self._shutdown:
-            try:
-                msgs = self.recv_requests(block=self.is_idle())
-            except SchedulerIOClosed:
-                return
-            self.process_input_requests(msgs)
-            self.run_step()
+        self._event_loop(overlap=False)
+
+    def event_loop_overlap(self) -> None:
+        """The overlap loop: the device computes batch N while the CPU processes batch N-1 and
+        schedules batch N+1 (see `run_step_overlap`)."""
+        self._event_loop(overlap=True)
+
+    def _event_loop(self, overlap: bool) -> None:
+        if overlap != self.enable_overlap:
+            raise RuntimeError(
+                f"this scheduler was built {'with' if self.enable_overlap else 'without'} the overlap "
+                f"schedule (--disable-overlap-schedule={self.server_args.disable_overlap_schedule})"
+            )
+        try:
+            while not self._shutdown:
+                try:
+                    self._recv_and_process()
+                except SchedulerIOClosed:
+                    return
+                self.run_step()
+        finally:
+            if self.server_args.trace_file:
+                self.write_trace()
 
     def shutdown(self) -> None:
         self._shutdown = True
 
+    def close(self) -> None:
+        """Stop the forward stream's worker (overlap on a CPU)."""
+        stream = getattr(self, "forward_stream", None)
+        if isinstance(stream, CpuStream):
+            stream.close()
+
+    def write_trace(self, path: str | None = None) -> None:
+        """Chrome trace of the scheduler's phases and the forward stream's busy intervals."""
+        path = path or self.server_args.trace_file
+        if path is None or self.timer.events is None:
+            return
+        stream = getattr(self, "forward_stream", None)
+        device = list(stream.busy) if isinstance(stream, CpuStream) else []
+        if not self.enable_overlap:  # the forward runs inline: it is the device lane
+            device = [(s, e, "forward") for name, s, e in self.timer.events if name == "forward"]
+        elif isinstance(stream, CudaStream):
+            device = []  # CUDA intervals would need timing events; the scheduler lane still shows waits
+        write_chrome_trace(path, list(self.timer.events), device, self.timer.start_time)
+        self._trace_written_at = time.perf_counter()
+
     def run_until_idle(self, max_steps: int = 100_000) -> int:
-        """Test helper: step the normal loop until nothing is queued, running or pending.
-        Returns the number of steps; raises if `max_steps` pass first."""
+        """Test helper: step the event loop (the same code path) until nothing is queued,
+        running, in flight or pending. Returns the number of steps; raises if `max_steps` pass
+        first."""
         for step in range(1, max_steps + 1):
             self.process_input_requests(self.recv_requests(block=False))
             batch = self.run_step()
             if batch is None and self.is_idle() and not getattr(self.io, "inbox", None):
                 return step
         raise RuntimeError(f"scheduler not idle after {max_steps} steps: {self.get_internal_state()}")
+
+
+@dataclass
+class OverlapResult:
+    """A launched batch's result: filled on the forward stream; read after `copy_done`."""
+
+    next_token_ids: torch.Tensor | None = None
+    next_token_logprobs: torch.Tensor | None = None
+    copy_done: Any = None
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

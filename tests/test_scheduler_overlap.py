@@ -1,0 +1,290 @@
+"""The overlap loop's pieces: FutureMap, device streams and events (CPU worker thread; CUDA when
+present), step-boundary finishes, failures inside the forward, the trace file, and equal tokens
+with the normal loop for seeded sampling."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import pytest
+import torch
+from sched_utils import (
+    assert_matches_oracle,
+    assert_no_leak,
+    collect,
+    gen_req,
+    make_scheduler,
+    random_prompts,
+    run_to_completion,
+)
+
+from radixengine.managers.io_struct import AbortReq
+from radixengine.managers.overlap_utils import FutureMap, StepTimer
+from radixengine.utils.streams import CpuStream, HostStream, StreamError, new_stream
+
+# FutureMap ---------------------------------------------------------------------------------------
+
+
+def test_future_map_resolves_placeholders():
+    fm = FutureMap(8, "cpu")
+    rows = torch.tensor([0, 3, 7])
+    placeholders = fm.placeholders(rows)
+    assert placeholders.tolist() == [-1, -4, -8]  # row 0 is -1: never confused with token 0
+    fm.store_to_map(rows, torch.tensor([11, 0, 255]))
+    ids = torch.cat([placeholders, torch.tensor([5, 0])])
+    assert fm.resolve_future(ids).tolist() == [11, 0, 255, 5, 0]
+    assert ids.tolist() == [-1, -4, -8, 5, 0]  # the placeholder tensor is left as it was
+
+
+def test_future_map_slots_are_per_row_so_in_flight_tokens_survive():
+    """Two batches in flight on different rows never overwrite each other's tokens; a row's slot
+    changes only with that row's next store (a random sequence of steps against a dict)."""
+    fm = FutureMap(16, "cpu")
+    rng = random.Random(0)
+    expected: dict[int, int] = {}
+    for _ in range(500):
+        rows = rng.sample(range(16), rng.randint(1, 8))
+        pending = fm.placeholders(torch.tensor(rows))
+        tokens = [rng.randrange(256) for _ in rows]
+        fm.store_to_map(torch.tensor(rows), torch.tensor(tokens))
+        expected.update(zip(rows, tokens))
+        other = [r for r in range(16) if r in expected and r not in rows]
+        if other:  # tokens stored earlier for other rows are intact
+            got = fm.resolve_future(fm.placeholders(torch.tensor(other))).tolist()
+            assert got == [expected[r] for r in other]
+        assert fm.resolve_future(pending).tolist() == tokens
+
+
+# Streams -----------------------------------------------------------------------------------------
+
+
+def test_cpu_stream_runs_in_order_and_sets_events_when_reached():
+    stream = CpuStream("test")
+    gate = threading.Event()
+    order: list[int] = []
+    stream.submit(gate.wait)
+    for i in range(5):
+        stream.submit(order.append, i)
+    event = stream.record_event()
+    stream.submit(order.append, 99)
+    time.sleep(0.05)
+    assert not event.query() and order == []
+    gate.set()
+    event.synchronize()
+    assert order[:5] == [0, 1, 2, 3, 4]
+    stream.synchronize()
+    assert order == [0, 1, 2, 3, 4, 99]
+    assert [label for _, _, label in stream.busy][-1] == "append"
+    stream.close()
+
+
+def test_cpu_stream_exception_surfaces_at_next_sync_and_never_hangs():
+    stream = CpuStream("test")
+    ran: list[str] = []
+
+    def boom() -> None:
+        raise ValueError("bad forward")
+
+    stream.submit(boom)
+    stream.submit(ran.append, "skipped")
+    event = stream.record_event()
+    with pytest.raises(StreamError, match="bad forward") as info:
+        event.synchronize(timeout=5)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert ran == []  # work after the failure is skipped
+    with pytest.raises(StreamError):
+        stream.synchronize()
+    stream.reset_error()
+    stream.submit(ran.append, "after reset")
+    stream.synchronize()
+    assert ran == ["after reset"]
+    stream.close()
+
+
+def test_host_stream_and_cross_stream_wait():
+    host = HostStream()
+    out: list[int] = []
+    host.submit(out.append, 1)
+    assert out == [1] and host.record_event().query()
+    stream = new_stream("cpu")
+    gate = threading.Event()
+    stream.submit(gate.wait)
+    stream.submit(out.append, 2)
+    other = CpuStream("other")
+    other.wait_stream(stream)  # other's later work runs after stream's
+    other.submit(out.append, 3)
+    gate.set()
+    other.synchronize()
+    assert out == [1, 2, 3]
+    stream.close()
+    other.close()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_stream_and_event():
+    stream = new_stream("cuda")
+    x = torch.ones(1 << 20, device="cuda")
+    box = {}
+
+    def work() -> None:
+        box["y"] = (x * 2).sum()
+
+    stream.wait_stream(new_stream("cuda"))
+    stream.submit(work)
+    event = stream.record_event()
+    event.synchronize()
+    assert event.query() and box["y"].item() == 2 * (1 << 20)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_overlap_loop_on_cuda_matches_transformers():
+    from sched_utils import tiny_model_dir
+
+    from radixengine.managers.scheduler import Scheduler
+    from radixengine.managers.scheduler_io import InProcessIO
+    from radixengine.server_args import ServerArgs
+
+    reqs = [gen_req(f"g{i}", p, 16) for i, p in enumerate(random_prompts(700, 8, 5, 60))]
+    outputs = {}
+    for overlap in (False, True):
+        args = ServerArgs(
+            model_path=tiny_model_dir(), device="cuda", dtype="float32", max_total_tokens=4096,
+            chunked_prefill_size=32, disable_overlap_schedule=not overlap, test_mode=True,
+            disable_cuda_graph=True,
+        )
+        sched = Scheduler(args, io=InProcessIO())
+        outputs[overlap] = run_to_completion(sched, reqs)
+        assert_matches_oracle(reqs, outputs[overlap])
+
+
+# The loop ----------------------------------------------------------------------------------------
+
+
+def test_overlap_is_the_default():
+    from radixengine.server_args import ServerArgs
+
+    assert ServerArgs().disable_overlap_schedule is False
+    assert make_scheduler(overlap=True).enable_overlap
+    assert not make_scheduler().enable_overlap
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_finishing_exactly_at_the_step_boundary(page_size):
+    """Requests finishing on their first or second token are already in the next launched batch:
+    that extra slot is freed exactly once (with pages: only when it opened a page)."""
+    sched = make_scheduler(overlap=True, page_size=page_size)
+    prompts = [random_prompts(710 + n, 1, n, n)[0] for n in (15, 16, 17, 31, 32, 33)]
+    reqs = [gen_req(f"b{i}-{m}", p, m) for i, p in enumerate(prompts) for m in (1, 2, 3)]
+    results = run_to_completion(sched, reqs)
+    assert_matches_oracle(reqs, results)
+    # and one at a time, so each finishes while the next decode is already launched
+    for r in reqs[:6]:
+        run_to_completion(sched, [gen_req(r.rid + "-solo", r.input_ids, r.sampling_params.max_new_tokens)])
+
+
+def test_abort_of_a_request_in_flight():
+    sched = make_scheduler(overlap=True)
+    prompts = random_prompts(720, 3, 10, 20)
+    reqs = [gen_req(f"f{i}", p, 30, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched.io.put(*reqs)
+    for _ in range(4):
+        sched.process_input_requests(sched.recv_requests())
+        sched.run_step()
+    assert sched.result_queue  # a batch is in flight
+    sched.process_input_requests([AbortReq("f0")])
+    sched.run_until_idle()
+    assert_no_leak(sched)
+    results = collect(sched.io.take_outputs())
+    assert results["f0"].finished_reason["type"] == "abort"
+    assert_matches_oracle(reqs[1:], results)
+
+
+class FlakyWorker:
+    """Wraps a worker; its forward raises on the n-th call."""
+
+    def __init__(self, worker, fail_at: int) -> None:
+        self.worker, self.fail_at, self.calls = worker, fail_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def forward_batch_generation(self, mwb):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("simulated device failure")
+        return self.worker.forward_batch_generation(mwb)
+
+
+def _flaky_scheduler(overlap: bool):
+    from radixengine.managers.scheduler import Scheduler
+    from radixengine.managers.scheduler_io import InProcessIO
+
+    base = make_scheduler(overlap=overlap)
+    return Scheduler(base.server_args, tp_worker=FlakyWorker(base.tp_worker, 4), io=InProcessIO())
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_exception_in_forward_surfaces_and_never_hangs(overlap):
+    reqs = [gen_req(f"x{i}", p, 10) for i, p in enumerate(random_prompts(730, 3, 5, 10))]
+    sched = _flaky_scheduler(overlap)
+    sched.io.put(*reqs)
+    with pytest.raises((RuntimeError, StreamError), match="simulated device failure"):
+        sched.run_until_idle(100)
+
+    sched = _flaky_scheduler(overlap)
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            sched.event_loop_overlap() if overlap else sched.event_loop_normal()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    sched.io.put(*reqs)
+    thread.join(30)
+    assert not thread.is_alive(), "the event loop hung after a failed forward"
+    assert errors and "simulated device failure" in str(errors[0])
+
+
+def test_trace_file_and_step_timer(tmp_path):
+    for overlap in (False, True):
+        path = tmp_path / f"trace-{overlap}.json"
+        sched = make_scheduler(overlap=overlap, trace_file=str(path))
+        run_to_completion(sched, [gen_req(f"t{i}", p, 8) for i, p in enumerate(random_prompts(740, 4, 5, 30))])
+        sched.write_trace()
+        events = json.loads(path.read_text())["traceEvents"]
+        lanes = {e.get("tid") for e in events if e.get("ph") == "X"}
+        assert lanes == {1, 2}
+        names = {e["name"] for e in events if e.get("tid") == 1}
+        assert {"schedule", "launch", "process"} <= names
+        summary = sched.timer.summary()
+        assert summary["steps"] > 8 and summary["cpu_ms"] > 0
+        assert (summary["wait_ms"] > 0) == overlap and (summary["forward_ms"] > 0) == (not overlap)
+
+    timer = StepTimer()
+    with timer.phase("process"):
+        with timer.phase("wait"):
+            time.sleep(0.02)
+    timer.end_step()
+    assert timer.summary()["wait_ms"] >= 20 > timer.summary()["process_ms"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_seeded_sampling_identical_in_both_loops(policy):
+    prompts = random_prompts(750, 10, 5, 40)
+    reqs = [gen_req(f"s{i}", p, 20, temperature=0.9, top_p=0.95, sampling_seed=1000 + i) for i, p in enumerate(prompts)]
+    outs = []
+    for overlap in (False, True):
+        sched = make_scheduler(overlap=overlap, schedule_policy=policy, chunked_prefill_size=16)
+        outs.append({rid: r.output_ids for rid, r in run_to_completion(sched, reqs).items()})
+    assert outs[0] == outs[1]
