@@ -29,13 +29,15 @@ class RotaryEmbedding(nn.Module):
         freqs = t[:, None] * inv_freq[None, :]
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        # cos/sin of the last positions tensor: every layer of one forward shares it.
+        self._last: tuple | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate `x` `[num_tokens, num_heads, head_size]` at `positions` `[num_tokens]`.
 
         The model passes q and k heads together (adjacent in the fused qkv output), so one call
         rotates both."""
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = self._cos_sin(positions)
         rot = x[..., : self.rotary_dim]
         half = self.rotary_dim // 2
         x1, x2 = rot[..., :half], rot[..., half:]
@@ -43,6 +45,13 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim < self.head_size:
             out = torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
         return out
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        last = self._last
+        if last is None or last[0] is not positions or last[1] != positions._version:
+            cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+            last = self._last = (positions, positions._version, cos, sin)
+        return last[2], last[3]
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:

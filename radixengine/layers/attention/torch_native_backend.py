@@ -29,7 +29,9 @@ class _ExtendRequest:
 
 @dataclass
 class _DecodeMetadata:
-    slots: torch.Tensor  # int64 [bs * max_len]: padded KV slots (padding points at slot 0)
+    # Rows of the pool viewed as [slots * kv_heads, head_dim], ordered [bs, kv_heads, max_len]:
+    # one gather gives SDPA contiguous K/V. Padding points at slot 0.
+    head_rows: torch.Tensor
     mask: torch.Tensor | None  # bool [bs, 1, 1, max_len]; None when no request is padded
     max_len: int
 
@@ -38,6 +40,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None) -> None:
         self.extend_requests: list[_ExtendRequest] = []
         self.decode_metadata: _DecodeMetadata | None = None
+        # Gathered K/V of one layer at a time; reused across layers and steps (a fresh large
+        # tensor per layer costs page faults on a CPU).
+        self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.forward_mode.is_decode():
@@ -67,19 +72,37 @@ class TorchNativeAttnBackend(AttentionBackend):
             save_kv(k, v, layer, forward_batch)
         meta = self.decode_metadata
         bs, num_kv, dim = q.shape[0], layer.tp_k_head_num, layer.qk_head_dim
-        pool = forward_batch.token_to_kv_pool
-        shape = (bs, meta.max_len, num_kv, dim)
-        ks = pool.get_key_buffer(layer.layer_id).index_select(0, meta.slots).view(shape)
-        vs = pool.get_value_buffer(layer.layer_id).index_select(0, meta.slots).view(shape)
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        ks, vs = self._gather(k_buf.view(-1, dim), v_buf.view(-1, dim), meta.head_rows)
+        shape = (bs, num_kv, meta.max_len, dim)
+        # GQA as a batch of [group, dim] queries per KV head: no K/V repeat, SDPA's flash path.
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            ks.transpose(1, 2),
-            vs.transpose(1, 2),
+            q.view(bs, num_kv, -1, dim),
+            ks.view(shape),
+            vs.view(shape),
             attn_mask=meta.mask,
             scale=layer.scaling,
-            enable_gqa=q.shape[1] != num_kv,
         )
         return out.reshape(bs, -1)
+
+    def _gather(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor):
+        """`k_rows[rows]` and `v_rows[rows]`, written into buffers reused across layers and
+        steps (a fresh large tensor per layer costs page faults on a CPU)."""
+        numel = rows.numel() * k_rows.shape[1]
+        bufs = self._gather_bufs
+        if (
+            bufs is None
+            or bufs[0].numel() < numel
+            or bufs[0].dtype != k_rows.dtype
+            or bufs[0].device != k_rows.device
+        ):
+            bufs = tuple(torch.empty(numel, dtype=k_rows.dtype, device=k_rows.device) for _ in "kv")
+            self._gather_bufs = bufs
+        shape = (rows.numel(), k_rows.shape[1])
+        ks, vs = bufs[0][:numel].view(shape), bufs[1][:numel].view(shape)
+        torch.index_select(k_rows, 0, rows, out=ks)
+        torch.index_select(v_rows, 0, rows, out=vs)
+        return ks, vs
 
 
 def _heads(q, k, v, layer: RadixAttention):
@@ -91,17 +114,18 @@ def _heads(q, k, v, layer: RadixAttention):
 
 
 def _sdpa(q, k, v, mask, scale) -> torch.Tensor:
-    """q `[n, H, D]`, k/v `[s, Hkv, D]` -> `[n, H, D]`; causal when `mask` is None (n == s)."""
+    """q `[n, H, D]`, k/v `[s, Hkv, D]` -> `[n, H, D]`; causal when `mask` is None (n == s).
+    4-D inputs: SDPA's CPU flash kernel takes only those (3-D falls back to the math path)."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask,
         is_causal=mask is None,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _extend_requests(fb: ForwardBatch) -> list[_ExtendRequest]:
@@ -123,10 +147,13 @@ def _extend_requests(fb: ForwardBatch) -> list[_ExtendRequest]:
 
 def _decode_metadata(fb: ForwardBatch) -> _DecodeMetadata:
     max_len = max(fb.seq_lens_cpu)
+    num_kv = fb.token_to_kv_pool.get_key_buffer(0).shape[1]
     table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].to(torch.int64)
     cols = torch.arange(max_len, device=table.device)
     valid = cols[None, :] < fb.seq_lens[:, None]
-    slots = torch.where(valid, table, 0).reshape(-1)
+    slots = torch.where(valid, table, 0)
+    heads = torch.arange(num_kv, device=table.device)
+    head_rows = (slots[:, None, :] * num_kv + heads[None, :, None]).reshape(-1)
     # Equal lengths need no mask (SDPA then takes its faster unmasked path).
     mask = None if min(fb.seq_lens_cpu) == max_len else valid[:, None, None, :]
-    return _DecodeMetadata(slots=slots, mask=mask, max_len=max_len)
+    return _DecodeMetadata(head_rows=head_rows, mask=mask, max_len=max_len)
