@@ -234,6 +234,12 @@ def test_disconnect_mid_stream_aborts_and_frees(server):
                 break
     info = assert_idle_accounting(server)
     assert info["num_generated_tokens"] - before < 900, "the request ran to the end instead of being aborted"
+    # A non-streaming client that gives up is aborted too.
+    before = info["num_generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/generate", headers=AUTH, json={**body, "stream": False}, timeout=1.0)
+    info = assert_idle_accounting(server)
+    assert info["num_generated_tokens"] - before < 900, "the request ran to the end instead of being aborted"
 
 
 BAD_INPUTS = [

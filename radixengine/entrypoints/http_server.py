@@ -211,7 +211,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     app.state.tokenizer_manager = tm
     _install_error_handlers(app)
     if server_args.api_key:
-        _install_api_key(app, server_args.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -406,14 +406,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(f"internal error: {type(e).__name__}: {e}", 500)
 
 
-def _install_api_key(app: FastAPI, api_key: str) -> None:
-    expected = f"Bearer {api_key}"
+class APIKeyMiddleware:
+    """Every route but /health needs `Authorization: Bearer <key>` (a plain ASGI middleware, so
+    that disconnect detection and streaming pass through untouched)."""
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if request.url.path != "/health" and request.headers.get("authorization") != expected:
-            return error_response("invalid or missing API key (Authorization: Bearer ...)", 401)
-        return await call_next(request)
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                response = error_response("invalid or missing API key (Authorization: Bearer ...)", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # Launch ---------------------------------------------------------------------------------------
