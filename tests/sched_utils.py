@@ -5,6 +5,7 @@ transformers greedy oracle (cached per prompt within the process)."""
 from __future__ import annotations
 
 import atexit
+import os
 import random
 import shutil
 import tempfile
@@ -22,6 +23,8 @@ from radixengine.mem_cache.accounting import check_token_accounting
 from radixengine.sampling.sampling_params import SamplingParams
 from radixengine.server_args import ServerArgs
 
+# RADIXENGINE_TEST_DEVICE=cuda runs the scheduler suites on a GPU (the oracle stays on the CPU).
+TEST_DEVICE = os.environ.get("RADIXENGINE_TEST_DEVICE", "cpu")
 VOCAB = 256
 EOS = 7  # the tiny model's EOS id (greedy hits it now and then: EOS finishes get exercised)
 TINY_LLAMA = dict(
@@ -96,7 +99,7 @@ def _worker(page_size: int, max_total_tokens: int, max_running_requests: int | N
     return TpModelWorker(
         ServerArgs(
             model_path=tiny_model_dir(),
-            device="cpu",
+            device=TEST_DEVICE,
             dtype="float32",
             attention_backend="torch_native",
             page_size=page_size,
@@ -112,7 +115,7 @@ def make_scheduler(tokenizer=None, overlap: bool = False, **overrides) -> Schedu
     self-check raises); the overlap loop if `overlap`."""
     args = dict(
         model_path=tiny_model_dir(),
-        device="cpu",
+        device=TEST_DEVICE,
         dtype="float32",
         attention_backend="torch_native",
         page_size=1,

@@ -298,7 +298,12 @@ class ScheduleBatch:
                 self.device,
             )
             out = allocator.alloc_extend(
-                _int64(prefix_lens, self.device), _int64(seq_lens, self.device), last_loc, n
+                _int64(prefix_lens, self.device),
+                _int64(seq_lens, self.device),
+                last_loc,
+                n,
+                prefix_lens_cpu=_int64(prefix_lens),
+                seq_lens_cpu=_int64(seq_lens),
             )
         if out is None:
             raise self._alloc_failed("prefill", n)
@@ -371,7 +376,9 @@ class ScheduleBatch:
         else:
             self._evict_for(self.new_tokens_next_decode())
             last_loc = self.req_to_token_pool.req_to_token[self.req_pool_indices, positions - 1]
-            out = allocator.alloc_decode(positions + 1, last_loc.to(torch.int64))
+            out = allocator.alloc_decode(
+                positions + 1, last_loc.to(torch.int64), seq_lens_cpu=self.seq_lens_cpu + 1
+            )
         if out is None:
             raise self._alloc_failed("decode", bs)
         self.req_to_token_pool.write((self.req_pool_indices, positions), out.to(torch.int32))

@@ -121,6 +121,8 @@ class Scheduler:
         self.forward_stream = new_stream(self.device, "forward")
         if isinstance(self.forward_stream, CpuStream):
             weakref.finalize(self, self.forward_stream.close)
+        elif self.server_args.trace_file and isinstance(self.forward_stream, CudaStream):
+            self.forward_stream.enable_timing()
         self.default_stream = get_default_stream(self.device)
         self.future_map = FutureMap(self.req_to_token_pool.size, self.device)
         # Keeps the inputs of the last two launched batches alive while the device reads them.
@@ -725,11 +727,10 @@ class Scheduler:
         if path is None or self.timer.events is None:
             return
         stream = getattr(self, "forward_stream", None)
-        device = list(stream.busy) if isinstance(stream, CpuStream) else []
-        if not self.enable_overlap:  # the forward runs inline: it is the device lane
+        if self.enable_overlap:
+            device = list(stream.busy)
+        else:  # the forward runs inline: it is the device lane
             device = [(s, e, "forward") for name, s, e in self.timer.events if name == "forward"]
-        elif isinstance(stream, CudaStream):
-            device = []  # CUDA intervals would need timing events; the scheduler lane still shows waits
         write_chrome_trace(path, list(self.timer.events), device, self.timer.start_time)
         self._trace_written_at = time.perf_counter()
 

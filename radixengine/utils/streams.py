@@ -179,9 +179,30 @@ class CudaEvent:
 class CudaStream:
     def __init__(self, device: torch.device | str | None = None, stream: torch.cuda.Stream | None = None) -> None:
         self.stream = stream if stream is not None else torch.cuda.Stream(device=device)
-        # (start event, end event, label) per piece of work, for timing; bounded.
-        self.busy_events: deque[tuple[torch.cuda.Event, torch.cuda.Event, str]] = deque(maxlen=10_000)
+        # (start event, end event, label) per piece of work, once `enable_timing()`; bounded.
+        self.busy_events: deque[tuple[torch.cuda.Event, torch.cuda.Event, str]] = deque(maxlen=100_000)
         self.timing = False
+        self._anchor: tuple[torch.cuda.Event, float] | None = None
+
+    def enable_timing(self) -> None:
+        """Record an event pair around each piece of work (for `busy`)."""
+        self.stream.synchronize()
+        base = CudaEvent(self.stream, timing=True).event
+        base.synchronize()
+        self._anchor = (base, time.perf_counter())
+        self.timing = True
+
+    @property
+    def busy(self) -> list[tuple[float, float, str]]:
+        """Busy intervals in perf_counter seconds (synchronizes the stream)."""
+        if self._anchor is None:
+            return []
+        self.stream.synchronize()
+        base, t0 = self._anchor
+        return [
+            (t0 + base.elapsed_time(s) / 1e3, t0 + base.elapsed_time(e) / 1e3, label)
+            for s, e, label in self.busy_events
+        ]
 
     def submit(self, fn: Callable[..., Any], *args: Any, label: str | None = None) -> None:
         with torch.cuda.stream(self.stream):
