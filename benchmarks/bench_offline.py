@@ -237,6 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--peers", default="transformers", help="comma list: transformers, llamacpp")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--limit", type=int, default=None, help="first N requests of each workload (smoke runs)")
     parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_offline.json"))
     args = parser.parse_args(argv)
     for name in ("workloads", "policies", "dtypes", "peers"):
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for dtype in args.dtypes:
         for name in args.workloads:
-            items = load_workload(Path(args.workloads_dir) / f"{name}.jsonl")
+            items = load_workload(Path(args.workloads_dir) / f"{name}.jsonl")[: args.limit]
             rows += bench_workload(name, items, dtype, args, hf_path, tokenizer)
     print_table(rows)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
