@@ -150,6 +150,9 @@ def test_stop_string_trims_the_output(engine, oracle):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     kept = engine.generate(PROMPTS[1], {**GREEDY, "stop": stop, "no_stop_trim": True})
     assert kept["text"].endswith(stop)
+    # Streaming never shows the stop string, not even a part of it that is later cut.
+    chunks = [c["text"] for c in engine.generate(PROMPTS[1], {**GREEDY, "stop": stop}, stream=True)]
+    assert "".join(chunks) == out["text"]
 
 
 def test_n_choices_and_logprobs(engine, oracle):
