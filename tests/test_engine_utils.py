@@ -4,7 +4,6 @@ folder with a real byte-level BPE tokenizer (and a chat template), and the trans
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import psutil
@@ -110,10 +109,6 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def child_pids() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
 def wait_gone(pids: set[int], timeout: float = 10.0) -> set[int]:
     """The pids still alive (zombies count as gone) after waiting up to `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -130,10 +125,3 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
