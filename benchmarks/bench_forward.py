@@ -33,8 +33,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--cached-len", type=int, default=512)
-    p.add_argument("--decode-steps", type=int, default=5, help="timed decode steps per batch size")
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills")
+    p.add_argument("--decode-steps", type=int, default=4, help="timed decode steps per round")
+    p.add_argument("--repeats", type=int, default=3, help="rounds, alternating ours and transformers")
     p.add_argument("--threads", type=int, default=None, help="default: torch's default")
     p.add_argument("--attention-backend", default="torch_native")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -171,21 +171,37 @@ def run_dtype(args: argparse.Namespace, dtype: str, folder: str) -> list[dict]:
     ids = torch.randint(vocab, (args.prefill_len,))
     rows = []
     ours.prefill(ids), hf.prefill(ids)  # warm-up
-    ours_t = [ours.prefill(ids) for _ in range(args.repeats)]
-    hf_t = [hf.prefill(ids) for _ in range(args.repeats)]
+    ours_t, hf_t = [], []
+    for _ in range(args.repeats):
+        ours_t.append(ours.prefill(ids))
+        hf_t.append(hf.prefill(ids))
     rows.append(_row(dtype, f"prefill {args.prefill_len}", ours_t, hf_t))
     for bs in batch_sizes:
-        ours_t = ours.decode(bs, args.cached_len, args.decode_steps, vocab)
-        hf_t = hf.decode(bs, args.cached_len, args.decode_steps, vocab)
+        ours_t, hf_t = [], []
+        for _ in range(args.repeats):
+            ours_t += ours.decode(bs, args.cached_len, args.decode_steps, vocab)
+            hf_t += hf.decode(bs, args.cached_len, args.decode_steps, vocab)
         rows.append(_row(dtype, f"decode bs={bs} ctx={args.cached_len}", ours_t, hf_t))
     return rows
 
 
 def _row(dtype: str, case: str, ours: list[float], hf: list[float]) -> dict:
+    """Medians and minima (the minimum is the steadier figure on a shared machine)."""
     o, h = statistics.median(ours), statistics.median(hf)
-    row = {"dtype": dtype, "case": case, "ours_s": o, "transformers_s": h, "ratio": o / h}
+    o_min, h_min = min(ours), min(hf)
+    row = {
+        "dtype": dtype,
+        "case": case,
+        "ours_s": o,
+        "transformers_s": h,
+        "ratio": o / h,
+        "ours_min_s": o_min,
+        "transformers_min_s": h_min,
+        "ratio_min": o_min / h_min,
+    }
     print(
         f"{dtype:9s} {case:24s} ours {o * 1e3:8.1f} ms   transformers {h * 1e3:8.1f} ms   ratio {o / h:5.2f}"
+        f"   (min {o_min * 1e3:8.1f} / {h_min * 1e3:8.1f} = {o_min / h_min:5.2f})"
     )
     return row
 
