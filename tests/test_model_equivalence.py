@@ -53,9 +53,12 @@ def test_prefill_split_into_cached_prefix_and_extend(tiny, page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_steps(tiny, page_size):
+@pytest.mark.parametrize("min_padded_fill", [0.0, 2.0], ids=["padded", "per_request"])
+def test_decode_steps(tiny, page_size, min_padded_fill):
     folder, hf = tiny
-    driver = ModelDriver(make_runner(folder, page_size))
+    runner = make_runner(folder, page_size)
+    runner.attn_backend.min_padded_fill = runner.attn_backend.min_padded_fill_one_thread = min_padded_fill
+    driver = ModelDriver(runner)
     prompts = _prompts(4)
     driver.extend(prompts)
     rng = random.Random(5)
