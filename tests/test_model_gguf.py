@@ -33,7 +33,6 @@ def test_conversion_is_cached(gguf_path):
     assert resolve_model_path(gguf_path) == str(folder)  # the second call finds the cache
 
 
-@pytest.mark.slow
 def test_greedy_chat_matches_transformers_gguf(gguf_path):
     from transformers import AutoModelForCausalLM
 
