@@ -25,6 +25,8 @@ from radixengine.server_args import ServerArgs
 
 # RADIXENGINE_TEST_DEVICE=cuda runs the scheduler suites on a GPU (the oracle stays on the CPU).
 TEST_DEVICE = os.environ.get("RADIXENGINE_TEST_DEVICE", "cpu")
+# Overlap tests exercise the CPU forward stream's worker thread whatever the core count.
+os.environ.setdefault("RADIXENGINE_CPU_FORWARD_STREAM", "thread")
 VOCAB = 256
 EOS = 7  # the tiny model's EOS id (greedy hits it now and then: EOS finishes get exercised)
 TINY_LLAMA = dict(

@@ -341,7 +341,9 @@ def test_flush_cache_and_internal_state_messages():
         "new_token_ratio",
     ):
         assert key in state
-    assert state["num_queue_reqs"] == 1 and state["max_total_tokens"] == 4096
+    # answered after the step: "y" was admitted by then
+    assert state["num_queue_reqs"] == 0 and state["num_running_reqs"] == 1
+    assert state["max_total_tokens"] == 4096
     flush = next(m for m in replies if isinstance(m, FlushCacheReqOutput))
     assert flush.success is False  # "y" is running
     sched.run_until_idle()

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from sched_utils import (
+    TEST_DEVICE,
     assert_matches_oracle,
     assert_no_leak,
     collect,
@@ -23,7 +24,7 @@ from sched_utils import (
 
 from radixengine.managers.io_struct import AbortReq
 from radixengine.managers.overlap_utils import FutureMap, StepTimer
-from radixengine.utils.streams import CpuStream, HostStream, StreamError, new_stream
+from radixengine.utils.streams import CpuStream, HostStream, StreamError, available_cores, new_stream
 
 # FutureMap ---------------------------------------------------------------------------------------
 
@@ -288,3 +289,30 @@ def test_seeded_sampling_identical_in_both_loops(policy):
         sched = make_scheduler(overlap=overlap, schedule_policy=policy, chunked_prefill_size=16)
         outs.append({rid: r.output_ids for rid, r in run_to_completion(sched, reqs).items()})
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="CPU stream layouts")
+@pytest.mark.parametrize("layout", ["inline", "thread"])
+def test_cpu_forward_stream_layouts(layout, monkeypatch):
+    monkeypatch.setenv("RADIXENGINE_CPU_FORWARD_STREAM", layout)
+    sched = make_scheduler(overlap=True, chunked_prefill_size=16)
+    assert isinstance(sched.forward_stream, HostStream if layout == "inline" else CpuStream)
+    assert sched.enable_overlap == (layout == "thread")  # inline: the normal step order
+    reqs = [gen_req(f"l{i}", p, 12) for i, p in enumerate(random_prompts(760, 8, 5, 50))]
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+    with pytest.raises(ValueError, match="unknown CPU stream layout"):
+        new_stream("cpu", cpu_layout="fibers")
+
+
+def test_auto_layout_leaves_a_core_for_the_scheduler():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(available_cores())
+        assert isinstance(new_stream("cpu", cpu_layout="auto"), HostStream)
+        if available_cores() > 1:
+            torch.set_num_threads(available_cores() - 1)
+            stream = new_stream("cpu", cpu_layout="auto")
+            assert isinstance(stream, CpuStream)
+            stream.close()
+    finally:
+        torch.set_num_threads(threads)

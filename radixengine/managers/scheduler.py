@@ -9,6 +9,7 @@ One step: recv → `process_input_requests` (validate, build `Req`, queue) → `
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections import deque
@@ -42,7 +43,7 @@ from radixengine.mem_cache.accounting import TokenAccountingError, check_token_a
 from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.radix_cache import RadixCache
 from radixengine.server_args import ServerArgs
-from radixengine.utils.streams import CpuStream, CudaStream, get_default_stream, new_stream
+from radixengine.utils.streams import CpuStream, CudaStream, HostStream, get_default_stream, new_stream
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.stats = SchedulerStats()
         self._pending_outputs: list[Req] = []
+        self._deferred_requests: list[object] = []
         self._shutdown = False
         self.timer = StepTimer(trace=args.trace_file is not None)
         self._trace_written_at = time.perf_counter()
@@ -118,7 +120,15 @@ class Scheduler:
             self.init_overlap()
 
     def init_overlap(self) -> None:
-        self.forward_stream = new_stream(self.device, "forward")
+        # CPU: where the forward runs beside the scheduler thread (RADIXENGINE_CPU_FORWARD_STREAM).
+        layout = os.environ.get("RADIXENGINE_CPU_FORWARD_STREAM", "auto")
+        self.forward_stream = new_stream(self.device, "forward", cpu_layout=layout)
+        if isinstance(self.forward_stream, HostStream):
+            # The forward's threads use every core: nothing can run alongside it, so launching
+            # N before processing N-1 would only cost a stale step. Keep the normal step order.
+            logger.info("overlap schedule: the CPU forward uses every core; running the normal step order")
+            self.enable_overlap = False
+            return
         if isinstance(self.forward_stream, CpuStream):
             weakref.finalize(self, self.forward_stream.close)
         elif self.server_args.trace_file and isinstance(self.forward_stream, CudaStream):
@@ -169,11 +179,10 @@ class Scheduler:
                 self.handle_generate_request(msg)
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg.rid)
-            elif isinstance(msg, FlushCacheReqInput):
-                ok, message = self._flush_cache()
-                self.io.send(FlushCacheReqOutput(success=ok, message=message))
-            elif isinstance(msg, GetInternalStateReq):
-                self.io.send(GetInternalStateReqOutput(state=self.get_internal_state()))
+            elif isinstance(msg, (FlushCacheReqInput, GetInternalStateReq)):
+                # Answered at the end of the step, once its results are processed (under overlap
+                # a finished request's last, one-step-late slot is freed only then).
+                self._deferred_requests.append(msg)
             else:
                 logger.error("scheduler: ignoring a message of unknown type %s", type(msg).__name__)
 
@@ -602,7 +611,7 @@ class Scheduler:
         evictable = self.tree_cache.evictable_size()
         s = self.stats
         return {
-            "num_running_reqs": len(self.running_batch.reqs),
+            "num_running_reqs": len({id(r) for r in self._active_reqs() if not r.finished()}),
             "num_queue_reqs": len(self.waiting_queue),
             "num_retracted_reqs": s.num_retracted_reqs,
             "num_preempted_reqs": s.num_preempted_reqs,
@@ -675,8 +684,18 @@ class Scheduler:
         self._end_step()
         return batch
 
+    def _answer_deferred_requests(self) -> None:
+        msgs, self._deferred_requests = self._deferred_requests, []
+        for msg in msgs:
+            if isinstance(msg, FlushCacheReqInput):
+                ok, message = self._flush_cache()
+                self.io.send(FlushCacheReqOutput(success=ok, message=message))
+            else:
+                self.io.send(GetInternalStateReqOutput(state=self.get_internal_state()))
+
     def _end_step(self) -> None:
         self.stream_output()
+        self._answer_deferred_requests()
         self.timer.end_step()
         if self.server_args.trace_file and time.perf_counter() - self._trace_written_at > 5.0:
             self.write_trace()
@@ -692,15 +711,13 @@ class Scheduler:
 
     def event_loop_overlap(self) -> None:
         """The overlap loop: the device computes batch N while the CPU processes batch N-1 and
-        schedules batch N+1 (see `run_step_overlap`)."""
+        schedules batch N+1 (see `run_step_overlap`). The step order is fixed when the
+        scheduler is built (`enable_overlap`), so both entry points run the same loop."""
         self._event_loop(overlap=True)
 
     def _event_loop(self, overlap: bool) -> None:
-        if overlap != self.enable_overlap:
-            raise RuntimeError(
-                f"this scheduler was built {'with' if self.enable_overlap else 'without'} the overlap "
-                f"schedule (--disable-overlap-schedule={self.server_args.disable_overlap_schedule})"
-            )
+        if overlap and self.server_args.disable_overlap_schedule:
+            raise RuntimeError("event_loop_overlap with --disable-overlap-schedule")
         try:
             while not self._shutdown:
                 try:
@@ -728,7 +745,7 @@ class Scheduler:
             return
         stream = getattr(self, "forward_stream", None)
         if self.enable_overlap:
-            device = list(stream.busy)
+            device = list(stream.busy)  # CpuStream, HostStream (inline) or CudaStream (timed)
         else:  # the forward runs inline: it is the device lane
             device = [(s, e, "forward") for name, s, e in self.timer.events if name == "forward"]
         write_chrome_trace(path, list(self.timer.events), device, self.timer.start_time)

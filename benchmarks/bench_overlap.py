@@ -1,0 +1,213 @@
+"""Ablation of the overlap loop: the same decode workload with the normal and the overlap event
+loop, in one run, for several decode batch sizes.
+
+    python benchmarks/bench_overlap.py                                 # CPU, both model shapes
+    python benchmarks/bench_overlap.py --device cuda --models tiny,smollm2 --out overlap.json --plot overlap.png
+
+Models are random weights (`--load-format dummy`) of a config: `tiny` (hidden 64, 2 layers: the
+forward is short, so the scheduler's cost shows) and `smollm2` (SmolLM2-135M's shape), or any HF
+folder. Per batch size: `bs` requests of `--prompt-len` tokens, `--new-tokens` each (ignore_eos),
+all submitted at once. Reported per loop: decode throughput (output tokens/s over the whole run),
+mean step time, the scheduler thread's CPU time per step (recv + schedule + launch + process,
+not the wait for the device nor an inline forward), and the device idle fraction: the share of
+wall time with no forward running (forward intervals timed with CUDA events on a GPU, with
+perf_counter on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from radixengine.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
+from radixengine.managers.scheduler import Scheduler  # noqa: E402
+from radixengine.managers.scheduler_io import InProcessIO  # noqa: E402
+from radixengine.managers.tp_worker import TpModelWorker  # noqa: E402
+from radixengine.sampling.sampling_params import SamplingParams  # noqa: E402
+from radixengine.server_args import ServerArgs  # noqa: E402
+
+CONFIGS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+}
+
+
+def model_folder(name: str, root: Path) -> tuple[str, str]:
+    """(path, load format): a config-only folder for the dummy shapes, else the path itself."""
+    if name not in CONFIGS:
+        return name, "auto"
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32", **CONFIGS[name]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder), "dummy"
+
+
+class TimedWorker:
+    """The worker with each forward's busy interval recorded (CUDA events on a GPU)."""
+
+    def __init__(self, worker: TpModelWorker) -> None:
+        self.worker = worker
+        self.cuda = str(worker.device).startswith("cuda")
+        self.intervals: list = []
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def forward_batch_generation(self, mwb):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self.worker.forward_batch_generation(mwb)
+            end.record()
+            self.intervals.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            out = self.worker.forward_batch_generation(mwb)
+            self.intervals.append((t0, time.perf_counter()))
+        return out
+
+    def busy_seconds(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(s.elapsed_time(e) for s, e in self.intervals) / 1e3
+        return sum(e - s for s, e in self.intervals)
+
+
+def run_once(args, worker: TimedWorker, model_args: dict, bs: int, overlap: bool, vocab: int) -> dict:
+    server_args = ServerArgs(**model_args, disable_overlap_schedule=not overlap, chunked_prefill_size=-1)
+    req_pool, allocator = worker.get_memory_pool()
+    req_pool.clear()
+    allocator.clear()
+    sched = Scheduler(server_args, tp_worker=worker, io=InProcessIO())
+    rng = random.Random(bs)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+
+    def reqs(tag: str, n: int):
+        return [
+            TokenizedGenerateReqInput(f"{tag}{i}", None, [rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
+            for i in range(n)
+        ]
+
+    sched.io.put(*reqs("warm", bs))
+    sched.run_until_idle()
+    sched.io.take_outputs()
+    sched.flush_cache()
+    sched.timer.reset()
+    worker.intervals.clear()
+    batch = reqs("r", bs)
+    if worker.cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    sched.io.put(*batch)
+    sched.run_until_idle()
+    wall = time.perf_counter() - start
+    summary = sched.timer.summary()
+    busy = worker.busy_seconds()
+    sched.close()
+    return {
+        "bs": bs,
+        "loop": "overlap" if overlap else "normal",
+        "tokens_per_s": bs * args.new_tokens / wall,
+        "step_ms": 1e3 * wall / max(summary["steps"], 1),
+        "sched_cpu_ms": summary["cpu_ms"],
+        "device_idle": max(0.0, 1.0 - busy / wall),
+        "wall_s": wall,
+    }
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for model in sorted({r["model"] for r in results}):
+        rows = [r for r in results if r["model"] == model]
+        sizes = sorted({r["bs"] for r in rows})
+        get = {(r["bs"], r["loop"]): r for r in rows}
+        ax[0].plot(sizes, [get[b, "overlap"]["tokens_per_s"] / get[b, "normal"]["tokens_per_s"] for b in sizes],
+                   marker="o", label=model)
+        for loop, style in (("normal", "--"), ("overlap", "-")):
+            ax[1].plot(sizes, [get[b, loop]["device_idle"] for b in sizes], style, marker="o", label=f"{model} {loop}")
+    ax[0].axhline(1.0, color="gray", lw=0.8)
+    ax[0].set(xscale="log", xlabel="decode batch size", ylabel="throughput overlap / normal")
+    ax[1].set(xscale="log", xlabel="decode batch size", ylabel="device idle fraction")
+    for a in ax:
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="tiny,smollm2")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--batch-sizes", default="1,8,32,64,128")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--num-threads", type=int, default=None, help="CPU intra-op threads")
+    p.add_argument("--cpu-layout", default=None, choices=["auto", "thread", "inline"],
+                   help="where the CPU forward stream runs (RADIXENGINE_CPU_FORWARD_STREAM)")
+    p.add_argument("--no-finite-check", action="store_true", help="skip the sampler's NaN check (a device sync)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args()
+    if args.cpu_layout:
+        os.environ["RADIXENGINE_CPU_FORWARD_STREAM"] = args.cpu_layout
+
+    tmp = Path(tempfile.mkdtemp())
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    results = []
+    print(
+        f"device={args.device} prompt={args.prompt_len} new_tokens={args.new_tokens} "
+        f"threads={args.num_threads or torch.get_num_threads()} cpu_layout={os.environ.get('RADIXENGINE_CPU_FORWARD_STREAM', 'auto')}"
+    )
+    print(f"{'model':<8} {'bs':>4} | {'normal tok/s':>12} {'overlap tok/s':>13} {'ratio':>6} | "
+          f"{'step ms n/o':>13} | {'sched cpu ms n/o':>16} | {'idle n/o':>11}")
+    for model in args.models.split(","):
+        path, load_format = model_folder(model, tmp)
+        model_args = dict(
+            model_path=path, load_format=load_format, device=args.device, dtype=args.dtype,
+            max_total_tokens=max(sizes) * (args.prompt_len + args.new_tokens) * 2 + 1024,
+            max_running_requests=max(sizes), num_threads=args.num_threads,
+        )
+        worker = TimedWorker(TpModelWorker(ServerArgs(**model_args)))
+        if args.no_finite_check:
+            worker.model_runner.sampler.check_finite = False
+        vocab = worker.get_worker_info().vocab_size
+        for bs in sizes:
+            pair = {loop: run_once(args, worker, model_args, bs, loop == "overlap", vocab) for loop in ("normal", "overlap")}
+            for r in pair.values():
+                r["model"] = model
+                results.append(r)
+            n, o = pair["normal"], pair["overlap"]
+            print(f"{model:<8} {bs:>4} | {n['tokens_per_s']:>12.0f} {o['tokens_per_s']:>13.0f} "
+                  f"{o['tokens_per_s'] / n['tokens_per_s']:>6.2f} | {n['step_ms']:>6.2f} {o['step_ms']:>6.2f} | "
+                  f"{n['sched_cpu_ms']:>7.3f} {o['sched_cpu_ms']:>8.3f} | {n['device_idle']:>5.1%} {o['device_idle']:>5.1%}",
+                  flush=True)
+        del worker
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
