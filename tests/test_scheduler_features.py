@@ -385,3 +385,15 @@ def test_self_check_raises_in_test_mode_and_logs_otherwise(caplog):
         quiet.self_check_during_idle()
     assert "2 tokens leaked" in caplog.text
     assert leaked is not None
+
+
+def test_outputs_report_queue_times():
+    sched = make_scheduler(max_running_requests=1)
+    sched.io.put(gen_req("first", [5, 6, 8], 4), gen_req("second", [9, 10], 4), gen_req("bad", [], 4))
+    sched.run_until_idle()
+    latest = {}
+    for msg in sched.io.take_outputs():
+        for rid, q in zip(msg.rids, msg.queue_times):
+            latest[rid] = q
+    assert latest["bad"] is None
+    assert 0 <= latest["first"] < latest["second"]  # "second" waited for the only running slot

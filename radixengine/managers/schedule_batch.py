@@ -225,7 +225,6 @@ class ScheduleBatch:
     device: torch.device | str = "cpu"
     page_size: int = 1
     vocab_size: int | None = None
-    enable_overlap: bool = False
 
     forward_mode: ForwardMode = ForwardMode.IDLE
     batch_is_full: bool = False

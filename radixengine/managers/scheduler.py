@@ -165,7 +165,6 @@ class Scheduler:
             device=self.device,
             page_size=self.page_size,
             vocab_size=self.vocab_size,
-            enable_overlap=self.enable_overlap,
         )
 
     # Input -------------------------------------------------------------------------------------
@@ -306,7 +305,7 @@ class Scheduler:
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         running = self.running_batch
-        if self.try_preemption:
+        if self.try_preemption or running.is_empty():  # nothing running would ever reset it
             running.batch_is_full = False
         if (running.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
             return None
@@ -549,6 +548,7 @@ class Scheduler:
                 skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
                 no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
                 output_token_logprobs=[list(r.output_token_logprobs) if r.return_logprob else None for r in reqs],
+                queue_times=[_queue_time(r) for r in reqs],
             )
         )
 
@@ -761,6 +761,12 @@ class Scheduler:
             if batch is None and self.is_idle() and not getattr(self.io, "inbox", None):
                 return step
         raise RuntimeError(f"scheduler not idle after {max_steps} steps: {self.get_internal_state()}")
+
+
+def _queue_time(req: Req) -> float | None:
+    """Seconds from arrival to the first prefill batch (None if it never got one)."""
+    t = req.time_stats
+    return t.forward_entry_time - t.wait_queue_entry_time if t.forward_entry_time else None
 
 
 @dataclass
