@@ -10,7 +10,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer", "triton")
 
 
 @dataclass

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixengine.layers.triton_ops import use_fused_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -17,6 +19,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`."""
+        if use_fused_ops(x):
+            from radixengine.layers.triton_ops.fused import rms_norm
+
+            return rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -41,6 +41,19 @@ class ModelRunner:
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.sampler = Sampler()
+        self.cuda_graph_runner = self._make_cuda_graph_runner()
+
+    def _make_cuda_graph_runner(self):
+        from radixengine.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_supported
+
+        if not cuda_graph_supported(self):
+            if self.device.type == "cuda" and not self.server_args.disable_cuda_graph:
+                logger.info(
+                    "CUDA graphs off: attention backend %s is not graph-safe",
+                    type(self.attn_backend).__name__,
+                )
+            return None
+        return CudaGraphRunner(self)
 
     # Memory ------------------------------------------------------------------------------------
 
@@ -127,6 +140,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward_decode(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -12,6 +12,7 @@ ATTENTION_BACKENDS: dict[str, str] = {
     "torch_native": "radixengine.layers.attention.torch_native_backend:TorchNativeAttnBackend",
     "native_cpu": "radixengine.layers.attention.native_cpu_backend:NativeCpuAttnBackend",
     "flashinfer": "radixengine.layers.attention.flashinfer_backend:FlashInferAttnBackend",
+    "triton": "radixengine.layers.attention.triton_backend:TritonAttnBackend",
 }
 
 
@@ -20,11 +21,13 @@ def register_attention_backend(name: str, target: str) -> None:
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
-    """`auto`: flashinfer on CUDA when it is installed, else torch_native."""
+    """`auto`: on CUDA flashinfer when it is installed, else triton when that is; else torch_native."""
     if name != "auto":
         return name
     if device == "cuda" and _available("flashinfer") and _available(_module("flashinfer")):
         return "flashinfer"
+    if device == "cuda" and _available("triton"):
+        return "triton"
     return "torch_native"
 
 
