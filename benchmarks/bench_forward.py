@@ -37,6 +37,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds, alternating ours and transformers")
     p.add_argument("--threads", type=int, default=None, help="default: torch's default")
     p.add_argument("--attention-backend", default="torch_native")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights from the config (same timing; for machines without the weights)",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
 
@@ -55,6 +61,7 @@ class OurModel:
                 max_running_requests=max_bs + 1,
                 attention_backend=args.attention_backend,
                 num_threads=args.threads,
+                load_format=args.load_format,
             )
         )
 
@@ -120,10 +127,14 @@ def _fill_random_kv(runner: ModelRunner, locs: torch.Tensor) -> None:
 
 
 class HFModel:
-    def __init__(self, folder: str, dtype: torch.dtype) -> None:
-        from transformers import AutoModelForCausalLM
+    def __init__(self, folder: str, dtype: torch.dtype, dummy: bool = False) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        if dummy:
+            config = AutoConfig.from_pretrained(folder)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
         self.model.eval()
         self.dtype = dtype
 
@@ -166,7 +177,7 @@ class HFModel:
 def run_dtype(args: argparse.Namespace, dtype: str, folder: str) -> list[dict]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ours = OurModel(args, dtype, max(batch_sizes))
-    hf = HFModel(folder, ours.runner.dtype)
+    hf = HFModel(folder, ours.runner.dtype, dummy=args.load_format == "dummy")
     vocab = ours.runner.model_config.vocab_size
     ids = torch.randint(vocab, (args.prefill_len,))
     rows = []
@@ -206,6 +217,22 @@ def _row(dtype: str, case: str, ours: list[float], hf: list[float]) -> dict:
     return row
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -216,7 +243,8 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         rows += run_dtype(args, dtype, folder)
     result = {
-        "machine": platform.processor() or platform.machine(),
+        "machine": _cpu_name(),
+        "transformers": _transformers_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -53,11 +53,12 @@ def test_prefill_split_into_cached_prefix_and_extend(tiny, page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("min_padded_fill", [0.0, 2.0], ids=["padded", "per_request"])
-def test_decode_steps(tiny, page_size, min_padded_fill):
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 4096, 1], ids=["one_chunk", "chunks", "per_request"])
+def test_decode_steps(tiny, page_size, chunk_bytes):
     folder, hf = tiny
     runner = make_runner(folder, page_size)
-    runner.attn_backend.min_padded_fill = runner.attn_backend.min_padded_fill_one_thread = min_padded_fill
+    runner.attn_backend.decode_chunk_bytes = chunk_bytes
+    runner.attn_backend.min_padded_fill = 0.0 if chunk_bytes > 4096 else 0.5
     driver = ModelDriver(runner)
     prompts = _prompts(4)
     driver.extend(prompts)

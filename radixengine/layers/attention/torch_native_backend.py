@@ -1,8 +1,9 @@
 """Attention in plain torch ops (SDPA): works on every device; the reference backend.
 
-EXTEND runs one SDPA per request (prefix K/V gathered through `req_to_token`). DECODE gathers
-every request's K/V into one padded batch and runs a single masked SDPA per layer; when padding
-would be most of that batch (very uneven lengths), it runs one SDPA per request instead.
+EXTEND runs one SDPA per request (prefix K/V gathered through `req_to_token`). DECODE splits
+the batch into chunks of consecutive requests, gathers each chunk's K/V padded to its longest
+request, and runs one masked SDPA per chunk: on a CPU a chunk's K/V stays in cache between the
+gather and the SDPA, and uneven lengths do not pad the whole batch. On CUDA the batch is one chunk.
 """
 
 from __future__ import annotations
@@ -29,40 +30,43 @@ class _ExtendRequest:
 
 
 @dataclass
-class _DecodeMetadata:
-    # Rows of the pool viewed as [slots * kv_heads, head_dim], ordered [bs, kv_heads, max_len]:
-    # one gather gives SDPA contiguous K/V. Padding points at slot 0.
-    head_rows: torch.Tensor | None
-    mask: torch.Tensor | None  # bool [bs, 1, 1, max_len]; None when no request is padded
+class _DecodeChunk:
+    start: int  # first request of the chunk in the batch
+    end: int
+    # Rows of the pool viewed as [slots * kv_heads, head_dim], ordered [requests, kv_heads,
+    # max_len]: one gather gives SDPA contiguous K/V. Padding points at slot 0.
+    head_rows: torch.Tensor
+    mask: torch.Tensor | None  # bool [requests, 1, 1, max_len]; None when nothing is padded
     max_len: int
-    # Uneven batches: (head rows [kv_heads * seq_len], seq_len) per request, no padding.
-    per_request: list[tuple[torch.Tensor, int]] | None = None
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    # Decode pads the batch to its longest request unless the real tokens fill less than this
-    # share of the padded batch; then it loops over requests. With one CPU thread the loop is
-    # also faster for even batches (each request's K/V stays in cache between gather and SDPA);
-    # with more threads the padded batch parallelises better (measured: docs/benchmarks.md).
+    # Decode chunk size on a CPU: padded K (or V) bytes per chunk (measured: docs/benchmarks.md).
+    decode_chunk_bytes = 1 << 20
+    # A request joins a chunk only if the chunk stays at least this full (real / padded tokens).
     min_padded_fill = 0.5
-    min_padded_fill_one_thread = 2.0
 
     def __init__(self, model_runner=None) -> None:
         self.extend_requests: list[_ExtendRequest] = []
-        self.decode_metadata: _DecodeMetadata | None = None
-        # Gathered K/V of one layer at a time; reused across layers and steps (a fresh large
-        # tensor per layer costs page faults on a CPU).
+        self.decode_chunks: list[_DecodeChunk] = []
+        # Gathered K/V of one chunk at a time; reused across chunks, layers and steps (a fresh
+        # large tensor per layer costs page faults on a CPU).
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if forward_batch.forward_mode.is_decode():
-            self.decode_metadata = _decode_metadata(forward_batch, self._min_padded_fill(forward_batch))
+            self.decode_chunks = _decode_chunks(
+                forward_batch, self._chunk_tokens(forward_batch), self.min_padded_fill
+            )
         elif forward_batch.forward_mode.is_extend():
             self.extend_requests = _extend_requests(forward_batch)
 
-    def _min_padded_fill(self, forward_batch: ForwardBatch) -> float:
-        one_cpu_thread = forward_batch.input_ids.device.type == "cpu" and torch.get_num_threads() == 1
-        return self.min_padded_fill_one_thread if one_cpu_thread else self.min_padded_fill
+    def _chunk_tokens(self, forward_batch: ForwardBatch) -> int | None:
+        """Padded tokens per decode chunk; None: no limit (one chunk, unless lengths are uneven)."""
+        if forward_batch.input_ids.device.type != "cpu":
+            return None
+        k_buf = forward_batch.token_to_kv_pool.get_key_buffer(0)
+        return max(1, self.decode_chunk_bytes // (k_buf[0].numel() * k_buf.element_size()))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
         q, k, v = _heads(q, k, v, layer)
@@ -84,27 +88,28 @@ class TorchNativeAttnBackend(AttentionBackend):
         q, k, v = _heads(q, k, v, layer)
         if save_kv_cache:
             save_kv(k, v, layer, forward_batch)
-        meta = self.decode_metadata
         bs, num_kv, dim = q.shape[0], layer.tp_k_head_num, layer.qk_head_dim
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         k_rows, v_rows = k_buf.view(-1, dim), v_buf.view(-1, dim)
         # GQA as a batch of [group, dim] queries per KV head: no K/V repeat, SDPA's flash path.
         q = q.view(bs, num_kv, -1, dim)
-        if meta.per_request is not None:
-            out = torch.empty_like(q)
-            for i, (rows, seq_len) in enumerate(meta.per_request):
-                ks, vs = self._gather(k_rows, v_rows, rows)
-                shape = (1, num_kv, seq_len, dim)
-                out[i] = F.scaled_dot_product_attention(
-                    q[i : i + 1], ks.view(shape), vs.view(shape), scale=layer.scaling
-                )[0]
-            return out.view(bs, -1)
-        ks, vs = self._gather(k_rows, v_rows, meta.head_rows)
-        shape = (bs, num_kv, meta.max_len, dim)
-        out = F.scaled_dot_product_attention(
-            q, ks.view(shape), vs.view(shape), attn_mask=meta.mask, scale=layer.scaling
+        if len(self.decode_chunks) == 1:
+            return self._decode_chunk(q, k_rows, v_rows, self.decode_chunks[0], layer).view(bs, -1)
+        out = torch.empty_like(q)
+        for chunk in self.decode_chunks:
+            out[chunk.start : chunk.end] = self._decode_chunk(q, k_rows, v_rows, chunk, layer)
+        return out.view(bs, -1)
+
+    def _decode_chunk(self, q, k_rows, v_rows, chunk: _DecodeChunk, layer: RadixAttention) -> torch.Tensor:
+        ks, vs = self._gather(k_rows, v_rows, chunk.head_rows)
+        shape = (chunk.end - chunk.start, q.shape[1], chunk.max_len, q.shape[3])
+        return F.scaled_dot_product_attention(
+            q[chunk.start : chunk.end],
+            ks.view(shape),
+            vs.view(shape),
+            attn_mask=chunk.mask,
+            scale=layer.scaling,
         )
-        return out.reshape(bs, -1)
 
     def _gather(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor):
         """`k_rows[rows]` and `v_rows[rows]`, written into buffers reused across layers and
@@ -166,21 +171,32 @@ def _extend_requests(fb: ForwardBatch) -> list[_ExtendRequest]:
     return reqs
 
 
-def _decode_metadata(fb: ForwardBatch, min_padded_fill: float) -> _DecodeMetadata:
-    max_len = max(fb.seq_lens_cpu)
+def _decode_chunks(fb: ForwardBatch, chunk_tokens: int | None, min_fill: float) -> list[_DecodeChunk]:
+    lens = fb.seq_lens_cpu
+    table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max(lens)].to(torch.int64)
     num_kv = fb.token_to_kv_pool.get_key_buffer(0).shape[1]
-    table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].to(torch.int64)
-    heads = torch.arange(num_kv, device=table.device)
-    if sum(fb.seq_lens_cpu) < min_padded_fill * len(fb.seq_lens_cpu) * max_len:
-        per_request = [
-            ((table[i, None, :n] * num_kv + heads[:, None]).reshape(-1), n)
-            for i, n in enumerate(fb.seq_lens_cpu)
-        ]
-        return _DecodeMetadata(head_rows=None, mask=None, max_len=max_len, per_request=per_request)
-    cols = torch.arange(max_len, device=table.device)
-    valid = cols[None, :] < fb.seq_lens[:, None]
-    slots = torch.where(valid, table, 0)
+    bounds, start, longest, total = [], 0, 0, 0
+    for i, n in enumerate(lens):
+        padded = (i - start + 1) * max(longest, n)
+        fits = chunk_tokens is None or padded <= chunk_tokens
+        if i > start and not (fits and total + n >= min_fill * padded):
+            bounds.append((start, i))
+            start, longest, total = i, 0, 0
+        longest, total = max(longest, n), total + n
+    bounds.append((start, len(lens)))
+    return [_decode_chunk(fb, table, num_kv, lo, hi) for lo, hi in bounds]
+
+
+def _decode_chunk(fb: ForwardBatch, table: torch.Tensor, num_kv: int, start: int, end: int) -> _DecodeChunk:
+    lens = fb.seq_lens_cpu[start:end]
+    max_len = max(lens)
+    device = table.device
+    slots = table[start:end, :max_len]
+    mask = None
+    if min(lens) != max_len:  # equal lengths need no mask (SDPA's faster unmasked path)
+        valid = torch.arange(max_len, device=device)[None, :] < fb.seq_lens[start:end, None]
+        slots = torch.where(valid, slots, 0)
+        mask = valid[:, None, None, :]
+    heads = torch.arange(num_kv, device=device)
     head_rows = (slots[:, None, :] * num_kv + heads[None, :, None]).reshape(-1)
-    # Equal lengths need no mask (SDPA then takes its faster unmasked path).
-    mask = None if min(fb.seq_lens_cpu) == max_len else valid[:, None, None, :]
-    return _DecodeMetadata(head_rows=head_rows, mask=mask, max_len=max_len)
+    return _DecodeChunk(start, end, head_rows, mask, max_len)
