@@ -14,7 +14,7 @@ PY=${PY:-python3}
 } 2>&1 | tee "$OUT/env.log"
 timeout "${T_TESTS:-170}" $PY -m pytest -q -p no:cacheprovider \
   tests/test_gpu_backends.py tests/test_model_gpu.py tests/test_sampler.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -30
-timeout "${T_BENCH:-170}" $PY benchmarks/bench_gpu_decode.py --out "$OUT/decode.json" 2>&1 \
+timeout "${T_BENCH:-170}" $PY benchmarks/bench_gpu_decode.py ${BENCH_ARGS:-} --out "$OUT/decode.json" 2>&1 \
   | grep -v "^INFO\|Warning" | tee "$OUT/bench_decode.log"
 timeout "${T_MODEL:-80}" $PY -m pytest -q -p no:cacheprovider tests/test_model_runner.py \
   tests/test_model_equivalence.py tests/test_model_loader.py 2>&1 | tee "$OUT/pytest_model.log" | tail -15

@@ -70,13 +70,15 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.model_runner.device)
         # Largest first: the smaller graphs then fit in the memory pool the largest one made.
         for bs in reversed(self.capture_bs):
-            fb = self._static_batch(bs)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks kernels
-                    self._forward(fb)
+                    self._forward(self._static_batch(bs))
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            # Fresh views of the static buffers: a per-forward cache keyed by the input tensors
+            # (RoPE's cos/sin) must be recomputed inside the graph, not reused from the warm-up.
+            fb = self._static_batch(bs)
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = self._forward(fb)
             pool = graph.pool()

@@ -1,0 +1,93 @@
+"""CudaGraphRunner's logic without a GPU: torch.cuda's graph and stream calls are replaced by
+stand-ins (capture runs the forward eagerly, replay does nothing), the model runs on the CPU."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+from model_utils import ModelDriver, make_runner, save_tiny_model
+
+from radixengine.layers.rotary_embedding import RotaryEmbedding
+from radixengine.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+class _Graph:
+    def replay(self) -> None:
+        pass
+
+    def pool(self):
+        return None
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    captures: list[dict] = []
+
+    @contextmanager
+    def graph(g, pool=None, stream=None):
+        ropes = captures[-1]["ropes"]
+        before = {id(r): r._last for r in ropes}
+        yield
+        captures[-1]["recomputed"] = all(r._last is not before[id(r)] for r in ropes)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return captures
+
+
+def test_capture_batch_sizes():
+    assert capture_batch_sizes(1) == [1]
+    assert capture_batch_sizes(10) == [1, 2, 4, 8, 10]
+    assert capture_batch_sizes(32) == [1, 2, 4, 8, 12, 16, 24, 32]
+    assert capture_batch_sizes(160)[-3:] == [144, 152, 160]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    return tmp_path
+
+
+def test_capture_recomputes_rope_and_replay_pads(tiny, fake_cuda):
+    runner = make_runner(tiny, cuda_graph_max_bs=4)
+    ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
+    assert ropes
+
+    original_forward = CudaGraphRunner._forward
+
+    def forward(self, fb):
+        fake_cuda.append({"ropes": ropes})
+        return original_forward(self, fb)
+
+    CudaGraphRunner._forward = forward
+    try:
+        graphs = CudaGraphRunner(runner)
+    finally:
+        CudaGraphRunner._forward = original_forward
+    assert graphs.capture_bs == [1, 2, 4]
+    # Each captured pass computed RoPE's cos/sin itself (a warm-up's cached copy would be stale).
+    captured = [c for c in fake_cuda if "recomputed" in c]
+    assert len(captured) == 3 and all(c["recomputed"] for c in captured)
+
+    driver = ModelDriver(runner)
+    driver.extend({"a": [1, 2, 3], "b": [4, 5], "c": [6]})
+    runner.cuda_graph_runner = graphs
+    logits = driver.decode({"a": 7, "b": 8, "c": 9})  # 3 rows, padded to the graph of 4
+    assert logits.shape == (3, runner.model_config.vocab_size)
+    assert graphs.req_pool_indices[3] == 0 and graphs.seq_lens[3] == 1 and graphs.out_cache_loc[3] == 0
+    assert graphs.seq_lens[:3].tolist() == [4, 3, 2]
+    assert graphs.positions[:3].tolist() == [3, 2, 1]
