@@ -94,7 +94,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # GQA as a batch of [group, dim] queries per KV head: no K/V repeat, SDPA's flash path.
         q = q.view(bs, num_kv, -1, dim)
         if len(self.decode_chunks) == 1:
-            return self._decode_chunk(q, k_rows, v_rows, self.decode_chunks[0], layer).view(bs, -1)
+            return self._decode_chunk(q, k_rows, v_rows, self.decode_chunks[0], layer).reshape(bs, -1)
         out = torch.empty_like(q)
         for chunk in self.decode_chunks:
             out[chunk.start : chunk.end] = self._decode_chunk(q, k_rows, v_rows, chunk, layer)
