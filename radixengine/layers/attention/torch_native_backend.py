@@ -82,7 +82,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             else:
                 ks, vs = k_buf.index_select(0, req.slots), v_buf.index_select(0, req.slots)
             out[rows] = _sdpa(q[rows], ks, vs, req.mask, layer.scaling)
-        return out.view(q.shape[0], -1)
+        return out.reshape(q.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
         q, k, v = _heads(q, k, v, layer)
@@ -98,7 +98,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.empty_like(q)
         for chunk in self.decode_chunks:
             out[chunk.start : chunk.end] = self._decode_chunk(q, k_rows, v_rows, chunk, layer)
-        return out.view(bs, -1)
+        return out.reshape(bs, -1)
 
     def _decode_chunk(self, q, k_rows, v_rows, chunk: _DecodeChunk, layer: RadixAttention) -> torch.Tensor:
         ks, vs = self._gather(k_rows, v_rows, chunk.head_rows)
