@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+
+import torch
 
 from radixengine.layers.attention.base_attn_backend import AttentionBackend
+
+logger = logging.getLogger(__name__)
 
 # name -> "module:Class"; imported on first use so optional dependencies stay optional.
 ATTENTION_BACKENDS: dict[str, str] = {
@@ -20,10 +25,23 @@ def register_attention_backend(name: str, target: str) -> None:
     ATTENTION_BACKENDS[name] = target
 
 
-def resolve_attention_backend(name: str, device: str) -> str:
-    """`auto`: on CUDA flashinfer when it is installed, else triton when that is; else torch_native."""
+def resolve_attention_backend(
+    name: str, device: str, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> str:
+    """`auto`: on CUDA flashinfer when it is installed, else triton when that is; on a CPU
+    native_cpu when its kernels are built and cover the model, else torch_native."""
     if name != "auto":
         return name
+    if device == "cpu" and dtype is not None and head_dim is not None:
+        from radixengine.layers.attention import native_cpu_ops
+
+        if native_cpu_ops.native_supports(dtype, head_dim):
+            return "native_cpu"
+        logger.info(
+            "attention backend: torch_native (%s)",
+            native_cpu_ops.native_unavailable_reason()
+            or f"no native kernel for {dtype} / head_dim {head_dim}",
+        )
     if device == "cuda" and _available("flashinfer") and _available(_module("flashinfer")):
         return "flashinfer"
     if device == "cuda" and _available("triton"):
@@ -32,7 +50,9 @@ def resolve_attention_backend(name: str, device: str) -> str:
 
 
 def create_attention_backend(name: str, model_runner) -> AttentionBackend:
-    name = resolve_attention_backend(name, str(model_runner.device.type))
+    name = resolve_attention_backend(
+        name, str(model_runner.device.type), model_runner.dtype, model_runner.model_config.head_dim
+    )
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}")
     module_name, cls_name = ATTENTION_BACKENDS[name].split(":")

@@ -1,0 +1,69 @@
+"""Attention on a CPU in native code: K/V read in place through `req_to_token`, no gather.
+
+The kernels live in `radixengine/csrc` (see `native_cpu_ops`); `torch_native` is the reference
+they are tested against. Asking for this backend where the extension is not built raises.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixengine.layers.attention import native_cpu_ops
+from radixengine.layers.attention.base_attn_backend import AttentionBackend, save_kv
+from radixengine.layers.attention.torch_native_backend import _heads
+
+if TYPE_CHECKING:
+    from radixengine.model_executor.forward_batch_info import ForwardBatch
+
+
+class NativeCpuAttnBackend(AttentionBackend):
+    def __init__(self, model_runner=None) -> None:
+        native_cpu_ops.require_native()
+        if model_runner is not None:
+            if model_runner.device.type != "cpu":
+                raise ValueError("the native_cpu attention backend runs on a CPU only")
+            head_dim = model_runner.model_config.head_dim
+            if not native_cpu_ops.native_supports(model_runner.dtype, head_dim):
+                raise ValueError(
+                    f"the native_cpu attention backend does not support dtype {model_runner.dtype} "
+                    f"with head_dim {head_dim}"
+                )
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        pass
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
+        q, k, v = _heads(q, k, v, layer)
+        if save_kv_cache:
+            save_kv(k, v, layer, forward_batch)
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        out = native_cpu_ops.extend_attention(
+            q,
+            k_buf,
+            v_buf,
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            forward_batch.extend_seq_lens,
+            forward_batch.extend_start_loc,
+            layer.scaling,
+        )
+        return out.reshape(q.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
+        q, k, v = _heads(q, k, v, layer)
+        if save_kv_cache:
+            save_kv(k, v, layer, forward_batch)
+        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        out = native_cpu_ops.decode_attention(
+            q,
+            k_buf,
+            v_buf,
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            layer.scaling,
+        )
+        return out.reshape(q.shape[0], -1)
