@@ -117,6 +117,7 @@ def run_radixengine(items: list[dict], policy: str, dtype: str, threads: int, mo
         "ttft_max_s": max(ttfts),
         "num_prefill_tokens": info.get("num_prefill_tokens"),
         "num_retracted_reqs": info.get("num_retracted_reqs"),
+        "num_forward_steps": info.get("num_forward_steps"),
     }
 
 
