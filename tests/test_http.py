@@ -113,7 +113,11 @@ MESSAGES = [{"role": "user", "content": "hello world this is a test"}]
 
 
 def test_ready_line_health_and_api_key(server):
-    assert "ready to roll" in server.log.read_text()
+    # The ready line is logged once the server answered its own warm-up request; give it time.
+    deadline = time.monotonic() + 30
+    while "ready to roll" not in server.log.read_text():
+        assert time.monotonic() < deadline, server.log.read_text()
+        time.sleep(0.2)
     assert httpx.get(server.base_url + "/health").status_code == 200
     for path in ("/v1/models", "/get_server_info", "/metrics", "/health_generate"):
         r = httpx.get(server.base_url + path)
