@@ -6,10 +6,15 @@ slot. The native kernels (``radixengine/csrc``, built into ``radixengine._native
 package's set-up) read K/V through ``req_to_token`` in place; the references gather and use
 ``scaled_dot_product_attention`` in fp32.
 
-``decode_attention``, ``extend_attention`` and ``set_kv_buffer`` call the native op when the
-extension is built and fall back to the reference only when it is not: ``native_available()``
-says which, and ``native_unavailable_reason()`` says why. Callers that need the native code
-(an explicitly requested native backend) call ``require_native()``, which raises.
+Besides attention and the KV write, the fused small ops of a decoder layer: ``rms_norm``,
+``fused_add_rms_norm`` (in place) and ``rotary_embedding`` (in place, neox style); their
+references are the torch expressions of ``radixengine/layers/layernorm.py`` and
+``rotary_embedding.py``, rounding included.
+
+Every op calls the native kernel when the extension is built and falls back to the reference
+only when it is not: ``native_available()`` says which, and ``native_unavailable_reason()`` why.
+Callers that need the native code (an explicitly requested native backend) call
+``require_native()``, which raises.
 
 Set ``RADIXENGINE_JIT_BUILD=1`` to compile the extension on import with
 ``torch.utils.cpp_extension.load`` instead of importing the prebuilt module (for development).
@@ -29,11 +34,17 @@ __all__ = [
     "decode_attention_reference",
     "extend_attention",
     "extend_attention_reference",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_reference",
     "native_available",
     "native_isa",
     "native_supports",
     "native_unavailable_reason",
     "require_native",
+    "rms_norm",
+    "rms_norm_reference",
+    "rotary_embedding",
+    "rotary_embedding_reference",
     "set_kv_buffer",
     "set_kv_buffer_reference",
 ]
@@ -175,6 +186,30 @@ def set_kv_buffer_reference(
     v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    residual.add_(x)
+    x.copy_(rms_norm_reference(residual, weight, eps))
+
+
+def rotary_embedding_reference(
+    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
+) -> None:
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    half = rotary_dim // 2
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x[..., :rotary_dim] = out
+
+
 # ----------------------------------------------------------------------------------------------
 # Ops: native when built, else the reference
 
@@ -244,3 +279,31 @@ def set_kv_buffer(
         set_kv_buffer_reference(k_buffer, v_buffer, loc, k, v)
     else:
         _native.set_kv_buffer(k_buffer, v_buffer, loc, k, v)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [tokens, hidden] rows, scaled by weight [hidden] (same dtype as x)."""
+    if _native is None:
+        return rms_norm_reference(x, weight, eps)
+    return _native.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual = x + residual, then x = rms_norm(residual, weight, eps)."""
+    if _native is None:
+        fused_add_rms_norm_reference(x, residual, weight, eps)
+    else:
+        _native.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
+) -> None:
+    """Neox-style rotary embedding of x [tokens, heads, head_dim] in place (x may be a strided view).
+
+    cos_sin_cache [max_position, rotary_dim] holds cos | sin halves (x's dtype); positions int64 [tokens].
+    """
+    if _native is None:
+        rotary_embedding_reference(positions, x, cos_sin_cache, rotary_dim)
+    else:
+        _native.rotary_embedding(positions, x, cos_sin_cache, rotary_dim)

@@ -1,0 +1,612 @@
+// Decode and extend (prefill) attention over the paged KV pool.
+//
+// Both kernels read K/V rows where they live in the pool (row = req_to_token[req, pos]) and use
+// an online softmax, so nothing is gathered per request. Query heads are processed per KV head
+// group (GQA): each K/V row is read once for all query heads that share it.
+//
+// Decode: one task per (request, kv split), all heads: a key block reads whole pool rows (the kv
+// heads of a slot are contiguous) and prefetches the next block's rows, since the slots of a
+// request are scattered over the pool. Long sequences at small batch are split so that every
+// thread has work (flash-decoding); the partial results are merged by their log-sum-exp.
+//
+// Extend: one task per (request, kv head, block of queries). A block of queries x a block of
+// keys is two small matrix products (scores = K * Q^T, out += P * V), so each K/V block is read
+// once per query block and the work is compute-bound.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "cpu_common.h"
+#include "cpu_gemm.h"
+#include "cpu_ops.h"
+#include "cpu_vec.h"
+
+namespace radixengine::cpu {
+namespace {
+
+constexpr int64_t kDecodeBlock = 64;       // keys per online-softmax step in decode
+constexpr int64_t kMinSplitLen = 128;      // shortest KV split in decode
+constexpr int64_t kTasksPerThread = 4;     // decode split target
+constexpr int64_t kExtendKeyBlock = 64;    // keys per block in extend
+constexpr int64_t kExtendRowTarget = 96;   // query rows (queries x group) per extend task
+constexpr int64_t kMaxGroup = 64;          // query heads per kv head
+
+struct PoolView {
+  int64_t num_slots;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  const int32_t* req_to_token;
+  int64_t max_context_len;
+};
+
+inline int64_t slot_at(const PoolView& pool, int64_t row, int64_t pos) {
+  const int64_t slot = pool.req_to_token[row * pool.max_context_len + pos];
+  TORCH_CHECK(slot >= 0 && slot < pool.num_slots, "req_to_token holds slot ", slot,
+              " outside the KV buffer of ", pool.num_slots, " slots");
+  return slot;
+}
+
+// dst[d] = src[d] * s (fp32), d < D (D is a multiple of the vector width).
+template <typename T>
+inline void load_scaled(const T* src, float* dst, int64_t D, float s) {
+  const VecF sv = VecF::broadcast(s);
+  for (int64_t d = 0; d < D; d += kVecWidth) (VecF::load(src + d) * sv).store(dst + d);
+}
+
+// dst[d] = src[d] * s, converted to the output type.
+template <typename T>
+inline void store_scaled(const float* src, T* dst, int64_t D, float s) {
+  const VecF sv = VecF::broadcast(s);
+  for (int64_t d = 0; d < D; d += kVecWidth) (VecF::load(src + d) * sv).store(dst + d);
+}
+
+inline void scale_row(float* x, int64_t D, float s) {
+  const VecF sv = VecF::broadcast(s);
+  for (int64_t d = 0; d < D; d += kVecWidth) (VecF::load(x + d) * sv).store(x + d);
+}
+
+// Decode scores for GB query rows and four keys: out[g * ld + j] = dot(q[g], k_rows[j] + k_col0)
+// (q rows contiguous, length D). Four keys per tile turn the horizontal sums into one
+// four-way reduction per query row.
+template <int GB, typename KT>
+inline void dot_tile(const float* q, int64_t D, const KT* const* k_rows, int64_t k_col0,
+                     float* out, int64_t ld) {
+  VecF acc[GB][4];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[g][j] = VecF::zero();
+  }
+  const KT* k[4] = {k_rows[0] + k_col0, k_rows[1] + k_col0, k_rows[2] + k_col0,
+                    k_rows[3] + k_col0};
+  for (int64_t d = 0; d < D; d += kVecWidth) {
+    VecF qv[GB];
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) qv[g] = VecF::load(q + g * D + d);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const VecF kv = VecF::load(k[j] + d);
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) acc[g][j] = fmadd(qv[g], kv, acc[g][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) hsum4(acc[g], out + g * ld);
+}
+
+// One key (the tail of a block).
+template <int GB, typename KT>
+inline void dot_one(const float* q, int64_t D, const KT* k, float* out, int64_t ld) {
+  VecF acc[GB];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) acc[g] = VecF::zero();
+  for (int64_t d = 0; d < D; d += kVecWidth) {
+    const VecF kv = VecF::load(k + d);
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) acc[g] = fmadd(VecF::load(q + g * D + d), kv, acc[g]);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) out[g * ld] = hsum(acc[g]);
+}
+
+template <int GB, typename KT>
+inline void dot_keys(const float* q, int64_t D, const KT* const* k_rows, int64_t k_col0,
+                     int64_t n, float* out, int64_t ld) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) dot_tile<GB>(q, D, k_rows + i, k_col0, out + i, ld);
+  for (; i < n; ++i) dot_one<GB>(q, D, k_rows[i] + k_col0, out + i, ld);
+}
+
+// scores[g][i] = dot(q[g], k_rows[i] + k_col0) for G query rows and n keys (scores row stride ld).
+template <typename KT>
+inline void decode_scores(const float* q, int64_t G, int64_t D, const KT* const* k_rows,
+                          int64_t k_col0, int64_t n, float* scores, int64_t ld) {
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3) dot_keys<3>(q + g * D, D, k_rows, k_col0, n, scores + g * ld, ld);
+  switch (G - g) {
+    case 1: dot_keys<1>(q + g * D, D, k_rows, k_col0, n, scores + g * ld, ld); break;
+    case 2: dot_keys<2>(q + g * D, D, k_rows, k_col0, n, scores + g * ld, ld); break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode
+
+struct DecodeArgs {
+  PoolView pool;
+  int64_t batch;
+  int64_t num_heads;
+  int64_t group;  // query heads per kv head
+  const int64_t* req_pool_indices;
+  const int64_t* seq_lens;
+  int64_t q_stride0, q_stride1;
+  int64_t out_stride0, out_stride1;
+  int64_t num_splits;
+  float scale;
+  float* partial_out;  // [batch, H, num_splits, D] when num_splits > 1
+  float* partial_lse;  // [batch, H, num_splits]
+};
+
+// Brings a pool row (all kv heads of one slot) toward the cache ahead of its use.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// One task: request b, keys [split * chunk, (split + 1) * chunk), all heads. Each key block
+// reads whole pool rows (every kv head of a slot is contiguous), prefetching the next block.
+template <typename QT, typename KVT>
+void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* v_buf, QT* out,
+                 int64_t b, int64_t split) {
+  const int64_t D = a.pool.head_dim;
+  const int64_t G = a.group;
+  const int64_t H = a.num_heads;
+  const int64_t Hkv = a.pool.num_kv_heads;
+  const int64_t row = a.req_pool_indices[b];
+  const int64_t seq_len = a.seq_lens[b];
+  const int64_t chunk = round_up((seq_len + a.num_splits - 1) / a.num_splits, kDecodeBlock);
+  const int64_t begin = std::min(seq_len, split * chunk);
+  const int64_t end = std::min(seq_len, begin + chunk);
+  const int64_t row_stride = Hkv * D;
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(KVT));
+
+  // Scratch: q [H][D], out acc [H][D], scores [G][block], max/sum [H].
+  float* scratch = thread_scratch(2 * H * D + G * kDecodeBlock + 2 * H);
+  float* qf = scratch;
+  float* acc = qf + H * D;
+  float* scores = acc + H * D;
+  float* row_max = scores + G * kDecodeBlock;
+  float* row_sum = row_max + H;
+  const KVT* k_rows[kDecodeBlock];
+  const KVT* v_rows[kDecodeBlock];
+  const float* p_rows[kMaxGroup];
+
+  for (int64_t h = 0; h < H; ++h) {
+    load_scaled(q + b * a.q_stride0 + h * a.q_stride1, qf + h * D, D, a.scale);
+    row_max[h] = kNegInf;
+    row_sum[h] = 0.0f;
+  }
+  for (int64_t g = 0; g < G; ++g) p_rows[g] = scores + g * kDecodeBlock;
+  std::fill(acc, acc + H * D, 0.0f);
+
+  for (int64_t start = begin; start < end; start += kDecodeBlock) {
+    const int64_t n = std::min(kDecodeBlock, end - start);
+    const int64_t n_pad = round_up(n, kVecWidth);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t offset = slot_at(a.pool, row, start + i) * row_stride;
+      k_rows[i] = k_buf + offset;
+      v_rows[i] = v_buf + offset;
+    }
+    const int64_t next_end = std::min(end, start + n + kDecodeBlock);
+    for (int64_t pos = start + n; pos < next_end; ++pos) {
+      const int64_t offset = slot_at(a.pool, row, pos) * row_stride;
+      prefetch_row(k_buf + offset, row_bytes);
+      prefetch_row(v_buf + offset, row_bytes);
+    }
+
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* qh = qf + h * G * D;
+      decode_scores(qh, G, D, k_rows, h * D, n, scores, kDecodeBlock);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hg = h * G + g;
+        float* s = scores + g * kDecodeBlock;
+        std::fill(s + n, s + n_pad, kNegInf);
+        VecF mx = VecF::broadcast(kNegInf);
+        for (int64_t i = 0; i < n_pad; i += kVecWidth) mx = vmax(mx, VecF::load(s + i));
+        const float new_max = std::max(row_max[hg], hmax(mx));
+        const float alpha = std::exp(row_max[hg] - new_max);
+        const VecF mv = VecF::broadcast(new_max);
+        VecF sum = VecF::zero();
+        for (int64_t i = 0; i < n_pad; i += kVecWidth) {
+          const VecF p = vexp(VecF::load(s + i) - mv);
+          p.store(s + i);
+          sum = sum + p;
+        }
+        row_sum[hg] = row_sum[hg] * alpha + hsum(sum);
+        row_max[hg] = new_max;
+        if (alpha != 1.0f) scale_row(acc + hg * D, D, alpha);
+      }
+      gemm(G, D, n, p_rows, 1, v_rows, h * D, acc + h * G * D, D, /*accumulate=*/true);
+    }
+  }
+
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = row_sum[h] > 0.0f ? 1.0f / row_sum[h] : 0.0f;
+    if (a.num_splits == 1) {
+      store_scaled(acc + h * D, out + b * a.out_stride0 + h * a.out_stride1, D, inv);
+    } else {
+      const int64_t idx = (b * H + h) * a.num_splits + split;
+      store_scaled(acc + h * D, a.partial_out + idx * D, D, inv);
+      a.partial_lse[idx] = row_sum[h] > 0.0f ? row_max[h] + std::log(row_sum[h]) : kNegInf;
+    }
+  }
+}
+
+template <typename QT>
+void merge_splits(const DecodeArgs& a, QT* out) {
+  const int64_t D = a.pool.head_dim;
+  const int64_t S = a.num_splits;
+  run_tasks(a.batch * a.num_heads, [&](int64_t task) {
+    const int64_t b = task / a.num_heads;
+    const int64_t h = task % a.num_heads;
+    const float* lse = a.partial_lse + task * S;
+    const float* po = a.partial_out + task * S * D;
+    float* acc = thread_scratch(D);
+    std::fill(acc, acc + D, 0.0f);
+    const float max_lse = *std::max_element(lse, lse + S);
+    float total = 0.0f;
+    if (max_lse != kNegInf) {
+      for (int64_t s = 0; s < S; ++s) {
+        if (lse[s] == kNegInf) continue;
+        const float w = std::exp(lse[s] - max_lse);
+        total += w;
+        const VecF wv = VecF::broadcast(w);
+        for (int64_t d = 0; d < D; d += kVecWidth) {
+          fmadd(wv, VecF::load(po + s * D + d), VecF::load(acc + d)).store(acc + d);
+        }
+      }
+    }
+    store_scaled(acc, out + b * a.out_stride0 + h * a.out_stride1, D,
+                 total > 0.0f ? 1.0f / total : 0.0f);
+  });
+}
+
+int64_t choose_num_splits(int64_t batch, int64_t max_len) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || batch >= kTasksPerThread * threads) return 1;
+  const int64_t wanted = (kTasksPerThread * threads + batch - 1) / batch;
+  const int64_t most = std::max<int64_t>(1, max_len / kMinSplitLen);
+  return std::max<int64_t>(1, std::min(wanted, most));
+}
+
+void check_pool(const torch::Tensor& q, const torch::Tensor& k_buffer,
+                const torch::Tensor& v_buffer, const torch::Tensor& req_to_token,
+                const char* name) {
+  TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(q.dim() == 3, name, ": q must be 3-D, got ", q.sizes());
+  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(), name,
+              ": k_buffer and v_buffer must be [num_slots, num_kv_heads, head_dim]");
+  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), name,
+              ": k_buffer and v_buffer dtypes differ");
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), name,
+              ": k_buffer and v_buffer must be contiguous");
+  TORCH_CHECK(req_to_token.scalar_type() == torch::kInt && req_to_token.dim() == 2 &&
+                  req_to_token.is_contiguous(),
+              name, ": req_to_token must be a contiguous int32 [max_reqs, max_context_len]");
+  const int64_t D = q.size(2);
+  TORCH_CHECK(k_buffer.size(2) == D, name, ": head_dim of q (", D, ") and the KV buffer (",
+              k_buffer.size(2), ") differ");
+  TORCH_CHECK(D % 16 == 0 && D <= 512, name, ": head_dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, name, ": ", q.size(1),
+              " query heads are not a multiple of ", k_buffer.size(1), " kv heads");
+  TORCH_CHECK(q.size(1) / k_buffer.size(1) <= kMaxGroup, name, ": at most ", kMaxGroup,
+              " query heads per kv head");
+}
+
+PoolView make_pool_view(const torch::Tensor& k_buffer, const torch::Tensor& req_to_token) {
+  return PoolView{k_buffer.size(0), k_buffer.size(1), k_buffer.size(2),
+                  req_to_token.data_ptr<int32_t>(), req_to_token.size(1)};
+}
+
+// Indices of the batch sorted by a cost, largest first (so the longest tasks start first).
+std::vector<int64_t> order_by_cost_desc(const std::vector<int64_t>& cost) {
+  std::vector<int64_t> order(cost.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return cost[x] > cost[y]; });
+  return order;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Extend
+
+struct ExtendArgs {
+  PoolView pool;
+  int64_t group;
+  int64_t block_queries;
+  const int64_t* req_pool_indices;
+  const int64_t* seq_lens;
+  const int64_t* extend_seq_lens;
+  const int64_t* extend_start_loc;
+  int64_t q_stride0, q_stride1;
+  int64_t out_stride0, out_stride1;
+  float scale;
+};
+
+template <typename QT, typename KVT>
+void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* v_buf, QT* out,
+                 int64_t b, int64_t kv_head, int64_t q_block) {
+  const int64_t D = a.pool.head_dim;
+  const int64_t G = a.group;
+  const int64_t row = a.req_pool_indices[b];
+  const int64_t ext_len = a.extend_seq_lens[b];
+  const int64_t prefix = a.seq_lens[b] - ext_len;
+  const int64_t j0 = q_block * a.block_queries;
+  const int64_t nq = std::min(a.block_queries, ext_len - j0);
+  if (nq <= 0) return;
+  const int64_t first_pos = prefix + j0;      // position of the block's first query
+  const int64_t num_keys = first_pos + nq;    // keys visible to the block's last query
+  const int64_t M = nq * G;                   // query rows, query-major: row = j * G + g
+  const int64_t ld = round_up(M, kVecWidth);  // padded row count (columns of S^T)
+  const int64_t BK = kExtendKeyBlock;
+  const int64_t row_stride = a.pool.num_kv_heads * D;
+  constexpr bool kConvertKV = !std::is_same_v<KVT, float>;
+
+  // Scratch: Q^T [D][ld], S^T [BK][ld], acc [M][D], max/sum/alpha [ld], fp32 K/V block.
+  const int64_t nf = D * ld + BK * ld + M * D + 3 * ld + (kConvertKV ? 2 * BK * D : 0);
+  float* qt = thread_scratch(nf);
+  float* st = qt + D * ld;
+  float* acc = st + BK * ld;
+  float* row_max = acc + M * D;
+  float* row_sum = row_max + ld;
+  float* alpha = row_sum + ld;
+  float* k_block = alpha + ld;
+  float* v_block = k_block + BK * D;
+
+  thread_local std::vector<const float*> ptrs;
+  ptrs.resize(D + M + 2 * BK);
+  const float** qt_rows = ptrs.data();
+  const float** p_rows = qt_rows + D;
+  const float** k_rows = p_rows + M;
+  const float** v_rows_f = k_rows + BK;
+  const KVT* v_rows[kExtendKeyBlock];
+
+  // Q^T, scaled, zero in the padding columns.
+  std::fill(qt, qt + D * ld, 0.0f);
+  for (int64_t j = 0; j < nq; ++j) {
+    for (int64_t g = 0; g < G; ++g) {
+      const QT* src = q + (a.extend_start_loc[b] + j0 + j) * a.q_stride0 +
+                      (kv_head * G + g) * a.q_stride1;
+      const int64_t m = j * G + g;
+      for (int64_t d = 0; d < D; ++d) qt[d * ld + m] = to_float(src[d]) * a.scale;
+    }
+  }
+  for (int64_t d = 0; d < D; ++d) qt_rows[d] = qt + d * ld;
+  for (int64_t m = 0; m < M; ++m) p_rows[m] = st + m;
+  std::fill(row_max, row_max + ld, kNegInf);
+  std::fill(row_sum, row_sum + ld, 0.0f);
+  std::fill(acc, acc + M * D, 0.0f);
+
+  for (int64_t start = 0; start < num_keys; start += BK) {
+    const int64_t n = std::min(BK, num_keys - start);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t offset = slot_at(a.pool, row, start + i) * row_stride + kv_head * D;
+      if constexpr (kConvertKV) {
+        load_scaled(k_buf + offset, k_block + i * D, D, 1.0f);
+        load_scaled(v_buf + offset, v_block + i * D, D, 1.0f);
+        k_rows[i] = k_block + i * D;
+        v_rows_f[i] = v_block + i * D;
+      } else {
+        k_rows[i] = k_buf + offset;
+        v_rows[i] = v_buf + offset;
+      }
+    }
+
+    // S^T [n][ld] = K [n][D] * Q^T [D][ld]
+    gemm(n, ld, D, k_rows, 1, qt_rows, 0, st, ld, /*accumulate=*/false);
+
+    // Causal mask: the key at position p is hidden from the queries before it, i.e. from
+    // rows m < (p - first_pos) * G.
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t hidden = std::min(M, (start + i - first_pos) * G);
+      if (hidden > 0) std::fill(st + i * ld, st + i * ld + hidden, kNegInf);
+    }
+
+    // Online softmax down the columns of S^T (one column per query row).
+    for (int64_t c = 0; c < ld; c += kVecWidth) {
+      VecF mx = VecF::broadcast(kNegInf);
+      for (int64_t i = 0; i < n; ++i) mx = vmax(mx, VecF::load(st + i * ld + c));
+      const VecF old_max = VecF::load(row_max + c);
+      const VecF new_max = vmax(old_max, mx);
+      const VecF scale_old = vexp(old_max - new_max);
+      VecF sum = VecF::zero();
+      for (int64_t i = 0; i < n; ++i) {
+        const VecF p = vexp(VecF::load(st + i * ld + c) - new_max);
+        p.store(st + i * ld + c);
+        sum = sum + p;
+      }
+      fmadd(VecF::load(row_sum + c), scale_old, sum).store(row_sum + c);
+      new_max.store(row_max + c);
+      scale_old.store(alpha + c);
+    }
+    if (start > 0) {
+      for (int64_t m = 0; m < M; ++m) {
+        if (alpha[m] != 1.0f) scale_row(acc + m * D, D, alpha[m]);
+      }
+    }
+
+    // acc [M][D] += P [M][n] * V [n][D]  (P(m, i) = S^T[i][m])
+    if constexpr (kConvertKV) {
+      gemm(M, D, n, p_rows, ld, v_rows_f, 0, acc, D, /*accumulate=*/true);
+    } else {
+      gemm(M, D, n, p_rows, ld, v_rows, 0, acc, D, /*accumulate=*/true);
+    }
+  }
+
+  for (int64_t j = 0; j < nq; ++j) {
+    const int64_t t = a.extend_start_loc[b] + j0 + j;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t m = j * G + g;
+      store_scaled(acc + m * D, out + t * a.out_stride0 + (kv_head * G + g) * a.out_stride1, D,
+                   1.0f / row_sum[m]);
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k_buffer,
+                               const torch::Tensor& v_buffer, const torch::Tensor& req_to_token,
+                               const torch::Tensor& req_pool_indices_in,
+                               const torch::Tensor& seq_lens_in, double scale,
+                               int64_t num_kv_splits) {
+  check_pool(q_in, k_buffer, v_buffer, req_to_token, "decode_attention");
+  const torch::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const torch::Tensor req_pool_indices = as_int64(req_pool_indices_in);
+  const torch::Tensor seq_lens = as_int64(seq_lens_in);
+  const int64_t bs = q.size(0);
+  const int64_t H = q.size(1);
+  const int64_t D = q.size(2);
+  const int64_t Hkv = k_buffer.size(1);
+  TORCH_CHECK(req_pool_indices.numel() == bs && seq_lens.numel() == bs,
+              "decode_attention: req_pool_indices and seq_lens need one entry per request");
+
+  torch::Tensor out = torch::empty({bs, H, D}, q.options());
+  if (bs == 0) return out;
+
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < bs; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= req_to_token.size(1),
+                "decode_attention: seq_len ", lens[b], " out of range");
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < req_to_token.size(0),
+                "decode_attention: req_pool_index ", rows[b], " out of range");
+    max_len = std::max(max_len, lens[b]);
+  }
+
+  DecodeArgs args{};
+  args.pool = make_pool_view(k_buffer, req_to_token);
+  args.batch = bs;
+  args.num_heads = H;
+  args.group = H / Hkv;
+  args.req_pool_indices = rows;
+  args.seq_lens = lens;
+  args.q_stride0 = q.stride(0);
+  args.q_stride1 = q.stride(1);
+  args.out_stride0 = out.stride(0);
+  args.out_stride1 = out.stride(1);
+  args.num_splits = num_kv_splits > 0 ? num_kv_splits : choose_num_splits(bs, max_len);
+  args.scale = static_cast<float>(scale);
+
+  torch::Tensor partial_out, partial_lse;
+  if (args.num_splits > 1) {
+    partial_out = torch::empty({bs, H, args.num_splits, D}, q.options().dtype(torch::kFloat));
+    partial_lse = torch::empty({bs, H, args.num_splits}, q.options().dtype(torch::kFloat));
+    args.partial_out = partial_out.data_ptr<float>();
+    args.partial_lse = partial_lse.data_ptr<float>();
+  }
+
+  const std::vector<int64_t> order = order_by_cost_desc(std::vector<int64_t>(lens, lens + bs));
+  const int64_t per_request = args.num_splits;
+
+  RADIX_DISPATCH_FLOAT_BF16(q.scalar_type(), "decode_attention", QT, [&] {
+    RADIX_DISPATCH_FLOAT_BF16(k_buffer.scalar_type(), "decode_attention", KVT, [&] {
+      const QT* qp = q.data_ptr<QT>();
+      const KVT* kp = k_buffer.data_ptr<KVT>();
+      const KVT* vp = v_buffer.data_ptr<KVT>();
+      QT* op = out.data_ptr<QT>();
+      run_tasks(bs * per_request, [&](int64_t task) {
+        decode_task<QT, KVT>(args, qp, kp, vp, op, order[task / per_request],
+                             task % per_request);
+      });
+      if (args.num_splits > 1) merge_splits<QT>(args, op);
+    });
+  });
+  return out;
+}
+
+torch::Tensor extend_attention(const torch::Tensor& q_in, const torch::Tensor& k_buffer,
+                               const torch::Tensor& v_buffer, const torch::Tensor& req_to_token,
+                               const torch::Tensor& req_pool_indices_in,
+                               const torch::Tensor& seq_lens_in,
+                               const torch::Tensor& extend_seq_lens_in,
+                               const torch::Tensor& extend_start_loc_in, double scale) {
+  check_pool(q_in, k_buffer, v_buffer, req_to_token, "extend_attention");
+  const torch::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const torch::Tensor req_pool_indices = as_int64(req_pool_indices_in);
+  const torch::Tensor seq_lens = as_int64(seq_lens_in);
+  const torch::Tensor extend_seq_lens = as_int64(extend_seq_lens_in);
+  const torch::Tensor extend_start_loc = as_int64(extend_start_loc_in);
+  const int64_t T = q.size(0);
+  const int64_t H = q.size(1);
+  const int64_t D = q.size(2);
+  const int64_t Hkv = k_buffer.size(1);
+  const int64_t bs = seq_lens.numel();
+  TORCH_CHECK(req_pool_indices.numel() == bs && extend_seq_lens.numel() == bs &&
+                  extend_start_loc.numel() == bs,
+              "extend_attention: the per-request tensors need one entry per request");
+
+  torch::Tensor out = torch::empty({T, H, D}, q.options());
+  if (bs == 0 || T == 0) return out;
+
+  ExtendArgs args{};
+  args.pool = make_pool_view(k_buffer, req_to_token);
+  args.group = H / Hkv;
+  args.block_queries = std::max<int64_t>(1, kExtendRowTarget / args.group);
+  args.req_pool_indices = req_pool_indices.data_ptr<int64_t>();
+  args.seq_lens = seq_lens.data_ptr<int64_t>();
+  args.extend_seq_lens = extend_seq_lens.data_ptr<int64_t>();
+  args.extend_start_loc = extend_start_loc.data_ptr<int64_t>();
+  args.q_stride0 = q.stride(0);
+  args.q_stride1 = q.stride(1);
+  args.out_stride0 = out.stride(0);
+  args.out_stride1 = out.stride(1);
+  args.scale = static_cast<float>(scale);
+
+  // Tasks: (request, query block), longest first; each runs for every kv head.
+  struct Block {
+    int64_t b, q_block, cost;
+  };
+  std::vector<Block> blocks;
+  for (int64_t b = 0; b < bs; ++b) {
+    const int64_t ext = args.extend_seq_lens[b];
+    const int64_t len = args.seq_lens[b];
+    TORCH_CHECK(ext >= 0 && ext <= len && len <= req_to_token.size(1),
+                "extend_attention: bad lengths for request ", b, " (seq_len ", len,
+                ", extend_seq_len ", ext, ")");
+    TORCH_CHECK(args.extend_start_loc[b] >= 0 && args.extend_start_loc[b] + ext <= T,
+                "extend_attention: extend_start_loc out of range for request ", b);
+    TORCH_CHECK(args.req_pool_indices[b] >= 0 && args.req_pool_indices[b] < req_to_token.size(0),
+                "extend_attention: req_pool_index out of range for request ", b);
+    for (int64_t qb = 0; qb * args.block_queries < ext; ++qb) {
+      const int64_t j0 = qb * args.block_queries;
+      const int64_t nq = std::min(args.block_queries, ext - j0);
+      blocks.push_back({b, qb, nq * (len - ext + j0 + nq)});
+    }
+  }
+  std::stable_sort(blocks.begin(), blocks.end(),
+                   [](const Block& x, const Block& y) { return x.cost > y.cost; });
+
+  RADIX_DISPATCH_FLOAT_BF16(q.scalar_type(), "extend_attention", QT, [&] {
+    RADIX_DISPATCH_FLOAT_BF16(k_buffer.scalar_type(), "extend_attention", KVT, [&] {
+      const QT* qp = q.data_ptr<QT>();
+      const KVT* kp = k_buffer.data_ptr<KVT>();
+      const KVT* vp = v_buffer.data_ptr<KVT>();
+      QT* op = out.data_ptr<QT>();
+      const int64_t num_tasks = static_cast<int64_t>(blocks.size()) * Hkv;
+      run_tasks(num_tasks, [&](int64_t task) {
+        const Block& blk = blocks[task / Hkv];
+        extend_task<QT, KVT>(args, qp, kp, vp, op, blk.b, task % Hkv, blk.q_block);
+      });
+    });
+  });
+  return out;
+}
+
+std::string isa() { return kIsaName; }
+
+}  // namespace radixengine::cpu

@@ -1,0 +1,28 @@
+// Python bindings of the native CPU ops (module radixengine._native_cpu).
+#include <torch/extension.h>
+
+#include "cpu_ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace cpu = radixengine::cpu;
+  m.doc() = "radixengine native CPU kernels: paged attention, KV cache writes, RMSNorm, rotary";
+  m.def("decode_attention", &cpu::decode_attention, "Decode attention over the paged KV pool",
+        py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),
+        py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("num_kv_splits") = 0);
+  m.def("extend_attention", &cpu::extend_attention,
+        "Causal extend (prefill) attention over the paged KV pool with a cached prefix",
+        py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),
+        py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("extend_seq_lens"),
+        py::arg("extend_start_loc"), py::arg("scale"));
+  m.def("set_kv_buffer", &cpu::set_kv_buffer, "Scatter K/V rows into the pool in place",
+        py::arg("k_buffer"), py::arg("v_buffer"), py::arg("loc"), py::arg("k"), py::arg("v"));
+  m.def("rms_norm", &cpu::rms_norm, "RMSNorm of [tokens, hidden] rows", py::arg("x"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("fused_add_rms_norm", &cpu::fused_add_rms_norm,
+        "In place: residual = x + residual; x = rms_norm(residual)", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rotary_embedding", &cpu::rotary_embedding, "Neox-style rotary embedding, in place",
+        py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), py::arg("rotary_dim"));
+  m.def("isa", &cpu::isa, "Instruction set the extension was compiled for");
+}

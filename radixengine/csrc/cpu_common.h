@@ -1,0 +1,67 @@
+// Shared helpers for the CPU kernels: input checks, dtype dispatch, task scheduling and
+// per-thread scratch memory.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace radixengine::cpu {
+
+// Runs fn(task) for task in [0, num_tasks) on the intra-op thread pool. Threads take tasks from
+// a shared counter, so tasks of uneven cost balance out (callers order them longest first).
+template <typename Fn>
+void run_tasks(int64_t num_tasks, const Fn& fn) {
+  if (num_tasks <= 0) return;
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  if (num_threads <= 1 || at::in_parallel_region()) {
+    for (int64_t t = 0; t < num_tasks; ++t) fn(t);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < num_tasks;
+         t = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(t);
+    }
+  });
+}
+
+// Per-thread scratch buffer of fp32 (grows, never shrinks).
+inline float* thread_scratch(size_t num_floats) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < num_floats) buffer.resize(num_floats);
+  return buffer.data();
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Integer index tensors may arrive as int32 or int64; the kernels read int64.
+inline torch::Tensor as_int64(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kLong ? t.contiguous() : t.to(torch::kLong).contiguous();
+}
+
+// Calls fn.template operator()<T>() with T = float or bf16 for the given dtype.
+#define RADIX_DISPATCH_FLOAT_BF16(DTYPE, NAME, T, ...)                                      \
+  [&] {                                                                                     \
+    switch (DTYPE) {                                                                        \
+      case torch::kFloat: {                                                                 \
+        using T = float;                                                                    \
+        return __VA_ARGS__();                                                               \
+      }                                                                                     \
+      case torch::kBFloat16: {                                                              \
+        using T = ::radixengine::cpu::bf16;                                                 \
+        return __VA_ARGS__();                                                               \
+      }                                                                                     \
+      default:                                                                              \
+        TORCH_CHECK(false, NAME, ": unsupported dtype ", DTYPE, " (float32 or bfloat16)"); \
+    }                                                                                       \
+  }()
+
+}  // namespace radixengine::cpu

@@ -1,0 +1,321 @@
+"""The native CPU ops (radixengine/csrc) equal their pure-torch references.
+
+Random ragged batches over a paged pool: random (non-contiguous) slots, rows of req_to_token
+sharing prefix slots, GQA ratios 1 and 3, head_dim 64 and 128, float32 (within 1e-5) and
+bfloat16 (within bf16 rounding). Positions past a request's length hold valid but unrelated
+slots, so reading beyond seq_len shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from radixengine.layers.attention import native_cpu_ops as ops
+
+needs_native = pytest.mark.skipif(
+    not ops.native_available(),
+    reason=f"native CPU extension not built: {ops.native_unavailable_reason()}",
+)
+
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2}}
+
+
+def test_native_extension_is_built() -> None:
+    """CI builds the extension; only an explicit opt-out lets the suite run without it."""
+    if os.environ.get("RADIXENGINE_ALLOW_NO_NATIVE") == "1":
+        pytest.skip("RADIXENGINE_ALLOW_NO_NATIVE=1")
+    assert ops.native_available(), (
+        f"the native CPU extension is not available ({ops.native_unavailable_reason()}); "
+        "build it with `pip install --no-build-isolation -e .` (or set RADIXENGINE_ALLOW_NO_NATIVE=1)"
+    )
+    assert ops.native_isa() in ("avx512", "avx2", "scalar")
+
+
+def test_require_native_names_the_reason() -> None:
+    if ops.native_available():
+        assert ops.require_native() is not None
+    else:
+        with pytest.raises(RuntimeError, match="not available"):
+            ops.require_native()
+
+
+@dataclass
+class Batch:
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def make_batch(
+    gen: torch.Generator, bs: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> Batch:
+    seq_lens = torch.randint(1, max_len + 1, (bs,), generator=gen)
+    num_slots = int(seq_lens.sum()) + 8
+    slots = torch.randperm(num_slots - 1, generator=gen) + 1  # slot 0 is padding
+    max_reqs, context_len = bs + 3, max_len + 5
+    # Unused positions hold valid slots too: reading past seq_len would change the result.
+    req_to_token = torch.randint(1, num_slots, (max_reqs, context_len), generator=gen, dtype=torch.int32)
+    rows = torch.randperm(max_reqs, generator=gen)[:bs]
+    offset = 0
+    for i in range(bs):
+        n = int(seq_lens[i])
+        req_to_token[rows[i], :n] = slots[offset : offset + n].to(torch.int32)
+        offset += n
+        if i % 2 == 1:  # share a prefix with the previous request (as the radix cache does)
+            shared = min(n, int(seq_lens[i - 1])) // 2
+            req_to_token[rows[i], :shared] = req_to_token[rows[i - 1], :shared]
+    shape = (num_slots, num_kv_heads, head_dim)
+    k_buffer = torch.randn(shape, generator=gen).to(dtype)
+    v_buffer = torch.randn(shape, generator=gen).to(dtype)
+    return Batch(k_buffer, v_buffer, req_to_token, rows.to(torch.int64), seq_lens)
+
+
+CONFIGS = [
+    (dtype, group, head_dim, seed)
+    for dtype in (torch.float32, torch.bfloat16)
+    for group in (1, 3)
+    for head_dim in (64, 128)
+    for seed in range(3)
+]
+
+
+def _id(cfg: tuple) -> str:
+    dtype, group, head_dim, seed = cfg
+    return f"{str(dtype).removeprefix('torch.')}-g{group}-d{head_dim}-s{seed}"
+
+
+def test_references_match_explicit_softmax() -> None:
+    """The references themselves: explicit softmax over the visible positions, GQA by head // group."""
+    gen = torch.Generator().manual_seed(3)
+    batch = make_batch(gen, 3, 40, 2, 64, torch.float32)
+    ext = torch.minimum(batch.seq_lens, torch.tensor([5, 1, 40]))
+    start = torch.cumsum(ext, 0) - ext
+    q = torch.randn(int(ext.sum()), 6, 64, generator=gen)
+    out = ops.extend_attention_reference(
+        q,
+        batch.k_buffer,
+        batch.v_buffer,
+        batch.req_to_token,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        ext,
+        start,
+        0.3,
+    )
+    qd = torch.randn(3, 6, 64, generator=gen)
+    out_d = ops.decode_attention_reference(
+        qd, batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices, batch.seq_lens, 0.3
+    )
+
+    def explicit(qv: torch.Tensor, row: int, visible: int, head: int) -> torch.Tensor:
+        slots = batch.req_to_token[row, :visible].long()
+        k, v = batch.k_buffer[slots, head // 3], batch.v_buffer[slots, head // 3]
+        return torch.softmax(k @ qv * 0.3, 0) @ v
+
+    for i in range(3):
+        row, n = int(batch.req_pool_indices[i]), int(batch.seq_lens[i])
+        for h in range(6):
+            torch.testing.assert_close(out_d[i, h], explicit(qd[i, h], row, n, h))
+            for j in range(int(ext[i])):
+                visible = n - int(ext[i]) + j + 1
+                torch.testing.assert_close(
+                    out[int(start[i]) + j, h], explicit(q[int(start[i]) + j, h], row, visible, h)
+                )
+
+
+@needs_native
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
+def test_decode_matches_reference(cfg: tuple) -> None:
+    dtype, group, head_dim, seed = cfg
+    gen = torch.Generator().manual_seed(1000 + seed * 7 + group * 31 + head_dim)
+    num_kv_heads = int(torch.randint(1, 4, (1,), generator=gen))
+    bs = int(torch.randint(1, 10, (1,), generator=gen))
+    batch = make_batch(gen, bs, 300, num_kv_heads, head_dim, dtype)
+    num_heads = num_kv_heads * group
+    # q as a strided view (as split from a fused qkv projection).
+    qkv = torch.randn(bs, num_heads + 2, head_dim, generator=gen).to(dtype)
+    q = qkv[:, :num_heads]
+    scale = head_dim**-0.5
+    args = (
+        q,
+        batch.k_buffer,
+        batch.v_buffer,
+        batch.req_to_token,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        scale,
+    )
+    expected = ops.decode_attention_reference(*args)
+    for splits in (0, 1, 3, 7):  # 0: automatic; 7 leaves some splits empty for short requests
+        out = ops.decode_attention(*args, num_kv_splits=splits)
+        assert out.dtype == dtype and out.shape == (bs, num_heads, head_dim)
+        torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype], msg=f"splits={splits}")
+
+
+@needs_native
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
+def test_extend_matches_reference(cfg: tuple) -> None:
+    dtype, group, head_dim, seed = cfg
+    gen = torch.Generator().manual_seed(2000 + seed * 7 + group * 31 + head_dim)
+    num_kv_heads = int(torch.randint(1, 4, (1,), generator=gen))
+    bs = int(torch.randint(1, 10, (1,), generator=gen))
+    batch = make_batch(gen, bs, 300, num_kv_heads, head_dim, dtype)
+    # New tokens per request: the whole sequence (no prefix), one token, or a random split.
+    choice = torch.randint(0, 3, (bs,), generator=gen)
+    random_ext = (torch.rand(bs, generator=gen) * batch.seq_lens).long().clamp(min=1)
+    extend_seq_lens = torch.where(choice == 0, batch.seq_lens, torch.where(choice == 1, 1, random_ext))
+    extend_start_loc = torch.cumsum(extend_seq_lens, 0) - extend_seq_lens
+    num_heads = num_kv_heads * group
+    q = torch.randn(int(extend_seq_lens.sum()), num_heads, head_dim, generator=gen).to(dtype)
+    args = (
+        q,
+        batch.k_buffer,
+        batch.v_buffer,
+        batch.req_to_token,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        extend_seq_lens,
+        extend_start_loc,
+        head_dim**-0.5,
+    )
+    expected = ops.extend_attention_reference(*args)
+    out = ops.extend_attention(*args)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])
+
+
+@needs_native
+def test_decode_one_thread_and_long_sequence() -> None:
+    """Automatic splitting at batch 1 (several threads) and none with one thread agree."""
+    gen = torch.Generator().manual_seed(5)
+    num_slots, seq_len = 1200, 1000
+    k_buffer, v_buffer = (
+        torch.randn(num_slots, 3, 64, generator=gen),
+        torch.randn(num_slots, 3, 64, generator=gen),
+    )
+    req_to_token = torch.zeros(2, seq_len, dtype=torch.int32)
+    req_to_token[1] = (torch.randperm(num_slots - 1, generator=gen)[:seq_len] + 1).to(torch.int32)
+    q = torch.randn(1, 9, 64, generator=gen)
+    rows, seq_lens = torch.tensor([1]), torch.tensor([seq_len])
+    args = (q, k_buffer, v_buffer, req_to_token, rows, seq_lens, 0.125)
+    expected = ops.decode_attention_reference(*args)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            torch.testing.assert_close(ops.decode_attention(*args), expected, **TOL[torch.float32])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+def test_empty_batch_and_bad_slot() -> None:
+    gen = torch.Generator().manual_seed(6)
+    batch = make_batch(gen, 2, 20, 2, 64, torch.float32)
+    empty = torch.zeros(0, dtype=torch.int64)
+    out = ops.decode_attention(
+        torch.randn(0, 4, 64), batch.k_buffer, batch.v_buffer, batch.req_to_token, empty, empty, 0.125
+    )
+    assert out.shape == (0, 4, 64)
+    batch.req_to_token[batch.req_pool_indices[1], 0] = batch.k_buffer.shape[0]  # one past the end
+    with pytest.raises(RuntimeError, match="outside the KV buffer"):
+        ops.decode_attention(
+            torch.randn(2, 4, 64),
+            batch.k_buffer,
+            batch.v_buffer,
+            batch.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            0.125,
+        )
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.decode_attention(
+            torch.randn(2, 4, 40),
+            torch.zeros(8, 2, 40),
+            torch.zeros(8, 2, 40),
+            batch.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            0.125,
+        )
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 37, 600])
+def test_set_kv_buffer_matches_index_copy(
+    dtype: torch.dtype, src_dtype: torch.dtype, num_tokens: int
+) -> None:
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_slots, heads, head_dim = 1024, 3, 64
+    loc = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    # k and v as strided views of a fused projection output.
+    qkv = torch.randn(num_tokens, (9 + 2 * heads) * head_dim, generator=gen).to(src_dtype)
+    k = qkv[:, 9 * head_dim : (9 + heads) * head_dim].view(num_tokens, heads, head_dim)
+    v = qkv[:, (9 + heads) * head_dim :].view(num_tokens, heads, head_dim)
+    k_buf, v_buf = (
+        torch.randn(num_slots, heads, head_dim).to(dtype),
+        torch.randn(num_slots, heads, head_dim).to(dtype),
+    )
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    ops.set_kv_buffer(k_buf, v_buf, loc, k, v)
+    ops.set_kv_buffer_reference(k_ref, v_ref, loc, k, v)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+    # A transposed (non-unit last stride) source is accepted too.
+    k_t = k.transpose(1, 2).contiguous().transpose(1, 2)
+    ops.set_kv_buffer(k_buf, v_buf, loc, k_t, v)
+    assert torch.equal(k_buf, k_ref)
+    with pytest.raises(RuntimeError, match="outside the KV buffer"):
+        ops.set_kv_buffer(k_buf, v_buf, loc + num_slots, k, v)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
+@pytest.mark.parametrize("hidden", [576, 100])
+def test_rms_norm_matches_reference(dtype: torch.dtype, num_tokens: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(num_tokens + hidden)
+    x = (torch.randn(num_tokens, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    torch.testing.assert_close(
+        ops.rms_norm(x, weight, 1e-6), ops.rms_norm_reference(x, weight, 1e-6), **TOL[dtype]
+    )
+    x_ref, r_ref = x.clone(), residual.clone()
+    ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+    ops.fused_add_rms_norm_reference(x_ref, r_ref, weight, 1e-6)
+    assert torch.equal(residual, r_ref)
+    torch.testing.assert_close(x, x_ref, **TOL[dtype])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (128, 128), (64, 36)])
+def test_rotary_embedding_matches_reference(
+    dtype: torch.dtype, num_tokens: int, head_dim: int, rotary_dim: int
+) -> None:
+    from radixengine.layers.rotary_embedding import get_rope
+
+    rope = get_rope(head_dim, rotary_dim, 4096, 10000.0, None, dtype)
+    gen = torch.Generator().manual_seed(num_tokens + head_dim)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    # q and k heads as a strided view of a fused qkv output (9 + 3 heads, then 3 v heads).
+    qkv = torch.randn(num_tokens, 15, head_dim, generator=gen).to(dtype)
+    qk = qkv[:, :12]
+    expected = rope(positions, qk.clone())
+    v_before = qkv[:, 12:].clone()
+    ops.rotary_embedding(positions, qk, rope.cos_sin_cache, rotary_dim)
+    torch.testing.assert_close(qk, expected, **TOL[dtype])
+    assert torch.equal(qkv[:, 12:], v_before)
+    ref = qkv[:, :12].clone()
+    ops.rotary_embedding_reference(positions, ref, rope.cos_sin_cache, rotary_dim)  # rotates again
+    ops.rotary_embedding(positions, qk, rope.cos_sin_cache, rotary_dim)
+    torch.testing.assert_close(qk, ref, **TOL[dtype])
