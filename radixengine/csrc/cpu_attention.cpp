@@ -5,8 +5,8 @@
 // group (GQA): each K/V row is read once for all query heads that share it.
 //
 // Decode: one task per (request, kv split), all heads: a key block reads whole pool rows (the kv
-// heads of a slot are contiguous) and prefetches the next block's rows, since the slots of a
-// request are scattered over the pool. Long sequences at small batch are split so that every
+// heads of a slot are contiguous), touching all of the block's rows first so that their cache
+// misses overlap (the slots of a request are scattered over the pool). Long sequences at small batch are split so that every
 // thread has work (flash-decoding); the partial results are merged by their log-sum-exp.
 //
 // Extend: one task per (request, kv head, block of queries). A block of queries x a block of
@@ -14,6 +14,7 @@
 // once per query block and the work is compute-bound.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -149,15 +150,25 @@ struct DecodeArgs {
   float* partial_lse;  // [batch, H, num_splits]
 };
 
-// Brings a pool row (all kv heads of one slot) toward the cache ahead of its use.
-template <typename T>
-inline void prefetch_row(const T* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+// Reads one word of every cache line of a pool row (all kv heads of one slot) and returns their
+// sum, which the caller keeps alive. Run over a whole key block before its compute, these
+// independent loads keep many cache misses in flight at once; the compute's own loads, with
+// arithmetic in between, do not. Measured on scattered slots (batch 8-32 x 512, 30 layers):
+// decode 1.4-2x faster than reading in place; software prefetches of the next block gained
+// 12-15% alone and nothing on top of this; copying the block out gained less and slowed the
+// cache-resident case.
+inline uint32_t touch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  uint32_t sum = 0;
+  for (int64_t off = 0; off < bytes; off += 64) {
+    uint32_t word;
+    std::memcpy(&word, c + off, sizeof(word));
+    sum += word;
+  }
+  return sum;
 }
 
-// One task: request b, keys [split * chunk, (split + 1) * chunk), all heads. Each key block
-// reads whole pool rows (every kv head of a slot is contiguous), prefetching the next block.
+// One task: request b, keys [split * chunk, (split + 1) * chunk), all heads.
 template <typename QT, typename KVT>
 void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* v_buf, QT* out,
                  int64_t b, int64_t split) {
@@ -195,17 +206,14 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   for (int64_t start = begin; start < end; start += kDecodeBlock) {
     const int64_t n = std::min(kDecodeBlock, end - start);
     const int64_t n_pad = round_up(n, kVecWidth);
+    uint32_t touched = 0;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t offset = slot_at(a.pool, row, start + i) * row_stride;
       k_rows[i] = k_buf + offset;
       v_rows[i] = v_buf + offset;
+      touched += touch_row(k_rows[i], row_bytes) + touch_row(v_rows[i], row_bytes);
     }
-    const int64_t next_end = std::min(end, start + n + kDecodeBlock);
-    for (int64_t pos = start + n; pos < next_end; ++pos) {
-      const int64_t offset = slot_at(a.pool, row, pos) * row_stride;
-      prefetch_row(k_buf + offset, row_bytes);
-      prefetch_row(v_buf + offset, row_bytes);
-    }
+    asm volatile("" : : "r"(touched));  // keep the loads
 
     for (int64_t h = 0; h < Hkv; ++h) {
       const float* qh = qf + h * G * D;
