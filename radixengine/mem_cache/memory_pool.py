@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 import operator
 from typing import Any
 
@@ -93,8 +95,13 @@ class MHATokenToKVPool:
         self.dtype = dtype
         self.device = device
         shape = (self.size + self.page_size, self.head_num, self.head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.layer_num)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.layer_num)]
+        self.k_buffer = [self._new_buffer(shape) for _ in range(self.layer_num)]
+        self.v_buffer = [self._new_buffer(shape) for _ in range(self.layer_num)]
+
+    def _new_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if torch.device(self.device).type == "cpu":
+            return zeroed_cpu_tensor(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
@@ -119,3 +126,11 @@ class MHATokenToKVPool:
         k_bytes = sum(buf.numel() * buf.element_size() for buf in self.k_buffer)
         v_bytes = sum(buf.numel() * buf.element_size() for buf in self.v_buffer)
         return k_bytes, v_bytes
+
+
+def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in fresh anonymous memory: the OS supplies zero pages as they are first
+    touched, so a pool of gigabytes costs nothing up front (torch.zeros writes every byte:
+    seconds of start-up)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
