@@ -4,12 +4,16 @@ optionally, llama-cpp-python) on the shared workloads, in one run.
     python benchmarks/bench_offline.py                                  # W1, W2; fcfs, lpm, dfs-weight; bf16 + fp32
     python benchmarks/bench_offline.py --workloads W1 --dtypes bfloat16 --policies lpm
     python benchmarks/bench_offline.py --peers transformers,llamacpp    # llama-cpp-python must be installed
+    python benchmarks/bench_offline.py --policies lpm --overlap on,off  # overlap loop on vs off, same run
 
 For each dtype and workload: one Engine per policy gets all 32 requests in one call (streamed, to
 time the first token of each); transformers runs the same prompts as one left-padded batch of 32
 at the same dtype and thread count. Reported: output tokens/s, the ratio to transformers, time to
 first token (mean, p50, max), and the cache hit rate against the ideal (every token of a prompt
-that an earlier prompt of the batch already has, at least one token recomputed per prompt)."""
+that an earlier prompt of the batch already has, at least one token recomputed per prompt).
+`--overlap on,off` runs each policy with the overlap schedule on and off (`disable_overlap_schedule`);
+on a CPU, `--cpu-forward-stream` decides whether "on" really overlaps (the JSON's
+`overlap_step_order`)."""
 
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from radixengine.server_args import CPU_FORWARD_STREAMS
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS_DIR = REPO.parent / "shared" / "workloads"
@@ -91,11 +98,22 @@ async def _run_requests(engine, items: list[dict]) -> tuple[float, list[float], 
     return elapsed, [r[0] for r in results], [r[1] for r in results]
 
 
-def run_radixengine(items: list[dict], policy: str, dtype: str, threads: int, model_path: str | None) -> dict:
+@dataclass
+class EngineConfig:
+    policy: str
+    overlap: bool
+    cpu_forward_stream: str
+
+    def label(self, ablation: bool) -> str:
+        return f"radixengine {self.policy}" + (f", overlap {'on' if self.overlap else 'off'}" if ablation else "")
+
+
+def run_radixengine(items: list[dict], config: EngineConfig, dtype: str, threads: int, model_path: str | None) -> dict:
     from radixengine import Engine
 
     with Engine(
-        model_path=model_path, schedule_policy=policy, dtype=dtype, num_threads=threads, log_level="warning"
+        model_path=model_path, schedule_policy=config.policy, dtype=dtype, num_threads=threads, log_level="warning",
+        disable_overlap_schedule=not config.overlap, cpu_forward_stream=config.cpu_forward_stream,
     ) as engine:
         engine.generate("Warm-up.", {"max_new_tokens": 8, "temperature": 0})
         engine.flush_cache()
@@ -105,7 +123,10 @@ def run_radixengine(items: list[dict], policy: str, dtype: str, threads: int, mo
     prompt = sum(m["prompt_tokens"] for m in metas)
     cached = sum(m["cached_tokens"] for m in metas)
     return {
-        "system": f"radixengine {policy}",
+        "policy": config.policy,
+        "overlap": config.overlap,
+        "cpu_forward_stream": config.cpu_forward_stream,
+        "overlap_step_order": config.overlap and _overlaps(config.cpu_forward_stream, threads, info),
         "elapsed_s": elapsed,
         "output_tokens": completion,
         "output_tok_s": completion / elapsed,
@@ -119,6 +140,14 @@ def run_radixengine(items: list[dict], policy: str, dtype: str, threads: int, mo
         "num_retracted_reqs": info.get("num_retracted_reqs"),
         "num_forward_steps": info.get("num_forward_steps"),
     }
+
+
+def _overlaps(cpu_forward_stream: str, threads: int, info: dict) -> bool:
+    """Whether the engine's overlap loop really overlaps: always on a GPU; on a CPU only when the
+    forward runs on a worker thread."""
+    from radixengine.utils.streams import resolve_cpu_layout
+
+    return info.get("device") != "cpu" or resolve_cpu_layout(cpu_forward_stream, threads) == "thread"
 
 
 # transformers ---------------------------------------------------------------------------------
@@ -197,12 +226,17 @@ def bench_workload(name: str, items: list[dict], dtype: str, args, hf_path: str,
     max_new = max(item["sampling_params"].get("max_new_tokens", 128) for item in items)
     ideal = ideal_cached_tokens(prompts)
     rows = []
+    ablation = args.overlap != ["on"]
     for policy in args.policies:
-        print(f"[{name} {dtype}] radixengine {policy} ...", file=sys.stderr, flush=True)
-        row = run_radixengine(items, policy, dtype, args.threads, args.model_path)
+        for overlap in args.overlap:
+            config = EngineConfig(policy, overlap == "on", args.cpu_forward_stream)
+            print(f"[{name} {dtype}] {config.label(ablation)} ...", file=sys.stderr, flush=True)
+            row = {"system": config.label(ablation)}
+            row.update(run_radixengine(items, config, dtype, args.threads, args.model_path))
+            rows.append(row)
+    for row in rows:
         row["ideal_cached_tokens"] = ideal
         row["cached_vs_ideal"] = row["cached_tokens"] / ideal if ideal else None
-        rows.append(row)
     if "transformers" in args.peers:
         print(f"[{name} {dtype}] transformers ...", file=sys.stderr, flush=True)
         rows.append(run_transformers(prompts, max_new, dtype, args.threads, hf_path))
@@ -239,10 +273,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peers", default="transformers", help="comma list: transformers, llamacpp")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--limit", type=int, default=None, help="first N requests of each workload (smoke runs)")
+    parser.add_argument("--overlap", default="on", help="comma list of on, off: the engine's overlap schedule")
+    parser.add_argument("--cpu-forward-stream", default="auto", choices=CPU_FORWARD_STREAMS,
+                        help="the engine's --cpu-forward-stream")
     parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_offline.json"))
     args = parser.parse_args(argv)
-    for name in ("workloads", "policies", "dtypes", "peers"):
+    for name in ("workloads", "policies", "dtypes", "peers", "overlap"):
         setattr(args, name, [x for x in getattr(args, name).split(",") if x])
+    if not args.overlap or set(args.overlap) - {"on", "off"}:
+        parser.error(f"--overlap takes a comma list of on, off; got {','.join(args.overlap)!r}")
     return args
 
 
@@ -254,13 +293,15 @@ def main(argv: list[str] | None = None) -> None:
     hf_path = resolve_model_path(args.model_path)
     tokenizer = get_tokenizer(args.model_path)
     rows = []
+    load_before = os.getloadavg()
     for dtype in args.dtypes:
         for name in args.workloads:
             items = load_workload(Path(args.workloads_dir) / f"{name}.jsonl")[: args.limit]
             rows += bench_workload(name, items, dtype, args, hf_path, tokenizer)
     print_table(rows)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(sys.argv), "threads": args.threads, "cpu": _cpu_name(), "time": time.ctime()}
+    meta = {"command": " ".join(sys.argv), "threads": args.threads, "cpu": _cpu_name(), "time": time.ctime(),
+            "load_average_before": load_before, "load_average_after": os.getloadavg()}
     with open(args.output, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     print(f"\nwrote {args.output}", file=sys.stderr)

@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer", "triton")
+CPU_FORWARD_STREAMS = ("auto", "thread", "inline")
 
 
 @dataclass
@@ -55,6 +56,7 @@ class ServerArgs:
     new_token_ratio_decay_steps: int = 600
     retract_decode_steps: int = 20
     disable_overlap_schedule: bool = False
+    cpu_forward_stream: str = "auto"  # see _HELP
 
     # Runtime
     num_threads: int | None = None  # CPU intra-op threads; None: all cores
@@ -76,6 +78,7 @@ class ServerArgs:
         _check_choice("--device", self.device, DEVICES)
         _check_choice("--load-format", self.load_format, LOAD_FORMATS)
         _check_choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("--cpu-forward-stream", self.cpu_forward_stream, CPU_FORWARD_STREAMS)
         _check_positive("--page-size", self.page_size)
         _check_positive("--max-prefill-tokens", self.max_prefill_tokens)
         _check_positive("--max-total-tokens", self.max_total_tokens, optional=True)
@@ -153,6 +156,8 @@ class ServerArgs:
             choices = _CHOICES.get(f.name)
             if choices:
                 kwargs["choices"] = choices
+            if f.name in _HELP:
+                kwargs["help"] = _HELP[f.name]
             parser.add_argument(flag, **kwargs)
 
     @classmethod
@@ -175,7 +180,18 @@ _CHOICES = {
     "device": DEVICES,
     "load_format": LOAD_FORMATS,
     "attention_backend": ATTENTION_BACKENDS,
+    "cpu_forward_stream": CPU_FORWARD_STREAMS,
     "log_level": ("debug", "info", "warning", "error"),
+}
+
+_HELP = {
+    "cpu_forward_stream": (
+        "CPU only, with the overlap schedule: where the forward runs. thread: on a worker thread beside "
+        "the scheduler thread (batch N computes while N-1 is processed and N+1 scheduled); inline: on the "
+        "scheduler thread, in the normal step order; auto (default): thread only when the intra-op threads "
+        "(--num-threads) leave a core free, else inline (a worker thread competing with the forward's "
+        "threads for the cores makes decode slower)."
+    ),
 }
 
 

@@ -25,8 +25,6 @@ from radixengine.server_args import ServerArgs
 
 # RADIXENGINE_TEST_DEVICE=cuda runs the scheduler suites on a GPU (the oracle stays on the CPU).
 TEST_DEVICE = os.environ.get("RADIXENGINE_TEST_DEVICE", "cpu")
-# Overlap tests exercise the CPU forward stream's worker thread whatever the core count.
-os.environ.setdefault("RADIXENGINE_CPU_FORWARD_STREAM", "thread")
 VOCAB = 256
 EOS = 7  # the tiny model's EOS id (greedy hits it now and then: EOS finishes get exercised)
 TINY_LLAMA = dict(
@@ -125,6 +123,7 @@ def make_scheduler(tokenizer=None, overlap: bool = False, **overrides) -> Schedu
         chunked_prefill_size=-1,
         test_mode=True,
         disable_overlap_schedule=not overlap,
+        cpu_forward_stream="thread",  # overlap tests exercise the worker thread whatever the core count
     )
     args.update(overrides)
     server_args = ServerArgs(**args)

@@ -28,6 +28,7 @@ def test_defaults_follow_sglang():
         ({"dtype": "int3"}, "--dtype"),
         ({"port": 70000}, "--port"),
         ({"init_new_token_ratio": 0.0}, "--init-new-token-ratio"),
+        ({"cpu_forward_stream": "fibers"}, "--cpu-forward-stream"),
     ],
 )
 def test_bad_values_name_the_flag(kwargs, flag):
@@ -50,6 +51,21 @@ def test_cli_round_trip():
     assert (args.schedule_policy, args.disable_radix_cache, args.page_size) == ("lpm", True, 16)
     assert args.max_total_tokens == 4096
     assert args.effective_chunked_prefill_size == 2048
+
+
+def test_cpu_forward_stream_flag(capsys):
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert ServerArgs.from_cli_args(parser.parse_args([])).cpu_forward_stream == "auto"
+    for layout in ("thread", "inline"):
+        assert ServerArgs.from_cli_args(parser.parse_args(["--cpu-forward-stream", layout])).cpu_forward_stream == layout
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cpu-forward-stream", "fibers"])
+    assert "invalid choice: 'fibers'" in capsys.readouterr().err
+    help_text = " ".join(parser.format_help().split())
+    assert "--cpu-forward-stream {auto,thread,inline}" in help_text and "worker thread" in help_text
+    with pytest.raises(ValueError, match="--cpu-forward-stream must be one of auto, thread, inline; got 'Thread'"):
+        ServerArgs(cpu_forward_stream="Thread")
 
 
 def test_chunked_prefill_can_be_disabled():

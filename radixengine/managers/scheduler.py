@@ -9,7 +9,6 @@ One step: recv → `process_input_requests` (validate, build `Req`, queue) → `
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections import deque
@@ -120,16 +119,19 @@ class Scheduler:
             self.init_overlap()
 
     def init_overlap(self) -> None:
-        # CPU: where the forward runs beside the scheduler thread (RADIXENGINE_CPU_FORWARD_STREAM).
-        layout = os.environ.get("RADIXENGINE_CPU_FORWARD_STREAM", "auto")
+        layout = self.server_args.cpu_forward_stream
         self.forward_stream = new_stream(self.device, "forward", cpu_layout=layout)
         if isinstance(self.forward_stream, HostStream):
             # The forward's threads use every core: nothing can run alongside it, so launching
             # N before processing N-1 would only cost a stale step. Keep the normal step order.
-            logger.info("overlap schedule: the CPU forward uses every core; running the normal step order")
+            logger.info(
+                "overlap schedule: --cpu-forward-stream %s runs the CPU forward inline; running the normal step order",
+                layout,
+            )
             self.enable_overlap = False
             return
         if isinstance(self.forward_stream, CpuStream):
+            logger.info("overlap schedule: --cpu-forward-stream %s runs the CPU forward on a worker thread", layout)
             weakref.finalize(self, self.forward_stream.close)
         elif self.server_args.trace_file and isinstance(self.forward_stream, CudaStream):
             self.forward_stream.enable_timing()

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import torch
 
+from radixengine.server_args import CPU_FORWARD_STREAMS
+
 
 class StreamError(RuntimeError):
     """Work on a stream raised; the original exception is the cause."""
@@ -256,7 +258,7 @@ def get_default_stream(device: torch.device | str) -> Stream:
     return HostStream()
 
 
-CPU_STREAM_LAYOUTS = ("auto", "thread", "inline")
+CPU_STREAM_LAYOUTS = CPU_FORWARD_STREAMS  # --cpu-forward-stream
 
 
 def new_stream(device: torch.device | str, name: str = "forward", cpu_layout: str = "thread") -> Stream:
@@ -268,11 +270,18 @@ def new_stream(device: torch.device | str, name: str = "forward", cpu_layout: st
     device = torch.device(device)
     if device.type == "cuda":
         return CudaStream(device)
+    return CpuStream(name) if resolve_cpu_layout(cpu_layout) == "thread" else HostStream()
+
+
+def resolve_cpu_layout(cpu_layout: str, num_threads: int | None = None) -> str:
+    """What `new_stream` makes of `cpu_layout` ("thread" or "inline") with `num_threads` intra-op
+    threads (None: torch's current count)."""
     if cpu_layout not in CPU_STREAM_LAYOUTS:
         raise ValueError(f"unknown CPU stream layout {cpu_layout!r}; one of {', '.join(CPU_STREAM_LAYOUTS)}")
-    if cpu_layout == "auto":
-        cpu_layout = "thread" if torch.get_num_threads() < available_cores() else "inline"
-    return CpuStream(name) if cpu_layout == "thread" else HostStream()
+    if cpu_layout != "auto":
+        return cpu_layout
+    threads = num_threads if num_threads is not None else torch.get_num_threads()
+    return "thread" if threads < available_cores() else "inline"
 
 
 def available_cores() -> int:
