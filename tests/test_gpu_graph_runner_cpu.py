@@ -9,6 +9,7 @@ import pytest
 import torch
 from model_utils import ModelDriver, make_runner, save_tiny_model
 
+from radixengine.layers.native_small_ops import native_small_ops
 from radixengine.layers.rotary_embedding import RotaryEmbedding
 from radixengine.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 
@@ -46,7 +47,9 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    return captures
+    # The forward stands in for the CUDA one: the torch small ops, not the native CPU ones.
+    with native_small_ops(False):
+        yield captures
 
 
 def test_capture_batch_sizes():

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixengine.layers.attention import native_cpu_ops
+from radixengine.layers.native_small_ops import log_native_small_ops_state, runs_native
 from radixengine.layers.triton_ops import use_fused_ops
 
 
@@ -14,17 +16,30 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        log_native_small_ops_state()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`."""
+        """`norm(x)`, or with `residual`: `(norm(x + residual), x + residual)`.
+
+        With `residual` on the native CPU path the results are written in place, into `x` (the
+        norm) and `residual` (the sum), which are returned (SGLang's fused_add_rmsnorm): callers
+        pass tensors they no longer need, as the decoder layers do."""
         if use_fused_ops(x):
             from radixengine.layers.triton_ops.fused import rms_norm
 
             return rms_norm(x, self.weight, self.variance_epsilon, residual)
         if residual is None:
+            if runs_native(x, self.weight):
+                return self._native_norm(x)
             return self._norm(x)
+        if runs_native(x, residual, self.weight) and _fusable_in_place(x, residual):
+            n = x.shape[-1]
+            native_cpu_ops.fused_add_rms_norm(
+                x.view(-1, n), residual.view(-1, n), self.weight, self.variance_epsilon
+            )
+            return x, residual
         x = x + residual
         return self._norm(x), x
 
@@ -34,3 +49,17 @@ class RMSNorm(nn.Module):
         # Half precision: normalise in fp32, scale in the model dtype, as HF does.
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.variance_epsilon)
         return self.weight * normed.to(x.dtype)
+
+    def _native_norm(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return native_cpu_ops.rms_norm(rows, self.weight, self.variance_epsilon).view(x.shape)
+
+
+def _fusable_in_place(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Rows the in-place kernel can take: same shape, contiguous, not the same memory."""
+    return (
+        x.shape == residual.shape
+        and x.is_contiguous()
+        and residual.is_contiguous()
+        and x.data_ptr() != residual.data_ptr()
+    )

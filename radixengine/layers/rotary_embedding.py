@@ -7,6 +7,9 @@ import math
 import torch
 from torch import nn
 
+from radixengine.layers.attention import native_cpu_ops
+from radixengine.layers.native_small_ops import runs_native
+
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE from a `[max_position, rotary_dim]` cache (cos half | sin half)."""
@@ -36,7 +39,10 @@ class RotaryEmbedding(nn.Module):
         """Rotate `x` `[num_tokens, num_heads, head_size]` at `positions` `[num_tokens]`.
 
         The model passes q and k heads together (adjacent in the fused qkv output), so one call
-        rotates both."""
+        rotates both. On the native CPU path `x` is rotated in place and returned."""
+        if self._runs_native(positions, x):
+            native_cpu_ops.rotary_embedding(positions, x, self.cos_sin_cache, self.rotary_dim)
+            return x
         cos, sin = self._cos_sin(positions)
         rot = x[..., : self.rotary_dim]
         half = self.rotary_dim // 2
@@ -45,6 +51,16 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim < self.head_size:
             out = torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
         return out
+
+    def _runs_native(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        """The kernel takes the cache as it is stored (`[max_position, rotary_dim]`, cos | sin
+        halves, neox style) in x's dtype, and `[tokens, heads, head_size]` rows of unit stride."""
+        return (
+            runs_native(x, self.cos_sin_cache)
+            and positions.device.type == "cpu"
+            and x.dim() == 3
+            and x.stride(2) == 1
+        )
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         last = self._last

@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixengine.layers import native_small_ops  # a module: it imports this package too
+from radixengine.layers.attention import native_cpu_ops
+
 if TYPE_CHECKING:
     from radixengine.layers.radix_attention import RadixAttention
     from radixengine.model_executor.forward_batch_info import ForwardBatch
@@ -68,4 +71,10 @@ class AttentionBackend(ABC):
 
 def save_kv(k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
     """Write the new tokens' K/V `[num_tokens, kv_heads, head_dim]` at `out_cache_loc`."""
-    forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+    pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc
+    k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
+    runs_native = native_small_ops.runs_native
+    if runs_native(k, v) and runs_native(k_buffer, v_buffer) and loc.device.type == "cpu" and k.dim() == 3:
+        native_cpu_ops.set_kv_buffer(k_buffer, v_buffer, loc, k, v)
+    else:
+        pool.set_kv_buffer(layer.layer_id, loc, k, v)
