@@ -60,9 +60,10 @@ def runs_native(*tensors: torch.Tensor) -> bool:
     if dtype not in native_cpu_ops.NATIVE_DTYPES:
         return False
     track_grad = torch.is_grad_enabled()
-    return all(
-        t.device.type == "cpu" and t.dtype == dtype and not (track_grad and t.requires_grad) for t in tensors
-    )
+    for t in tensors:  # a plain loop: this runs a few times per layer
+        if not t.is_cpu or t.dtype != dtype or (track_grad and t.requires_grad):
+            return False
+    return True
 
 
 @functools.cache

@@ -55,12 +55,7 @@ class RotaryEmbedding(nn.Module):
     def _runs_native(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """The kernel takes the cache as it is stored (`[max_position, rotary_dim]`, cos | sin
         halves, neox style) in x's dtype, and `[tokens, heads, head_size]` rows of unit stride."""
-        return (
-            runs_native(x, self.cos_sin_cache)
-            and positions.device.type == "cpu"
-            and x.dim() == 3
-            and x.stride(2) == 1
-        )
+        return runs_native(x, self.cos_sin_cache) and positions.is_cpu and x.dim() == 3 and x.stride(2) == 1
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         last = self._last

@@ -74,7 +74,7 @@ def save_kv(k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_bat
     pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc
     k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
     runs_native = native_small_ops.runs_native
-    if runs_native(k, v) and runs_native(k_buffer, v_buffer) and loc.device.type == "cpu" and k.dim() == 3:
+    if runs_native(k, v) and runs_native(k_buffer, v_buffer) and loc.is_cpu and k.dim() == 3:
         native_cpu_ops.set_kv_buffer(k_buffer, v_buffer, loc, k, v)
     else:
         pool.set_kv_buffer(layer.layer_id, loc, k, v)
