@@ -6,10 +6,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from radixengine.layers.linear import block_linear
+
 if TYPE_CHECKING:
+    from radixengine.layers.vocab_embedding import VocabEmbedding
     from radixengine.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -26,9 +28,9 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(
-        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
+        self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatch
     ) -> LogitsProcessorOutput:
         if forward_batch.forward_mode.is_extend():
             hidden_states = hidden_states.index_select(0, forward_batch.last_token_indices())
-        logits = F.linear(hidden_states, lm_head_weight)
+        logits = block_linear(hidden_states, lm_head.weight, lm_head.block_weight)
         return LogitsProcessorOutput(next_token_logits=logits.float())

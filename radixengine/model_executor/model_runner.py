@@ -37,11 +37,41 @@ class ModelRunner:
         )
         self.dtype = self.model_config.dtype
         self.context_len = self.model_config.context_len
-        self.model = get_model(self.model_config, self.device, server_args.load_format)
+        self.model = get_model(
+            self.model_config, self.device, server_args.load_format, gguf_blocks=self._use_gguf_blocks()
+        )
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.sampler = Sampler()
         self.cuda_graph_runner = self._make_cuda_graph_runner()
+
+    def _use_gguf_blocks(self) -> bool:
+        """Whether the linears keep their GGUF blocks (`--quantization`)."""
+        mode = self.server_args.quantization
+        if mode == "none":
+            return False
+        reasons = self._gguf_blocks_unavailable()
+        if reasons and mode == "gguf":
+            raise ValueError(f"--quantization gguf cannot run here: {'; '.join(reasons)}")
+        if reasons:
+            logger.info("GGUF block kernels off: %s", "; ".join(reasons))
+        return not reasons
+
+    def _gguf_blocks_unavailable(self) -> list[str]:
+        from radixengine.model_loader.gguf_loader import is_gguf
+
+        if not is_gguf(self.model_config.model_path) or self.server_args.load_format == "dummy":
+            return ["the weights do not come from a GGUF file"]
+        reasons = []
+        if self.device.type != "cpu":
+            reasons.append("the device is not a CPU")
+        if self.dtype != torch.float32:
+            reasons.append(f"the dtype is {self.dtype}, not float32")
+        from radixengine.layers.gguf_quant_ops import quant_native_available
+
+        if not quant_native_available():
+            reasons.append("the native CPU kernels are not built")
+        return reasons
 
     def _make_cuda_graph_runner(self):
         from radixengine.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_supported

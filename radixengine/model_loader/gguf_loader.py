@@ -132,6 +132,28 @@ def gguf_weights_iterator(path: str | os.PathLike, config) -> Iterator[tuple[str
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
 
 
+def gguf_block_weights_iterator(
+    path: str | os.PathLike, config, qtypes: frozenset[int]
+) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """The tensors stored in one of `qtypes`, as they are in the file: `(hf_name, qtype, rows)`
+    with `rows` uint8 `[out_features, in_features / block_size * block_bytes]` (each row its
+    blocks), llama q/k rows un-permuted as in `gguf_weights_iterator`."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field_str(reader, "general.architecture")
+    for t in reader.tensors:
+        qtype = int(t.tensor_type)
+        name = hf_tensor_name(t.name)
+        if qtype not in qtypes or name is None or t.data.ndim != 2:
+            continue
+        rows = t.data
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_key_value_heads if name.endswith("k_proj.weight") else config.num_attention_heads
+            rows = unpermute_qk(rows, heads)
+        yield name, qtype, torch.from_numpy(np.array(rows, dtype=np.uint8, order="C"))
+
+
 def hf_tensor_name(gguf_name: str) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _SKIPPED:

@@ -8,20 +8,32 @@ import time
 import torch
 from torch import nn
 
+from radixengine.model_loader.gguf_loader import gguf_block_weights_iterator
 from radixengine.model_loader.model_config import ModelConfig
 from radixengine.model_loader.weight_utils import safetensors_weights_iterator
 from radixengine.models import ModelRegistry
 
 logger = logging.getLogger(__name__)
 
+# Rows (tokens) up to which a linear reads its GGUF blocks rather than its float32 weight: the
+# block kernel wins while reading the weight dominates (decode batches), MKL's sgemm on the
+# float weight beyond (benchmarks/bench_quant_linear.py).
+GGUF_BLOCK_MAX_TOKENS = 64
 
-def get_model(model_config: ModelConfig, device: torch.device | str, load_format: str = "auto") -> nn.Module:
+
+def get_model(
+    model_config: ModelConfig, device: torch.device | str, load_format: str = "auto", gguf_blocks: bool = False
+) -> nn.Module:
+    """The model with its weights; `gguf_blocks`: also keep the linears' GGUF blocks (see
+    `layers.linear.BlockWeight`), the model must come from a GGUF file."""
     start = time.perf_counter()
     model = _build(model_config, torch.device(device))
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
         _load_checkpoint(model, model_config)
+    if gguf_blocks:
+        load_gguf_block_weights(model, model_config)
     model.eval()
     logger.info("model loaded from %s in %.2f s", model_config.hf_path, time.perf_counter() - start)
     return model
@@ -58,3 +70,34 @@ def init_dummy_weights(model: nn.Module, std: float = 0.02) -> None:
             param.zero_()
         else:
             param.normal_(0.0, std)
+
+
+def load_gguf_block_weights(model: nn.Module, model_config: ModelConfig) -> int:
+    """Attach the GGUF blocks of every linear (and LM head) stored in a type the block kernel
+    runs; a module keeps them only if all its shards came that way. Returns the modules kept."""
+    from radixengine.layers.gguf_quant_ops import GGML_Q4_1, GGML_Q8_0
+
+    rows_loaded: dict[str, int] = {}
+    tensors = gguf_block_weights_iterator(
+        model_config.model_path, model_config.hf_config, frozenset({GGML_Q4_1, GGML_Q8_0})
+    )
+    for name, qtype, rows in tensors:
+        if getattr(model, "tie_word_embeddings", False) and name == "lm_head.weight":
+            continue
+        param_name, shard_id = model._param_for(name)
+        module_name = param_name.rsplit(".", 1)[0]
+        module = model.get_submodule(module_name)
+        if not hasattr(module, "block_weight_loader"):
+            continue
+        module.block_weight_loader(rows, qtype, GGUF_BLOCK_MAX_TOKENS, shard_id)
+        rows_loaded[module_name] = rows_loaded.get(module_name, 0) + rows.shape[0]
+    kept = 0
+    for module_name, count in rows_loaded.items():
+        module = model.get_submodule(module_name)
+        if count == module.block_weight.rows.shape[0]:
+            kept += 1
+        else:
+            logger.info("%s: not every shard is in a block type the kernel runs; float weights only", module_name)
+            module.block_weight = None
+    logger.info("GGUF block weights for %d modules (batches of at most %d rows)", kept, GGUF_BLOCK_MAX_TOKENS)
+    return kept

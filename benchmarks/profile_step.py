@@ -1,0 +1,184 @@
+"""Where one forward step of the default model goes on a CPU: wall time per part of the model,
+for a decode step (batch B, every request with C cached tokens) and a prefill chunk.
+
+    python benchmarks/profile_step.py                          # decode bs 32 x 512 cached, prefill 8 x 256
+    python benchmarks/profile_step.py --quantization none      # float32 weights only
+    RADIXENGINE_NATIVE_OPS=0 python benchmarks/profile_step.py --attention-backend torch_native
+
+Each part is timed by wrapping the module's forward with perf_counter (the parts run one after
+another on the calling thread, so the times add up; "other" is the rest of the step: embedding,
+residual adds, activation, batch metadata, Python dispatch). The parts: linears by role (qkv, o,
+gate_up, down), the LM head, attention (the backend call, KV write included), RMSNorm, rotary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+from bench_forward import OurModel, _fill_random_kv  # noqa: E402
+
+from radixengine.layers.layernorm import RMSNorm  # noqa: E402
+from radixengine.layers.linear import Linear  # noqa: E402
+from radixengine.layers.logits_processor import LogitsProcessor  # noqa: E402
+from radixengine.layers.radix_attention import RadixAttention  # noqa: E402
+from radixengine.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from radixengine.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from radixengine.model_executor.model_runner import ModelRunner  # noqa: E402
+from radixengine.server_args import ServerArgs  # noqa: E402
+
+ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class PartTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, module: torch.nn.Module, part: str) -> None:
+        forward = module.forward
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = forward(*args, **kwargs)
+            self.seconds[part] += time.perf_counter() - start
+            return out
+
+        module.forward = timed
+
+    def instrument(self, model: torch.nn.Module) -> None:
+        for name, module in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if isinstance(module, Linear) and leaf in ROLES:
+                self.wrap(module, f"linear {leaf}")
+            elif isinstance(module, LogitsProcessor):
+                self.wrap(module, "lm_head + logits")
+            elif isinstance(module, RadixAttention):
+                self.wrap(module, "attention (+ KV write)")
+            elif isinstance(module, RMSNorm):
+                self.wrap(module, "rmsnorm")
+            elif isinstance(module, RotaryEmbedding):
+                self.wrap(module, "rotary")
+
+
+class DecodeSteps:
+    """`bs` requests with `cached` random K/V tokens each; every call times one more decode step."""
+
+    def __init__(self, model: OurModel, bs: int, cached: int, timer: PartTimer) -> None:
+        runner = model.runner
+        self.model, self.timer, self.vocab = model, timer, runner.model_config.vocab_size
+        self.pool, self.alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+        self.rows = self.pool.alloc(bs)
+        slots = []
+        for row in self.rows:
+            slots.append(self.alloc.alloc(cached))
+            self.pool.write((row, slice(0, cached)), slots[-1].int())
+        _fill_random_kv(runner, torch.cat(slots))
+        self.seq = cached
+
+    def __call__(self) -> float:
+        locs = self.alloc.alloc(len(self.rows))
+        for row, loc in zip(self.rows, locs):
+            self.pool.write((row, self.seq), int(loc))
+        self.seq += 1
+        ids = torch.randint(self.vocab, (len(self.rows),))
+        self.timer.seconds.clear()
+        start = time.perf_counter()
+        self.model._forward(ForwardMode.DECODE, ids, self.rows, [self.seq] * len(self.rows), locs)
+        return time.perf_counter() - start
+
+
+def prefill_step(model: OurModel, num_reqs: int, length: int) -> float:
+    """One EXTEND of `num_reqs` new prompts of `length` tokens (no cached prefix)."""
+    runner = model.runner
+    rows = runner.req_to_token_pool.alloc(num_reqs)
+    slots = [runner.token_to_kv_pool_allocator.alloc(length) for _ in rows]
+    for row, locs in zip(rows, slots):
+        runner.req_to_token_pool.write((row, slice(0, length)), locs.int())
+    ids = torch.randint(runner.model_config.vocab_size, (num_reqs * length,))
+    n = len(rows)
+    start = time.perf_counter()
+    model._forward(ForwardMode.EXTEND, ids, rows, [length] * n, torch.cat(slots), [0] * n, [length] * n)
+    elapsed = time.perf_counter() - start
+    model._release(rows, slots)
+    return elapsed
+
+
+def breakdown(run, timer: PartTimer, repeats: int) -> dict:
+    totals, parts = [], defaultdict(list)
+    for _ in range(repeats + 1):
+        timer.seconds.clear()
+        total = run()
+        totals.append(total)
+        for part, sec in timer.seconds.items():
+            parts[part].append(sec)
+        parts["other"].append(total - sum(timer.seconds.values()))
+    # the first run warms up
+    return {
+        "step_ms": statistics.median(totals[1:]) * 1e3,
+        "parts_ms": {p: statistics.median(v[1:]) * 1e3 for p, v in sorted(parts.items(), key=lambda kv: -sum(kv[1]))},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--cached-len", type=int, default=512)
+    p.add_argument("--prefill-reqs", type=int, default=8)
+    p.add_argument("--prefill-len", type=int, default=256, help="tokens per prefill request")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    model = OurModel.__new__(OurModel)
+    tokens = args.batch_size * (args.cached_len + 8) + args.prefill_reqs * args.prefill_len + 64
+    model.runner = ModelRunner(
+        ServerArgs(
+            model_path=args.model_path,
+            dtype="float32",
+            max_total_tokens=tokens,
+            max_running_requests=args.batch_size + args.prefill_reqs + 1,
+            attention_backend=args.attention_backend,
+            quantization=args.quantization,
+            num_threads=args.threads,
+        )
+    )
+    timer = PartTimer()
+    timer.instrument(model.runner.model)
+    results = {
+        "config": vars(args),
+        "threads": torch.get_num_threads(),
+        "attention_backend": type(model.runner.attn_backend).__name__,
+        "decode": breakdown(DecodeSteps(model, args.batch_size, args.cached_len, timer), timer, args.repeats),
+        "prefill": breakdown(lambda: prefill_step(model, args.prefill_reqs, args.prefill_len), timer, args.repeats),
+    }
+    for case in ("decode", "prefill"):
+        r = results[case]
+        label = (
+            f"decode bs {args.batch_size} x {args.cached_len} cached"
+            if case == "decode"
+            else f"prefill {args.prefill_reqs} x {args.prefill_len} tokens"
+        )
+        print(f"{label}: {r['step_ms']:.1f} ms ({results['attention_backend']}, quantization {args.quantization})")
+        for part, ms in r["parts_ms"].items():
+            print(f"  {part:<24} {ms:8.1f} ms  {100 * ms / r['step_ms']:5.1f}%")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
