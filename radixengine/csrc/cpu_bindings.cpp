@@ -24,5 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rotary_embedding", &cpu::rotary_embedding, "Neox-style rotary embedding, in place",
         py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), py::arg("rotary_dim"));
+  m.def("quant_linear", &cpu::quant_linear,
+        "x [M, K] float32 times the transpose of a GGUF Q4_1 / Q8_0 weight given as raw blocks",
+        py::arg("x"), py::arg("qweight"), py::arg("qtype"));
   m.def("isa", &cpu::isa, "Instruction set the extension was compiled for");
 }

@@ -50,6 +50,11 @@ void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::
 void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x,
                       const torch::Tensor& cos_sin_cache, int64_t rotary_dim);
 
+// out [M, N] = x [M, K] (float32, contiguous) times the transpose of a GGUF block-quantized
+// weight [N, K] given as its raw blocks: qweight uint8 [N, K / 32 * block bytes], qtype the
+// GGML type id (Q4_1 = 3, Q8_0 = 8). Dequantized exactly as gguf-py does; no bias.
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype);
+
 // The instruction set the extension was compiled for: "avx512", "avx2" or "scalar".
 std::string isa();
 

@@ -1,0 +1,461 @@
+// Linear layers over GGUF block-quantized weights: out[M, N] = x[M, K] * W[N, K]^T, with W read
+// in its GGUF blocks and computed in fp32.
+//
+// A block holds 32 consecutive weights of a row:
+//   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; weight j < 16 = d * (qs[j] & 15) + m,
+//                    weight 16 + j = d * (qs[j] >> 4) + m.
+//   Q8_0 (34 bytes): fp16 d, 32 int8 q; weight j = q[j] * d.
+// d * q is exact in fp32 (11 significant bits of d times at most 8 of q, far from the subnormal
+// range), so a fused multiply-add rounds d * q + m exactly as gguf-py's separate multiply and add
+// do: the dequantized weights are bit-identical to `gguf.quants.dequantize`, and out differs
+// from fp32 matmul with them only in summation order.
+//
+// Two paths, both reading each weight block once per task:
+//   fused (few x rows, AVX2): each block is dequantized into registers and multiplied at once
+//     with every x row (up to three at a time), four weight rows per register tile.
+//   tiled (more x rows, and the portable build): a tile of weight rows is dequantized into
+//     per-thread fp32 scratch, then register tiles of three x rows x four tile rows take dot
+//     products over K. x is split into blocks that stay in L2; one task = tile x x block.
+#include <cstring>
+#include <vector>
+
+#include "cpu_common.h"
+#include "cpu_ops.h"
+#include "cpu_vec.h"
+
+// The vector path needs AVX2, FMA and F16C (every AVX2 CPU that runs this has all three).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RADIX_QUANT_AVX2 1
+#include <immintrin.h>
+#else
+#define RADIX_QUANT_AVX2 0
+#endif
+
+#include <c10/util/Half.h>
+
+#ifndef TILE_KB
+#define TILE_KB 48
+#endif
+#ifndef XBLOCK_KB
+#define XBLOCK_KB 192
+#endif
+#ifndef FUSED_A_SPLIT
+#define FUSED_A_SPLIT 2
+#endif
+#ifndef FUSED_TPT
+#define FUSED_TPT 8
+#endif
+#ifndef FUSED_MINROWS
+#define FUSED_MINROWS 16
+#endif
+#ifndef FUSED_MAXROWS
+#define FUSED_MAXROWS 64
+#endif
+#ifndef FUSED_GMAX
+#define FUSED_GMAX 4
+#endif
+#ifndef RADIX_QUANT_FUSED_MAX_M
+#define RADIX_QUANT_FUSED_MAX_M 12
+#endif
+
+namespace radixengine::cpu {
+namespace {
+
+constexpr int64_t kBlockWeights = 32;
+constexpr int64_t kGgmlQ4_1 = 3;
+constexpr int64_t kGgmlQ8_0 = 8;
+
+constexpr int64_t kXBlockBytes = XBLOCK_KB * 1024;  // x rows per tiled task: about half of L2
+constexpr int64_t kTileBytes = TILE_KB * 1024;     // dequantized weight tile (tiled path)
+constexpr int64_t kMaxTileRows = 96;
+constexpr int64_t kRegisterRows = 6;  // weight rows per register tile (x 2 vectors: 12 accumulators)
+constexpr int64_t kMinTasksPerThread = 4;
+constexpr int64_t kFusedMaxM = RADIX_QUANT_FUSED_MAX_M;  // largest M of the fused path
+constexpr int kFusedXRows = FUSED_GMAX;
+constexpr int64_t kFusedRowGroup = 16;  // weight rows per pass over the x rows (fused path)
+constexpr int64_t kFusedTasksPerThread = FUSED_TPT;
+constexpr int64_t kFusedMinTileRows = FUSED_MINROWS;
+constexpr int64_t kFusedMaxTileRows = FUSED_MAXROWS;
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+#if RADIX_QUANT_AVX2
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+// Block formats. dequantize() writes a block's 32 weights to dst; on AVX2, quarters() hands the
+// four 8-weight vectors of a block to fn(i, w) as they are dequantized.
+struct Q4_1 {
+  static constexpr int64_t kBlockBytes = 20;
+
+#if RADIX_QUANT_AVX2
+  // Weights 0-7 and 16-23 are the low and high nibbles of bytes 0-7, 8-15 and 24-31 those of
+  // bytes 8-15: widening each byte half to 32-bit lanes first leaves one mask or shift each.
+  template <typename Fn>
+  static void quarters(const uint8_t* block, const Fn& fn) {
+    // d, m, d, m, ... widened together: one conversion, then each spread to all lanes.
+    const __m128i dm16 = _mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(block)));
+    const __m256 dm = _mm256_cvtph_ps(dm16);
+    const __m256 dv = _mm256_moveldup_ps(dm);
+    const __m256 mv = _mm256_movehdup_ps(dm);
+    const __m256i bytes_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4)));
+    const __m256i bytes_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12)));
+    const __m256i low_nibble = _mm256_set1_epi32(0x0f);
+    const __m256i q32[4] = {_mm256_and_si256(bytes_lo, low_nibble), _mm256_and_si256(bytes_hi, low_nibble),
+                            _mm256_srli_epi32(bytes_lo, 4), _mm256_srli_epi32(bytes_hi, 4)};
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) fn(i, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q32[i]), mv));
+  }
+
+  static void dequantize(const uint8_t* block, float* dst) {
+    quarters(block, [&](int i, __m256 w) { _mm256_storeu_ps(dst + 8 * i, w); });
+  }
+#else
+  static void dequantize(const uint8_t* block, float* dst) {
+    const float d = fp16_at(block);
+    const float m = fp16_at(block + 2);
+    const uint8_t* qs = block + 4;
+    for (int j = 0; j < 16; ++j) {
+      dst[j] = d * static_cast<float>(qs[j] & 0x0f) + m;
+      dst[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+    }
+  }
+#endif
+};
+
+struct Q8_0 {
+  static constexpr int64_t kBlockBytes = 34;
+
+#if RADIX_QUANT_AVX2
+  template <typename Fn>
+  static void quarters(const uint8_t* block, const Fn& fn) {
+    const __m256 dv = _mm256_set1_ps(fp16_at(block));
+    const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i));
+      fn(i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), dv));
+    }
+  }
+
+  static void dequantize(const uint8_t* block, float* dst) {
+    quarters(block, [&](int i, __m256 w) { _mm256_storeu_ps(dst + 8 * i, w); });
+  }
+#else
+  static void dequantize(const uint8_t* block, float* dst) {
+    const float d = fp16_at(block);
+    const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
+    for (int j = 0; j < kBlockWeights; ++j) dst[j] = static_cast<float>(qs[j]) * d;
+  }
+#endif
+};
+
+struct QuantLinearArgs {
+  const float* x;    // [M, K]
+  const uint8_t* w;  // [N, row_bytes]
+  float* out;        // [M, N]
+  int64_t M, N, K;
+  int64_t row_bytes;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Tiled path
+
+// tile[r * K + k] = W[n0 + r, k] for r < rows.
+template <typename Format>
+void dequantize_rows(const QuantLinearArgs& a, int64_t n0, int64_t rows, float* tile) {
+  const int64_t blocks = a.K / kBlockWeights;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = a.w + (n0 + r) * a.row_bytes;
+    float* dst = tile + r * a.K;
+    for (int64_t b = 0; b < blocks; ++b) {
+      Format::dequantize(row + b * Format::kBlockBytes, dst + b * kBlockWeights);
+    }
+  }
+}
+
+// x transposed into panels of kPanelCols rows of x: panel p holds x[p * kPanelCols + j, k] at
+// [k * kPanelCols + j] (zero past M), so that a register tile reads one contiguous cache line per
+// k. The weight tile times a panel is then a matrix product with the weight rows broadcast
+// (cpu_gemm.h), which needs no horizontal sums.
+constexpr int64_t kPanelCols = 2 * kVecWidth;
+
+struct XPanels {
+  std::vector<float> data;
+  int64_t num_panels;
+};
+
+XPanels pack_x_panels(const QuantLinearArgs& a) {
+  const int64_t num_panels = (a.M + kPanelCols - 1) / kPanelCols;
+  XPanels x_t{std::vector<float>(num_panels * a.K * kPanelCols, 0.0f), num_panels};
+  for (int64_t p = 0; p < num_panels; ++p) {
+    float* panel = x_t.data.data() + p * a.K * kPanelCols;
+    for (int64_t j = 0; j < std::min(kPanelCols, a.M - p * kPanelCols); ++j) {
+      const float* x_row = a.x + (p * kPanelCols + j) * a.K;
+      for (int64_t k = 0; k < a.K; ++k) panel[k * kPanelCols + j] = x_row[k];
+    }
+  }
+  return x_t;
+}
+
+struct TilePlan {
+  int64_t tile_rows;        // weight rows per task
+  int64_t panels_per_task;  // x panels per task
+  int64_t num_tiles;
+  int64_t num_x_blocks;
+};
+
+// Tiles as large as kTileBytes (each is reused by all x rows of a task) while every thread gets
+// several tasks; x blocks of at most kXBlockBytes, of about equal size.
+TilePlan plan_tiles(int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+  TilePlan p{};
+  p.tile_rows = std::clamp<int64_t>(kTileBytes / (K * 4) / kRegisterRows * kRegisterRows, kRegisterRows,
+                                    kMaxTileRows);
+  const int64_t num_panels = (M + kPanelCols - 1) / kPanelCols;
+  const int64_t panels_fit = std::max<int64_t>(1, kXBlockBytes / (K * 4 * kPanelCols));
+  p.num_x_blocks = (num_panels + panels_fit - 1) / panels_fit;
+  p.panels_per_task = (num_panels + p.num_x_blocks - 1) / p.num_x_blocks;
+  const int64_t min_tasks = kMinTasksPerThread * num_threads;
+  while (p.tile_rows > kRegisterRows && (N + p.tile_rows - 1) / p.tile_rows * p.num_x_blocks < min_tasks) {
+    p.tile_rows -= kRegisterRows;
+  }
+  p.num_tiles = (N + p.tile_rows - 1) / p.tile_rows;
+  return p;
+}
+
+// c[i * ldc + j] = sum_k w[i * K + k] * panel[k * kPanelCols + j] for MR weight rows and the NV
+// vectors of a panel (the x panel's part is one cache line per k, read in order).
+template <int MR, int NV>
+inline void panel_tile(const float* w, int64_t K, const float* panel, float* c, int64_t ldc) {
+  VecF acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j) acc[i][j] = VecF::zero();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    VecF xv[NV];
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j) xv[j] = VecF::load(panel + k * kPanelCols + j * kVecWidth);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const VecF wv = VecF::broadcast(w[i * K + k]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NV; ++j) acc[i][j] = fmadd(wv, xv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j) acc[i][j].store(c + i * ldc + j * kVecWidth);
+  }
+}
+
+template <int NV>
+void panel_rows(const float* tile, int64_t rows, int64_t K, const float* panel, float* c,
+                int64_t ldc) {
+  int64_t i = 0;
+  for (; i + kRegisterRows <= rows; i += kRegisterRows) {
+    panel_tile<kRegisterRows, NV>(tile + i * K, K, panel, c + i * ldc, ldc);
+  }
+  const float* w = tile + i * K;
+  float* ci = c + i * ldc;
+  switch (rows - i) {
+    case 1: panel_tile<1, NV>(w, K, panel, ci, ldc); break;
+    case 2: panel_tile<2, NV>(w, K, panel, ci, ldc); break;
+    case 3: panel_tile<3, NV>(w, K, panel, ci, ldc); break;
+    case 4: panel_tile<4, NV>(w, K, panel, ci, ldc); break;
+    case 5: panel_tile<5, NV>(w, K, panel, ci, ldc); break;
+    default: break;
+  }
+}
+
+// One task: weight rows [n0, n0 + rows) x x panels [p0, p1).
+template <typename Format>
+void tiled_task(const QuantLinearArgs& a, const TilePlan& plan, const XPanels& x_t, int64_t n0,
+                int64_t rows, int64_t p0, int64_t p1) {
+  const int64_t ldc = plan.panels_per_task * kPanelCols;
+  float* tile = thread_scratch(plan.tile_rows * a.K + plan.tile_rows * ldc);
+  float* c = tile + plan.tile_rows * a.K;  // out^T: c[r * ldc + j] = out[m0 + j, n0 + r]
+  dequantize_rows<Format>(a, n0, rows, tile);
+  const int64_t m0 = p0 * kPanelCols;
+  const int64_t m1 = std::min(a.M, p1 * kPanelCols);
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = x_t.data.data() + p * a.K * kPanelCols;
+    float* cp = c + (p - p0) * kPanelCols;
+    if (a.M - p * kPanelCols > kVecWidth) {
+      panel_rows<2>(tile, rows, a.K, panel, cp, ldc);
+    } else {
+      panel_rows<1>(tile, rows, a.K, panel, cp, ldc);
+    }
+  }
+  for (int64_t m = m0; m < m1; ++m) {
+    float* dst = a.out + m * a.N + n0;
+    for (int64_t r = 0; r < rows; ++r) dst[r] = c[r * ldc + (m - m0)];
+  }
+}
+
+template <typename Format>
+void run_tiled(const QuantLinearArgs& a) {
+  const TilePlan plan = plan_tiles(a.M, a.N, a.K, at::get_num_threads());
+  const XPanels x_t = pack_x_panels(a);
+  run_tasks(plan.num_tiles * plan.num_x_blocks, [&](int64_t task) {
+    const int64_t n0 = task % plan.num_tiles * plan.tile_rows;
+    const int64_t p0 = task / plan.num_tiles * plan.panels_per_task;
+    tiled_task<Format>(a, plan, x_t, n0, std::min(plan.tile_rows, a.N - n0), p0,
+                       std::min(x_t.num_panels, p0 + plan.panels_per_task));
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fused path
+
+#if RADIX_QUANT_AVX2
+constexpr bool kHaveFusedPath = true;
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[g * N] = dot(x[g * K ...], W[n]) for G x rows and one weight row, read front to back (the
+// hardware prefetcher follows one stream through a task's rows; rows side by side, each a few
+// cache lines long, were twice as slow from memory). A accumulators per x row keep enough FMA
+// chains in flight.
+template <typename Format, int G>
+inline void fused_row(const QuantLinearArgs& a, const float* x, int64_t n, float* out) {
+  constexpr int A = G <= FUSED_A_SPLIT ? 4 : 2;
+  __m256 acc[G][A];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+#pragma GCC unroll 4
+    for (int j = 0; j < A; ++j) acc[g][j] = _mm256_setzero_ps();
+  }
+  const int64_t K = a.K;
+  const uint8_t* row = a.w + n * a.row_bytes;
+#pragma GCC unroll 1
+  for (int64_t k = 0; k < K; k += kBlockWeights, row += Format::kBlockBytes) {
+    Format::quarters(row, [&](int i, __m256 w) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        acc[g][i % A] = _mm256_fmadd_ps(_mm256_loadu_ps(x + g * K + k + 8 * i), w, acc[g][i % A]);
+      }
+    });
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    __m256 sum = acc[g][0];
+#pragma GCC unroll 4
+    for (int j = 1; j < A; ++j) sum = _mm256_add_ps(sum, acc[g][j]);
+    out[g * a.N] = hsum256(sum);
+  }
+}
+
+template <typename Format, int G>
+void fused_rows(const QuantLinearArgs& a, int64_t m, int64_t n0, int64_t rows) {
+  for (int64_t n = n0; n < n0 + rows; ++n) fused_row<Format, G>(a, a.x + m * a.K, n, a.out + m * a.N + n);
+}
+
+// One task: weight rows [n0, n0 + rows) x all x rows, up to kFusedXRows at a time. A group of
+// weight rows stays in L1 while the x rows pass over it.
+template <typename Format>
+void fused_task(const QuantLinearArgs& a, int64_t n0, int64_t rows) {
+  for (int64_t r0 = n0; r0 < n0 + rows; r0 += kFusedRowGroup) {
+    const int64_t nr = std::min(kFusedRowGroup, n0 + rows - r0);
+    int64_t m = 0;
+    for (; m + kFusedXRows <= a.M; m += kFusedXRows) fused_rows<Format, kFusedXRows>(a, m, r0, nr);
+    switch (a.M - m) {
+      case 1: fused_rows<Format, 1>(a, m, r0, nr); break;
+      case 2: fused_rows<Format, 2>(a, m, r0, nr); break;
+      case 3: fused_rows<Format, 3>(a, m, r0, nr); break;
+      default: break;
+    }
+  }
+}
+
+template <typename Format>
+void run_fused(const QuantLinearArgs& a) {
+  // Contiguous runs of rows, about kFusedTasksPerThread per thread (the tasks balance the threads'
+  // uneven progress).
+  const int64_t num_threads = at::get_num_threads();
+  const int64_t tile_rows = std::clamp<int64_t>(
+      round_up((a.N + kFusedTasksPerThread * num_threads - 1) / (kFusedTasksPerThread * num_threads), 8),
+      kFusedMinTileRows, kFusedMaxTileRows);
+  const int64_t num_tiles = (a.N + tile_rows - 1) / tile_rows;
+  run_tasks(num_tiles, [&](int64_t task) {
+    const int64_t n0 = task * tile_rows;
+    fused_task<Format>(a, n0, std::min(tile_rows, a.N - n0));
+  });
+}
+#else
+constexpr bool kHaveFusedPath = false;
+
+template <typename Format>
+void run_fused(const QuantLinearArgs& a) {
+  run_tiled<Format>(a);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+
+template <typename Format>
+void run_quant_linear(const QuantLinearArgs& a) {
+  if (kHaveFusedPath && a.M <= kFusedMaxM) {
+    run_fused<Format>(a);
+  } else {
+    run_tiled<Format>(a);
+  }
+}
+
+int64_t block_bytes_of(int64_t qtype) {
+  switch (qtype) {
+    case kGgmlQ4_1: return Q4_1::kBlockBytes;
+    case kGgmlQ8_0: return Q8_0::kBlockBytes;
+    default: return 0;
+  }
+}
+
+void check_quant_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quant_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "quant_linear: x must be float32, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_linear: x must be a contiguous [M, K]");
+  TORCH_CHECK(qweight.scalar_type() == torch::kByte, "quant_linear: qweight must be uint8, got ",
+              qweight.scalar_type());
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(),
+              "quant_linear: qweight must be a contiguous [N, row_bytes]");
+  const int64_t block_bytes = block_bytes_of(qtype);
+  TORCH_CHECK(block_bytes > 0, "quant_linear: unsupported GGML type ", qtype, " (Q4_1 = ",
+              kGgmlQ4_1, ", Q8_0 = ", kGgmlQ8_0, ")");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kBlockWeights == 0, "quant_linear: K = ", K, " is not a multiple of ",
+              kBlockWeights);
+  TORCH_CHECK(qweight.size(1) == K / kBlockWeights * block_bytes, "quant_linear: qweight rows hold ",
+              qweight.size(1), " bytes; K = ", K, " needs ", K / kBlockWeights * block_bytes);
+}
+
+}  // namespace
+
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
+  check_quant_linear(x, qweight, qtype);
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const QuantLinearArgs a{x.data_ptr<float>(), qweight.data_ptr<uint8_t>(), out.data_ptr<float>(),
+                          M, N, K, qweight.size(1)};
+  if (qtype == kGgmlQ4_1) {
+    run_quant_linear<Q4_1>(a);
+  } else {
+    run_quant_linear<Q8_0>(a);
+  }
+  return out;
+}
+
+}  // namespace radixengine::cpu
