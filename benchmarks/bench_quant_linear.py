@@ -94,7 +94,9 @@ def load_gguf_weights() -> tuple[list[dict[str, Weight]], Weight] | None:
         weights = {}
         for name, parts in GGUF_PARTS.items():
             blocks = [torch.from_numpy(tensors[f"blk.{layer}.{part}.weight"].data.copy()) for part in parts]
-            weights[name] = make_weight(name, torch.cat(blocks), int(tensors[f"blk.{layer}.{parts[0]}.weight"].tensor_type))
+            weights[name] = make_weight(
+                name, torch.cat(blocks), int(tensors[f"blk.{layer}.{parts[0]}.weight"].tensor_type)
+            )
         layers.append(weights)
     embd = tensors["token_embd.weight"]
     lm_head = make_weight("lm_head", torch.from_numpy(embd.data.copy()), int(embd.tensor_type))
@@ -104,7 +106,10 @@ def load_gguf_weights() -> tuple[list[dict[str, Weight]], Weight] | None:
 def make_random_weights() -> tuple[list[dict[str, Weight]], Weight]:
     gen = torch.Generator().manual_seed(0)
     layers = [
-        {name: make_weight(name, random_blocks(n, k, gq.GGML_Q4_1, gen), gq.GGML_Q4_1) for name, (n, k) in LAYER_SHAPES.items()}
+        {
+            name: make_weight(name, random_blocks(n, k, gq.GGML_Q4_1, gen), gq.GGML_Q4_1)
+            for name, (n, k) in LAYER_SHAPES.items()
+        }
         for _ in range(NUM_LAYERS)
     ]
     return layers, make_weight("lm_head", random_blocks(VOCAB, HIDDEN, gq.GGML_Q8_0, gen), gq.GGML_Q8_0)
@@ -129,8 +134,16 @@ def gflops(m: int, n: int, k: int, ms: float) -> float:
 
 def make_row(case: str, m: int, n: int, k: int, qtype: str, native_ms: float, torch_ms: float) -> Row:
     return Row(
-        case, m, n, k, qtype, native_ms, torch_ms,
-        gflops(m, n, k, native_ms), gflops(m, n, k, torch_ms), torch_ms / native_ms,
+        case,
+        m,
+        n,
+        k,
+        qtype,
+        native_ms,
+        torch_ms,
+        gflops(m, n, k, native_ms),
+        gflops(m, n, k, torch_ms),
+        torch_ms / native_ms,
     )
 
 
@@ -142,7 +155,9 @@ def bench_single(weight: Weight, m: int, repeats: int, min_seconds: float) -> Ro
     return make_row(weight.name, m, n, k, gq.QTYPE_NAMES[weight.qtype], native, dense)
 
 
-def bench_layers(layers: list[dict[str, Weight]], lm_head: Weight, m: int, repeats: int, min_seconds: float) -> Row:
+def bench_layers(
+    layers: list[dict[str, Weight]], lm_head: Weight, m: int, repeats: int, min_seconds: float
+) -> Row:
     """Each layer's four linears with its own weights, then the lm_head (x reused per shape)."""
     xs = {k: torch.randn(m, k) for k in (HIDDEN, LAYER_SHAPES["down"][1])}
 
@@ -166,12 +181,16 @@ def bench_layers(layers: list[dict[str, Weight]], lm_head: Weight, m: int, repea
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'case':<20} {'M':>4} {'N':>6} {'K':>5} {'type':>9} {'native ms':>10} {'F.linear ms':>12} "
-          f"{'native GF/s':>11} {'torch GF/s':>10} {'speed-up':>8}")
+    print(
+        f"{'case':<20} {'M':>4} {'N':>6} {'K':>5} {'type':>9} {'native ms':>10} {'F.linear ms':>12} "
+        f"{'native GF/s':>11} {'torch GF/s':>10} {'speed-up':>8}"
+    )
     for r in rows:
         n, k = (r.n, r.k) if r.k > 1 else ("", "")
-        print(f"{r.case:<20} {r.m:>4} {n:>6} {k:>5} {r.qtype:>9} {r.native_ms:>10.3f} {r.torch_ms:>12.3f} "
-              f"{r.native_gflops:>11.1f} {r.torch_gflops:>10.1f} {r.speedup:>8.2f}")
+        print(
+            f"{r.case:<20} {r.m:>4} {n:>6} {k:>5} {r.qtype:>9} {r.native_ms:>10.3f} {r.torch_ms:>12.3f} "
+            f"{r.native_gflops:>11.1f} {r.torch_gflops:>10.1f} {r.speedup:>8.2f}"
+        )
 
 
 def crossover(rows: list[Row]) -> int | None:
@@ -181,7 +200,9 @@ def crossover(rows: list[Row]) -> int | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
@@ -190,14 +211,18 @@ def main() -> None:
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if not gq.quant_native_available():
-        raise SystemExit(f"the native quant_linear kernel is not built ({native_cpu_ops.native_unavailable_reason()})")
+        raise SystemExit(
+            f"the native quant_linear kernel is not built ({native_cpu_ops.native_unavailable_reason()})"
+        )
     torch.set_num_threads(args.threads)
 
     loaded = load_gguf_weights()
     source = "SmolLM2-135M-Instruct GGUF blocks" if loaded else "random blocks"
     layers, lm_head = loaded or make_random_weights()
-    print(f"weights: {source}; threads {args.threads}; isa {native_cpu_ops.native_isa()}; "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"weights: {source}; threads {args.threads}; isa {native_cpu_ops.native_isa()}; "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
 
     rows = []
     for m in args.m:
@@ -209,7 +234,9 @@ def main() -> None:
     print()
     print_table(rows)
     cross = crossover(rows)
-    print(f"crossover M (F.linear faster on the 30-layer pass from): {cross if cross else 'beyond the range'}")
+    print(
+        f"crossover M (F.linear faster on the 30-layer pass from): {cross if cross else 'beyond the range'}"
+    )
     print(f"load average after: {os.getloadavg()}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -102,3 +102,93 @@ def test_native_on_the_bundled_model_blocks():
 def test_bad_inputs_raise(x, q, qtype, message):
     with pytest.raises(ValueError, match=message):
         ops.quant_linear(x, q, qtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Every finite fp16 scale, the kernel's own dequantization, threads, edge shapes, native checks
+
+FP16_EXPONENT = 0x7C00  # all ones: inf / nan
+
+
+def _any_scale_blocks(rows: int, cols: int, qtype: int, seed: int) -> torch.Tensor:
+    """Random block bytes whose fp16 scales are random finite bit patterns (subnormals, negative
+    d and m, magnitudes up to 65504) plus a few fixed edge values."""
+    gen = torch.Generator().manual_seed(seed)
+    nblocks, block = cols // ops.QK, ops.BLOCK_BYTES[qtype]
+    raw = torch.randint(0, 256, (rows, nblocks, block), generator=gen, dtype=torch.uint8)
+    nscales = 2 if qtype == GGML_Q4_1 else 1
+    bits = torch.randint(0, 1 << 16, (rows * nblocks * nscales,), generator=gen, dtype=torch.int32)
+    edges = torch.tensor([0x0001, 0x03FF, 0x8001, 0x0400, 0x7BFF, 0xFBFF, 0x0000, 0x8000, 0x3C00, 0xBC00])
+    bits[: edges.numel()] = edges
+    bits = torch.where((bits & FP16_EXPONENT) == FP16_EXPONENT, bits & ~0x4000, bits)  # make finite
+    raw[..., : 2 * nscales] = bits.to(torch.int16).view(torch.uint8).reshape(rows, nblocks, 2 * nscales)
+    return raw.reshape(rows, -1).contiguous()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_reference_every_finite_scale(qtype):
+    q = _any_scale_blocks(67, 640, qtype, seed=qtype)
+    scales = q.reshape(67, 20, -1)[..., 0:2].contiguous().view(torch.float16).float()
+    subnormal = (scales != 0) & (scales.abs() < 2.0**-14)
+    assert subnormal.any() and (scales < 0).any() and (scales.abs() > 1e4).any()
+    ours, theirs = ops.dequantize_reference(q, qtype), _gguf_dequantize(q, qtype)
+    assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))  # bit patterns, -0.0 included
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_native_dequantization_is_bit_exact(qtype):
+    """x = rows of the identity picks columns of W: the output must be W's values exactly (every
+    finite scale), on the fused path (up to 12 rows) and the tiled one."""
+    k, n = 256, 37
+    q = _any_scale_blocks(n, k, qtype, seed=10 + qtype)
+    w = _gguf_dequantize(q, qtype)
+    gen = torch.Generator().manual_seed(qtype)
+    for m in (1, 3, 4, 7, 12, 13, 40, k):
+        columns = torch.randperm(k, generator=gen)[:m]
+        assert torch.equal(ops.quant_linear(torch.eye(k)[columns], q, qtype), w[:, columns].T), m
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 6, 64])
+def test_native_result_does_not_depend_on_thread_count(m):
+    q = _blocks(700, 576, GGML_Q8_0, seed=m)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.quant_linear(x, q, GGML_Q8_0)
+        torch.set_num_threads(max(2, threads))
+        many = ops.quant_linear(x, q, GGML_Q8_0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_native_edge_shapes(qtype):
+    for m, k, n in ((0, 64, 5), (3, 64, 0), (1, 4096, 3), (30, 160, 101), (13, 32, 1), (200, 1536, 7)):
+        q = _blocks(n, k, qtype, seed=m + n)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+        got, ref = ops.quant_linear(x, q, qtype), ops.quant_linear_reference(x, q, qtype)
+        assert got.shape == (m, n)
+        if got.numel():
+            assert (got - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item()), (m, k, n)
+
+
+@needs_native
+def test_native_op_checks_its_inputs():
+    from radixengine.layers.attention.native_cpu_ops import require_native
+
+    native, q = require_native(), torch.zeros(4, 40, dtype=torch.uint8)
+    for x, weight, qtype, message in [
+        (torch.randn(2, 64).double(), q, GGML_Q4_1, "x must be float32"),
+        (torch.randn(2, 48), torch.zeros(4, 30, dtype=torch.uint8), GGML_Q4_1, "not a multiple of 32"),
+        (torch.randn(2, 64), torch.zeros(4, 68, dtype=torch.uint8), GGML_Q4_1, "needs 40"),
+        (torch.randn(2, 64), q, 2, "unsupported GGML type 2"),
+        (torch.randn(64, 2).T, q, GGML_Q4_1, "contiguous"),
+        (torch.randn(2, 64), q.to(torch.int8), GGML_Q4_1, "qweight must be uint8"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            native.quant_linear(x, weight, qtype)

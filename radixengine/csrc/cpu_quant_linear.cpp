@@ -10,12 +10,15 @@
 // do: the dequantized weights are bit-identical to `gguf.quants.dequantize`, and out differs
 // from fp32 matmul with them only in summation order.
 //
-// Two paths, both reading each weight block once per task:
-//   fused (few x rows, AVX2): each block is dequantized into registers and multiplied at once
-//     with every x row (up to three at a time), four weight rows per register tile.
-//   tiled (more x rows, and the portable build): a tile of weight rows is dequantized into
-//     per-thread fp32 scratch, then register tiles of three x rows x four tile rows take dot
-//     products over K. x is split into blocks that stay in L2; one task = tile x x block.
+// Two paths; each reads a weight block from memory once per task, in row order:
+//   fused (M <= kFusedMaxM, AVX2): each block is dequantized into registers and multiplied at
+//     once with up to four x rows; a few consecutive weight rows stay in L1 while all x rows pass.
+//     Decode is bound by reading the weights (5/8 of a byte per weight for Q4_1, 17/16 for Q8_0,
+//     against 4 for fp32), and by the dequantization's instructions on a single x row.
+//   tiled (more rows, and the build without AVX2): a tile of weight rows is dequantized into
+//     per-thread fp32 scratch and multiplied with x, packed transposed into panels, by 6 x 16
+//     register tiles that broadcast the weights (no horizontal sums); x is split into blocks
+//     that stay in L2, and one task is a tile times a block.
 #include <cstring>
 #include <vector>
 
@@ -33,31 +36,6 @@
 
 #include <c10/util/Half.h>
 
-#ifndef TILE_KB
-#define TILE_KB 48
-#endif
-#ifndef XBLOCK_KB
-#define XBLOCK_KB 192
-#endif
-#ifndef FUSED_A_SPLIT
-#define FUSED_A_SPLIT 2
-#endif
-#ifndef FUSED_TPT
-#define FUSED_TPT 8
-#endif
-#ifndef FUSED_MINROWS
-#define FUSED_MINROWS 16
-#endif
-#ifndef FUSED_MAXROWS
-#define FUSED_MAXROWS 64
-#endif
-#ifndef FUSED_GMAX
-#define FUSED_GMAX 4
-#endif
-#ifndef RADIX_QUANT_FUSED_MAX_M
-#define RADIX_QUANT_FUSED_MAX_M 12
-#endif
-
 namespace radixengine::cpu {
 namespace {
 
@@ -65,17 +43,20 @@ constexpr int64_t kBlockWeights = 32;
 constexpr int64_t kGgmlQ4_1 = 3;
 constexpr int64_t kGgmlQ8_0 = 8;
 
-constexpr int64_t kXBlockBytes = XBLOCK_KB * 1024;  // x rows per tiled task: about half of L2
-constexpr int64_t kTileBytes = TILE_KB * 1024;     // dequantized weight tile (tiled path)
+// Fused path (measured on Zen 3: it beats the tiled one up to M = 12; the tiled one pads M to 16).
+constexpr int64_t kFusedMaxM = 12;
+constexpr int kFusedXRows = 4;            // x rows per pass over a weight row
+constexpr int64_t kFusedRowGroup = 16;    // weight rows that stay in L1 while the x rows pass
+constexpr int64_t kFusedTasksPerThread = 8;
+constexpr int64_t kFusedMinTileRows = 16;
+constexpr int64_t kFusedMaxTileRows = 64;
+
+// Tiled path (tile and x block sizes from 24 to 96 KiB and 96 to 384 KiB measured within 5%).
+constexpr int64_t kTileBytes = 48 * 1024;     // dequantized weight rows per task
+constexpr int64_t kXBlockBytes = 192 * 1024;  // x rows per task: about half of L2
 constexpr int64_t kMaxTileRows = 96;
-constexpr int64_t kRegisterRows = 6;  // weight rows per register tile (x 2 vectors: 12 accumulators)
+constexpr int64_t kRegisterRows = 6;  // weight rows per register tile (x 2 vectors: 12 registers)
 constexpr int64_t kMinTasksPerThread = 4;
-constexpr int64_t kFusedMaxM = RADIX_QUANT_FUSED_MAX_M;  // largest M of the fused path
-constexpr int kFusedXRows = FUSED_GMAX;
-constexpr int64_t kFusedRowGroup = 16;  // weight rows per pass over the x rows (fused path)
-constexpr int64_t kFusedTasksPerThread = FUSED_TPT;
-constexpr int64_t kFusedMinTileRows = FUSED_MINROWS;
-constexpr int64_t kFusedMaxTileRows = FUSED_MAXROWS;
 
 inline float fp16_at(const uint8_t* p) {
   uint16_t bits;
@@ -98,15 +79,19 @@ struct Q4_1 {
   template <typename Fn>
   static void quarters(const uint8_t* block, const Fn& fn) {
     // d, m, d, m, ... widened together: one conversion, then each spread to all lanes.
-    const __m128i dm16 = _mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(block)));
-    const __m256 dm = _mm256_cvtph_ps(dm16);
+    const __m256 dm = _mm256_cvtph_ps(
+        _mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(block))));
     const __m256 dv = _mm256_moveldup_ps(dm);
     const __m256 mv = _mm256_movehdup_ps(dm);
-    const __m256i bytes_lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4)));
-    const __m256i bytes_hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12)));
+    const uint8_t* qs = block + 4;
+    const __m256i bytes_lo =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i bytes_hi =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
     const __m256i low_nibble = _mm256_set1_epi32(0x0f);
-    const __m256i q32[4] = {_mm256_and_si256(bytes_lo, low_nibble), _mm256_and_si256(bytes_hi, low_nibble),
-                            _mm256_srli_epi32(bytes_lo, 4), _mm256_srli_epi32(bytes_hi, 4)};
+    const __m256i q32[4] = {_mm256_and_si256(bytes_lo, low_nibble),
+                            _mm256_and_si256(bytes_hi, low_nibble), _mm256_srli_epi32(bytes_lo, 4),
+                            _mm256_srli_epi32(bytes_hi, 4)};
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) fn(i, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q32[i]), mv));
   }
@@ -180,8 +165,7 @@ void dequantize_rows(const QuantLinearArgs& a, int64_t n0, int64_t rows, float* 
 
 // x transposed into panels of kPanelCols rows of x: panel p holds x[p * kPanelCols + j, k] at
 // [k * kPanelCols + j] (zero past M), so that a register tile reads one contiguous cache line per
-// k. The weight tile times a panel is then a matrix product with the weight rows broadcast
-// (cpu_gemm.h), which needs no horizontal sums.
+// k (a plain transpose, with rows M floats apart, was 15% slower at M = 256).
 constexpr int64_t kPanelCols = 2 * kVecWidth;
 
 struct XPanels {
@@ -213,14 +197,15 @@ struct TilePlan {
 // several tasks; x blocks of at most kXBlockBytes, of about equal size.
 TilePlan plan_tiles(int64_t M, int64_t N, int64_t K, int64_t num_threads) {
   TilePlan p{};
-  p.tile_rows = std::clamp<int64_t>(kTileBytes / (K * 4) / kRegisterRows * kRegisterRows, kRegisterRows,
-                                    kMaxTileRows);
+  p.tile_rows = std::clamp<int64_t>(kTileBytes / (K * 4) / kRegisterRows * kRegisterRows,
+                                    kRegisterRows, kMaxTileRows);
   const int64_t num_panels = (M + kPanelCols - 1) / kPanelCols;
   const int64_t panels_fit = std::max<int64_t>(1, kXBlockBytes / (K * 4 * kPanelCols));
   p.num_x_blocks = (num_panels + panels_fit - 1) / panels_fit;
   p.panels_per_task = (num_panels + p.num_x_blocks - 1) / p.num_x_blocks;
   const int64_t min_tasks = kMinTasksPerThread * num_threads;
-  while (p.tile_rows > kRegisterRows && (N + p.tile_rows - 1) / p.tile_rows * p.num_x_blocks < min_tasks) {
+  while (p.tile_rows > kRegisterRows &&
+         (N + p.tile_rows - 1) / p.tile_rows * p.num_x_blocks < min_tasks) {
     p.tile_rows -= kRegisterRows;
   }
   p.num_tiles = (N + p.tile_rows - 1) / p.tile_rows;
@@ -330,7 +315,7 @@ inline float hsum256(__m256 v) {
 // chains in flight.
 template <typename Format, int G>
 inline void fused_row(const QuantLinearArgs& a, const float* x, int64_t n, float* out) {
-  constexpr int A = G <= FUSED_A_SPLIT ? 4 : 2;
+  constexpr int A = G <= 2 ? 4 : 2;
   __m256 acc[G][A];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
@@ -359,7 +344,9 @@ inline void fused_row(const QuantLinearArgs& a, const float* x, int64_t n, float
 
 template <typename Format, int G>
 void fused_rows(const QuantLinearArgs& a, int64_t m, int64_t n0, int64_t rows) {
-  for (int64_t n = n0; n < n0 + rows; ++n) fused_row<Format, G>(a, a.x + m * a.K, n, a.out + m * a.N + n);
+  for (int64_t n = n0; n < n0 + rows; ++n) {
+    fused_row<Format, G>(a, a.x + m * a.K, n, a.out + m * a.N + n);
+  }
 }
 
 // One task: weight rows [n0, n0 + rows) x all x rows, up to kFusedXRows at a time. A group of
@@ -384,9 +371,10 @@ void run_fused(const QuantLinearArgs& a) {
   // Contiguous runs of rows, about kFusedTasksPerThread per thread (the tasks balance the threads'
   // uneven progress).
   const int64_t num_threads = at::get_num_threads();
-  const int64_t tile_rows = std::clamp<int64_t>(
-      round_up((a.N + kFusedTasksPerThread * num_threads - 1) / (kFusedTasksPerThread * num_threads), 8),
-      kFusedMinTileRows, kFusedMaxTileRows);
+  const int64_t target_tasks = kFusedTasksPerThread * num_threads;
+  const int64_t tile_rows =
+      std::clamp<int64_t>(round_up((a.N + target_tasks - 1) / target_tasks, 8), kFusedMinTileRows,
+                          kFusedMaxTileRows);
   const int64_t num_tiles = (a.N + tile_rows - 1) / tile_rows;
   run_tasks(num_tiles, [&](int64_t task) {
     const int64_t n0 = task * tile_rows;
@@ -436,8 +424,9 @@ void check_quant_linear(const torch::Tensor& x, const torch::Tensor& qweight, in
   const int64_t K = x.size(1);
   TORCH_CHECK(K % kBlockWeights == 0, "quant_linear: K = ", K, " is not a multiple of ",
               kBlockWeights);
-  TORCH_CHECK(qweight.size(1) == K / kBlockWeights * block_bytes, "quant_linear: qweight rows hold ",
-              qweight.size(1), " bytes; K = ", K, " needs ", K / kBlockWeights * block_bytes);
+  TORCH_CHECK(qweight.size(1) == K / kBlockWeights * block_bytes,
+              "quant_linear: qweight rows hold ", qweight.size(1), " bytes; K = ", K, " needs ",
+              K / kBlockWeights * block_bytes);
 }
 
 }  // namespace

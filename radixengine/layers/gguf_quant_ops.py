@@ -85,8 +85,8 @@ def dequantize_reference(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     rounded fp32 add (separate torch ops), Q8_0 one fp32 multiply.
     """
     block_bytes = _check_qweight(qweight, qtype)
-    num_rows = qweight.shape[0]
-    blocks = qweight.reshape(num_rows, -1, block_bytes)
+    num_rows, row_bytes = qweight.shape
+    blocks = qweight.reshape(num_rows, row_bytes // block_bytes, block_bytes)
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()
     if qtype == GGML_Q4_1:
         m = blocks[..., 2:4].contiguous().view(torch.float16).float()
@@ -96,7 +96,7 @@ def dequantize_reference(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
     else:
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
         weights = q * d
-    return weights.reshape(num_rows, -1)
+    return weights.reshape(num_rows, row_bytes // block_bytes * QK)
 
 
 def quant_linear_reference(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
