@@ -8,8 +8,10 @@ tied lm_head 49152x576 (Q8_0), with the real blocks of the bundled GGUF when it 
   layers   a decode pass: for each of 30 layers its own qkv, o, gate_up and down weights, then
            the lm_head, so the weights stream from memory as in a real forward step
 
-Times are medians over repeats (ms), GFLOP/s = 2 M N K / time. `crossover` is the smallest M at
-which F.linear is faster on the 30-layer pass (the caller switches to F.linear from there).
+Native and F.linear calls alternate, round by round, so that load from other processes falls on
+both alike; times are the median (and, in the JSON, the minimum) over rounds, in ms, and
+GFLOP/s = 2 M N K / median. `crossover` is the smallest M at which F.linear's median is lower on
+the 30-layer pass (the caller switches to F.linear from there).
 
     .venv/bin/python benchmarks/bench_quant_linear.py --out bench_results/quant_linear.json
 """
@@ -58,8 +60,10 @@ class Row:
     n: int
     k: int
     qtype: str
-    native_ms: float
+    native_ms: float  # median
     torch_ms: float
+    native_min_ms: float
+    torch_min_ms: float
     native_gflops: float
     torch_gflops: float
     speedup: float  # torch / native
@@ -115,43 +119,65 @@ def make_random_weights() -> tuple[list[dict[str, Weight]], Weight]:
     return layers, make_weight("lm_head", random_blocks(VOCAB, HIDDEN, gq.GGML_Q8_0, gen), gq.GGML_Q8_0)
 
 
-def median_ms(fn: Callable[[], object], repeats: int, min_seconds: float) -> float:
-    fn()
-    times = []
+@dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
+def time_pair(
+    native: Callable[[], object], dense: Callable[[], object], repeats: int, min_seconds: float
+) -> tuple[Timing, Timing]:
+    """Alternating rounds of native() and dense(): at least `repeats` rounds and `min_seconds`."""
+    native()
+    dense()
+    times: tuple[list[float], list[float]] = ([], [])
     start = time.perf_counter()
-    while len(times) < repeats or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 20 * repeats:
+    while len(times[0]) < repeats or time.perf_counter() - start < min_seconds:
+        for fn, out in zip((native, dense), times):
+            t0 = clock()
+            fn()
+            out.append((clock() - t0) * 1e3)
+        if len(times[0]) >= 20 * repeats:
             break
-    return statistics.median(times) * 1e3
+    native_t, dense_t = (Timing(statistics.median(t), min(t)) for t in times)
+    return native_t, dense_t
 
 
 def gflops(m: int, n: int, k: int, ms: float) -> float:
     return 2 * m * n * k / (ms * 1e-3) / 1e9
 
 
-def make_row(case: str, m: int, n: int, k: int, qtype: str, native_ms: float, torch_ms: float) -> Row:
+def make_row(case: str, m: int, n: int, k: int, qtype: str, native: Timing, dense: Timing) -> Row:
     return Row(
         case,
         m,
         n,
         k,
         qtype,
-        native_ms,
-        torch_ms,
-        gflops(m, n, k, native_ms),
-        gflops(m, n, k, torch_ms),
-        torch_ms / native_ms,
+        native.median_ms,
+        dense.median_ms,
+        native.min_ms,
+        dense.min_ms,
+        gflops(m, n, k, native.median_ms),
+        gflops(m, n, k, dense.median_ms),
+        dense.median_ms / native.median_ms,
     )
 
 
 def bench_single(weight: Weight, m: int, repeats: int, min_seconds: float) -> Row:
     n, k = weight.dense.shape
     x = torch.randn(m, k)
-    native = median_ms(lambda: gq.quant_linear(x, weight.qweight, weight.qtype), repeats, min_seconds)
-    dense = median_ms(lambda: F.linear(x, weight.dense), repeats, min_seconds)
+    native, dense = time_pair(
+        lambda: gq.quant_linear(x, weight.qweight, weight.qtype),
+        lambda: F.linear(x, weight.dense),
+        repeats,
+        min_seconds,
+    )
     return make_row(weight.name, m, n, k, gq.QTYPE_NAMES[weight.qtype], native, dense)
 
 
@@ -174,8 +200,7 @@ def bench_layers(
         F.linear(xs[HIDDEN], lm_head.dense)
 
     flop_nk = sum(w.dense.numel() for weights in layers for w in weights.values()) + lm_head.dense.numel()
-    native = median_ms(native_pass, repeats, min_seconds)
-    dense = median_ms(dense_pass, repeats, min_seconds)
+    native, dense = time_pair(native_pass, dense_pass, repeats, min_seconds)
     # n * k of the whole pass in one "shape" so that GFLOP/s = 2 m (sum n k) / time.
     return make_row("30 layers + lm_head", m, flop_nk, 1, "Q4_1+Q8_0", native, dense)
 
@@ -208,8 +233,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--min-seconds", type=float, default=0.5, help="least time per measurement")
     parser.add_argument("--skip-single", action="store_true", help="only the 30-layer pass")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="cpu: process CPU time (all threads summed; with one thread, robust to other processes "
+        "taking the core)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     if not gq.quant_native_available():
         raise SystemExit(
             f"the native quant_linear kernel is not built ({native_cpu_ops.native_unavailable_reason()})"
@@ -219,8 +253,9 @@ def main() -> None:
     loaded = load_gguf_weights()
     source = "SmolLM2-135M-Instruct GGUF blocks" if loaded else "random blocks"
     layers, lm_head = loaded or make_random_weights()
+    load_before = os.getloadavg()
     print(
-        f"weights: {source}; threads {args.threads}; isa {native_cpu_ops.native_isa()}; "
+        f"weights: {source}; threads {args.threads}; clock {args.clock}; isa {native_cpu_ops.native_isa()}; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
 
@@ -245,10 +280,12 @@ def main() -> None:
                 {
                     "weights": source,
                     "threads": args.threads,
+                    "clock": args.clock,
                     "isa": native_cpu_ops.native_isa(),
                     "cpu": platform.processor() or platform.machine(),
                     "torch": torch.__version__,
-                    "load_average": os.getloadavg(),
+                    "load_average_before": load_before,
+                    "load_average_after": os.getloadavg(),
                     "crossover_m": cross,
                     "rows": [asdict(r) for r in rows],
                 },
