@@ -13,7 +13,6 @@ from model_utils import ModelDriver, make_runner, tiny_config
 
 from radixengine.layers import gguf_quant_ops
 from radixengine.layers.gguf_quant_ops import GGML_Q4_1, GGML_Q8_0, dequantize_reference
-from radixengine.model_loader import default_model_path
 from radixengine.model_loader.gguf_loader import unpermute_qk
 from radixengine.model_loader.loader import GGUF_BLOCK_MAX_TOKENS, load_gguf_block_weights
 from radixengine.models.llama import LlamaForCausalLM
@@ -21,14 +20,6 @@ from radixengine.models.llama import LlamaForCausalLM
 needs_native = pytest.mark.skipif(
     not gguf_quant_ops.quant_native_available(), reason="the native CPU kernels are not built"
 )
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> str:
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
 
 
 def _block_modules(model) -> dict[str, torch.nn.Module]:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from model_utils import ModelDriver, make_runner
 
-from radixengine.model_loader import default_model_path, get_tokenizer, resolve_model_path
+from radixengine.model_loader import get_tokenizer, resolve_model_path
 
 PROMPTS = [
     "What is the capital of France?",
@@ -17,14 +16,6 @@ PROMPTS = [
     "List three prime numbers.",
 ]
 NEW_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> str:
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
 
 
 def test_conversion_is_cached(gguf_path):
