@@ -15,6 +15,8 @@ fp32 summation order. Without the native extension it falls back to the referenc
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +41,7 @@ BLOCK_BYTES = {GGML_Q4_1: 20, GGML_Q8_0: 34}
 QTYPE_NAMES = {GGML_Q4_1: "Q4_1", GGML_Q8_0: "Q8_0"}
 
 
-def _native_quant_module():
+def _native_quant_module() -> ModuleType | None:
     if not native_cpu_ops.native_available():
         return None
     module = native_cpu_ops.require_native()
@@ -125,10 +127,19 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Te
     """``x @ W.T`` for x float32 [..., K] and W [N, K] given as raw GGUF blocks; returns [..., N].
 
     Native kernel when the extension is built and the tensors are on the CPU, else the reference.
+    Bad inputs raise ValueError.
     """
-    _check_x(x, qweight, qtype)
-    if _native is None or x.device.type != "cpu" or qweight.device.type != "cpu":
+    if _native is None or not (x.is_cpu and qweight.is_cpu):
+        _check_x(x, qweight, qtype)
         return quant_linear_reference(x, qweight, qtype)
-    leading = x.shape[:-1]
-    out = _native.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), qweight.contiguous(), qtype)
-    return out.reshape(*leading, qweight.shape[0])
+    # The native op checks its inputs itself (a decode step makes about 120 of these calls, and
+    # the Python checks cost several times the call); its errors get the Python message.
+    try:
+        if x.dim() == 2:
+            return _native.quant_linear(x.contiguous(), qweight.contiguous(), qtype)
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x
+        out = _native.quant_linear(rows.contiguous(), qweight.contiguous(), qtype)
+        return out.reshape(*x.shape[:-1], qweight.shape[0])
+    except RuntimeError:
+        _check_x(x, qweight, qtype)
+        raise
