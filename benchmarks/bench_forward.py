@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
         choices=["auto", "dummy"],
         help="dummy: random weights from the config (same timing; for machines without the weights)",
     )
+    p.add_argument("--kv-cache-dtype", default="auto", help="ours: the engine's --kv-cache-dtype")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
 
@@ -62,6 +63,7 @@ class OurModel:
                 attention_backend=args.attention_backend,
                 num_threads=args.threads,
                 load_format=args.load_format,
+                kv_cache_dtype=args.kv_cache_dtype,
             )
         )
 

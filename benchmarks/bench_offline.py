@@ -5,6 +5,7 @@ optionally, llama-cpp-python) on the shared workloads, in one run.
     python benchmarks/bench_offline.py --workloads W1 --dtypes bfloat16 --policies lpm
     python benchmarks/bench_offline.py --peers transformers,llamacpp    # llama-cpp-python must be installed
     python benchmarks/bench_offline.py --policies lpm --overlap on,off  # overlap loop on vs off, same run
+    python benchmarks/bench_offline.py --dtypes float32 --kv-cache-dtypes auto,float16  # 16-bit KV cache too
 
 For each dtype and workload: one Engine per policy gets all 32 requests in one call (streamed, to
 time the first token of each); transformers runs the same prompts as one left-padded batch of 32
@@ -13,7 +14,8 @@ first token (mean, p50, max), and the cache hit rate against the ideal (every to
 that an earlier prompt of the batch already has, at least one token recomputed per prompt).
 `--overlap on,off` runs each policy with the overlap schedule on and off (`disable_overlap_schedule`);
 on a CPU, `--cpu-forward-stream` decides whether "on" really overlaps (the JSON's
-`overlap_step_order`)."""
+`overlap_step_order`). `--kv-cache-dtypes auto,float16` adds runs with a 16-bit KV cache; their
+`same_tokens_as_exact` counts the requests whose greedy tokens equal the exact (auto) run's."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixengine.server_args import CPU_FORWARD_STREAMS
+from radixengine.server_args import CPU_FORWARD_STREAMS, KV_CACHE_DTYPES
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS_DIR = REPO.parent / "shared" / "workloads"
@@ -79,11 +81,11 @@ def percentile(values: list[float], q: float) -> float:
 # radixengine ----------------------------------------------------------------------------------
 
 
-async def _run_requests(engine, items: list[dict]) -> tuple[float, list[float], list[dict]]:
+async def _run_requests(engine, items: list[dict]) -> tuple[float, list[float], list[dict], list[list[int]]]:
     start = time.perf_counter()
 
-    async def one(item: dict) -> tuple[float, dict]:
-        first, meta = None, None
+    async def one(item: dict) -> tuple[float, dict, list[int]]:
+        first, meta, ids = None, None, []
         stream = await engine.async_generate(
             messages=item.get("messages"), prompt=item.get("text"), sampling_params=item["sampling_params"], stream=True
         )
@@ -91,11 +93,12 @@ async def _run_requests(engine, items: list[dict]) -> tuple[float, list[float], 
             if first is None and chunk["output_ids"]:
                 first = time.perf_counter() - start
             meta = chunk["meta_info"]
-        return first, meta
+            ids += chunk["output_ids"]
+        return first, meta, ids
 
     results = await asyncio.gather(*(one(item) for item in items))
     elapsed = time.perf_counter() - start
-    return elapsed, [r[0] for r in results], [r[1] for r in results]
+    return elapsed, [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
 
 
 @dataclass
@@ -103,9 +106,11 @@ class EngineConfig:
     policy: str
     overlap: bool
     cpu_forward_stream: str
+    kv_cache_dtype: str = "auto"
 
     def label(self, ablation: bool) -> str:
-        return f"radixengine {self.policy}" + (f", overlap {'on' if self.overlap else 'off'}" if ablation else "")
+        label = f"radixengine {self.policy}" + (f", overlap {'on' if self.overlap else 'off'}" if ablation else "")
+        return label if self.kv_cache_dtype == "auto" else f"{label}, KV {DTYPE_NAMES[self.kv_cache_dtype]}"
 
 
 def run_radixengine(items: list[dict], config: EngineConfig, dtype: str, threads: int, model_path: str | None) -> dict:
@@ -114,10 +119,11 @@ def run_radixengine(items: list[dict], config: EngineConfig, dtype: str, threads
     with Engine(
         model_path=model_path, schedule_policy=config.policy, dtype=dtype, num_threads=threads, log_level="warning",
         disable_overlap_schedule=not config.overlap, cpu_forward_stream=config.cpu_forward_stream,
+        kv_cache_dtype=config.kv_cache_dtype,
     ) as engine:
         engine.generate("Warm-up.", {"max_new_tokens": 8, "temperature": 0})
         engine.flush_cache()
-        elapsed, ttfts, metas = asyncio.run(_run_requests(engine, items))
+        elapsed, ttfts, metas, output_ids = asyncio.run(_run_requests(engine, items))
         info = engine.get_server_info()
     completion = sum(m["completion_tokens"] for m in metas)
     prompt = sum(m["prompt_tokens"] for m in metas)
@@ -126,6 +132,8 @@ def run_radixengine(items: list[dict], config: EngineConfig, dtype: str, threads
         "policy": config.policy,
         "overlap": config.overlap,
         "cpu_forward_stream": config.cpu_forward_stream,
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "output_ids": output_ids,
         "overlap_step_order": config.overlap and _overlaps(config.cpu_forward_stream, threads, info),
         "elapsed_s": elapsed,
         "output_tokens": completion,
@@ -229,14 +237,18 @@ def bench_workload(name: str, items: list[dict], dtype: str, args, hf_path: str,
     ablation = args.overlap != ["on"]
     for policy in args.policies:
         for overlap in args.overlap:
-            config = EngineConfig(policy, overlap == "on", args.cpu_forward_stream)
-            print(f"[{name} {dtype}] {config.label(ablation)} ...", file=sys.stderr, flush=True)
-            row = {"system": config.label(ablation)}
-            row.update(run_radixengine(items, config, dtype, args.threads, args.model_path))
-            rows.append(row)
+            for kv_dtype in args.kv_cache_dtypes:
+                config = EngineConfig(policy, overlap == "on", args.cpu_forward_stream, kv_dtype)
+                print(f"[{name} {dtype}] {config.label(ablation)} ...", file=sys.stderr, flush=True)
+                row = {"system": config.label(ablation)}
+                row.update(run_radixengine(items, config, dtype, args.threads, args.model_path))
+                rows.append(row)
+    exact = next((r["output_ids"] for r in rows if r["kv_cache_dtype"] == "auto"), None)
     for row in rows:
         row["ideal_cached_tokens"] = ideal
         row["cached_vs_ideal"] = row["cached_tokens"] / ideal if ideal else None
+        if exact is not None and row["kv_cache_dtype"] != "auto":
+            row["same_tokens_as_exact"] = sum(a == b for a, b in zip(row["output_ids"], exact))
     if "transformers" in args.peers:
         print(f"[{name} {dtype}] transformers ...", file=sys.stderr, flush=True)
         rows.append(run_transformers(prompts, max_new, dtype, args.threads, hf_path))
@@ -259,7 +271,10 @@ def print_table(rows: list[dict]) -> None:
         hit = f"{r['cache_hit_rate']:.1%}" if "cache_hit_rate" in r else "–"
         ideal = f"{r['cached_vs_ideal']:.1%}" if r.get("cached_vs_ideal") is not None else "–"
         ratio = f"{r['ratio_vs_transformers']:.2f}" if r.get("ratio_vs_transformers") else "–"
-        print(f"| {r['workload']} | {DTYPE_NAMES.get(r['dtype'], r['dtype'])} | {r['system']} | "
+        system = r["system"]
+        if "same_tokens_as_exact" in r:
+            system += f" ({r['same_tokens_as_exact']}/{len(r['output_ids'])} outputs = exact)"
+        print(f"| {r['workload']} | {DTYPE_NAMES.get(r['dtype'], r['dtype'])} | {system} | "
               f"{r['output_tok_s']:.1f} | {ratio} | {ttft} | {hit} | {ideal} |")  # fmt: skip
 
 
@@ -274,14 +289,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--limit", type=int, default=None, help="first N requests of each workload (smoke runs)")
     parser.add_argument("--overlap", default="on", help="comma list of on, off: the engine's overlap schedule")
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="comma list of the engine's --kv-cache-dtype values (auto, bfloat16, float16)")
     parser.add_argument("--cpu-forward-stream", default="auto", choices=CPU_FORWARD_STREAMS,
                         help="the engine's --cpu-forward-stream")
     parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_offline.json"))
     args = parser.parse_args(argv)
-    for name in ("workloads", "policies", "dtypes", "peers", "overlap"):
+    for name in ("workloads", "policies", "dtypes", "peers", "overlap", "kv_cache_dtypes"):
         setattr(args, name, [x for x in getattr(args, name).split(",") if x])
     if not args.overlap or set(args.overlap) - {"on", "off"}:
         parser.error(f"--overlap takes a comma list of on, off; got {','.join(args.overlap)!r}")
+    if not args.kv_cache_dtypes or set(args.kv_cache_dtypes) - set(KV_CACHE_DTYPES):
+        parser.error(f"--kv-cache-dtypes takes a comma list of {', '.join(KV_CACHE_DTYPES)}")
     return args
 
 

@@ -182,26 +182,32 @@ def bench_single(weight: Weight, m: int, repeats: int, min_seconds: float) -> Ro
 
 
 def bench_layers(
-    layers: list[dict[str, Weight]], lm_head: Weight, m: int, repeats: int, min_seconds: float
+    layers: list[dict[str, Weight]], lm_head: Weight | None, m: int, repeats: int, min_seconds: float
 ) -> Row:
-    """Each layer's four linears with its own weights, then the lm_head (x reused per shape)."""
+    """Each layer's four linears with its own weights, then the lm_head unless None (a prefill
+    runs it on one row per request only); x is reused per shape."""
     xs = {k: torch.randn(m, k) for k in (HIDDEN, LAYER_SHAPES["down"][1])}
 
     def native_pass() -> None:
         for weights in layers:
             for w in weights.values():
                 gq.quant_linear(xs[w.dense.shape[1]], w.qweight, w.qtype)
-        gq.quant_linear(xs[HIDDEN], lm_head.qweight, lm_head.qtype)
+        if lm_head is not None:
+            gq.quant_linear(xs[HIDDEN], lm_head.qweight, lm_head.qtype)
 
     def dense_pass() -> None:
         for weights in layers:
             for w in weights.values():
                 F.linear(xs[w.dense.shape[1]], w.dense)
-        F.linear(xs[HIDDEN], lm_head.dense)
+        if lm_head is not None:
+            F.linear(xs[HIDDEN], lm_head.dense)
 
-    flop_nk = sum(w.dense.numel() for weights in layers for w in weights.values()) + lm_head.dense.numel()
+    flop_nk = sum(w.dense.numel() for weights in layers for w in weights.values())
+    flop_nk += lm_head.dense.numel() if lm_head is not None else 0
     native, dense = time_pair(native_pass, dense_pass, repeats, min_seconds)
     # n * k of the whole pass in one "shape" so that GFLOP/s = 2 m (sum n k) / time.
+    if lm_head is None:
+        return make_row("30 layers", m, flop_nk, 1, "Q4_1", native, dense)
     return make_row("30 layers + lm_head", m, flop_nk, 1, "Q4_1+Q8_0", native, dense)
 
 
@@ -240,6 +246,8 @@ def main() -> None:
         help="cpu: process CPU time (all threads summed; with one thread, robust to other processes "
         "taking the core)",
     )
+    parser.add_argument("--without-lm-head", action="store_true",
+                        help="the 30-layer pass without the lm_head (as in a prefill, where the caller's threshold matters)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     global clock
@@ -264,7 +272,7 @@ def main() -> None:
         if not args.skip_single:
             for w in (*layers[0].values(), lm_head):
                 rows.append(bench_single(w, m, args.repeats, args.min_seconds))
-        rows.append(bench_layers(layers, lm_head, m, args.repeats, args.min_seconds))
+        rows.append(bench_layers(layers, None if args.without_lm_head else lm_head, m, args.repeats, args.min_seconds))
         print_table(rows[-1:])
     print()
     print_table(rows)

@@ -139,6 +139,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--quantization", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -153,6 +154,7 @@ def main() -> None:
             max_running_requests=args.batch_size + args.prefill_reqs + 1,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             num_threads=args.threads,
         )
     )
@@ -172,7 +174,8 @@ def main() -> None:
             if case == "decode"
             else f"prefill {args.prefill_reqs} x {args.prefill_len} tokens"
         )
-        print(f"{label}: {r['step_ms']:.1f} ms ({results['attention_backend']}, quantization {args.quantization})")
+        print(f"{label}: {r['step_ms']:.1f} ms ({results['attention_backend']}, quantization {args.quantization}, "
+              f"KV cache {args.kv_cache_dtype})")
         for part, ms in r["parts_ms"].items():
             print(f"  {part:<24} {ms:8.1f} ms  {100 * ms / r['step_ms']:5.1f}%")
     if args.out:

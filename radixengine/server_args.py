@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer", "triton")
 CPU_FORWARD_STREAMS = ("auto", "thread", "inline")
 
@@ -39,6 +40,7 @@ class ServerArgs:
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85  # CUDA only
     page_size: int = 1
+    kv_cache_dtype: str = "auto"  # see _HELP
     max_running_requests: int | None = None
     max_queued_requests: int | None = None
     max_prefill_tokens: int = 16384
@@ -82,6 +84,12 @@ class ServerArgs:
         _check_choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("--cpu-forward-stream", self.cpu_forward_stream, CPU_FORWARD_STREAMS)
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
+        _check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype != "auto" and self.device != "cpu":
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} runs on a CPU only; use auto (the model's dtype) "
+                f"on {self.device}"
+            )
         _check_positive("--page-size", self.page_size)
         _check_positive("--max-prefill-tokens", self.max_prefill_tokens)
         _check_positive("--max-total-tokens", self.max_total_tokens, optional=True)
@@ -184,11 +192,18 @@ _CHOICES = {
     "load_format": LOAD_FORMATS,
     "attention_backend": ATTENTION_BACKENDS,
     "quantization": QUANTIZATIONS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
     "cpu_forward_stream": CPU_FORWARD_STREAMS,
     "log_level": ("debug", "info", "warning", "error"),
 }
 
 _HELP = {
+    "kv_cache_dtype": (
+        "dtype the KV cache stores K and V in. auto (default): the model's dtype, results as exact as the "
+        "model's. bfloat16 / float16 with a float32 model: half the cache's bytes (twice the tokens, about "
+        "half the memory traffic of decode attention), math still in float32; K/V rounded to 16 bits, so "
+        "logits move slightly (float16 keeps 3 more mantissa bits than bfloat16). CPU only."
+    ),
     "quantization": (
         "gguf: for a GGUF model, the linears also keep their GGUF blocks (Q4_1, Q8_0) and small batches "
         "(decode) read those instead of the float32 weights: the same values, 4-6x fewer bytes (CPU, "

@@ -50,3 +50,30 @@ def test_auto_picks_native_on_cpu(tiny):
     folder, _ = tiny
     runner = make_runner(folder, attention_backend="auto")
     assert isinstance(runner.attn_backend, NativeCpuAttnBackend)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_16bit_kv_cache(tiny, kv_cache_dtype):
+    """`--kv-cache-dtype` under a float32 model: both backends and both page sizes store K/V rounded
+    to 16 bits and agree; against the float32 cache the logits move by the rounding only; the pool
+    holds half the bytes per token."""
+    folder, hf = tiny
+    exact = ModelDriver(make_runner(folder, attention_backend="native_cpu"))
+    drivers = [
+        ModelDriver(make_runner(folder, page_size, attention_backend=backend, kv_cache_dtype=kv_cache_dtype))
+        for backend, page_size in (("native_cpu", 1), ("torch_native", 1), ("native_cpu", 16))
+    ]
+    dtype = getattr(torch, kv_cache_dtype)
+    for driver in drivers:
+        assert driver.runner.token_to_kv_pool.get_key_buffer(0).dtype == dtype
+        assert driver.runner.cell_size() * 2 == exact.runner.cell_size()
+    runs = [_run(driver, random.Random(2)) for driver in drivers]
+    # 1e-4 rather than 1e-5: a last-bit difference in a K value computed by the two backends'
+    # projections can round it to neighbouring 16-bit values.
+    for native, reference, paged in zip(*runs):
+        assert_close_rel(native, reference, rtol=1e-4)
+        assert_close_rel(native, paged, rtol=1e-4)
+    rounding = 2e-2 if kv_cache_dtype == "bfloat16" else 3e-3
+    for ours, full in zip(runs[0], _run(exact, random.Random(2))):
+        assert_close_rel(ours, full, rtol=rounding)
+        assert not torch.equal(ours, full)  # the cache really is 16-bit

@@ -247,7 +247,34 @@ def test_empty_batch_and_bad_slot() -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@needs_native
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seed", range(2))
+def test_float32_queries_over_16bit_kv_cache(kv_dtype: torch.dtype, head_dim: int, seed: int) -> None:
+    """`--kv-cache-dtype` under a float32 model: K/V stored in 16 bits, widened on load, math in
+    float32, so the kernels match the float32 reference over the same stored values to 1e-5."""
+    gen = torch.Generator().manual_seed(3000 + seed + head_dim)
+    num_kv_heads, group, bs = 3, 3, 7
+    batch = make_batch(gen, bs, 300, num_kv_heads, head_dim, kv_dtype)
+    assert batch.k_buffer.dtype == kv_dtype
+    table = (batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+    q = torch.randn(bs, num_kv_heads * group, head_dim, generator=gen)
+    decode_args = (q, batch.k_buffer, batch.v_buffer, *table, head_dim**-0.5)
+    out = ops.decode_attention(*decode_args)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ops.decode_attention_reference(*decode_args), **TOL[torch.float32])
+
+    ext = (torch.rand(bs, generator=gen) * batch.seq_lens).long().clamp(min=1)
+    start = torch.cumsum(ext, 0) - ext
+    qe = torch.randn(int(ext.sum()), num_kv_heads * group, head_dim, generator=gen)
+    extend_args = (qe, batch.k_buffer, batch.v_buffer, *table, ext, start, head_dim**-0.5)
+    torch.testing.assert_close(
+        ops.extend_attention(*extend_args), ops.extend_attention_reference(*extend_args), **TOL[torch.float32]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 37, 600])
 def test_set_kv_buffer_matches_index_copy(

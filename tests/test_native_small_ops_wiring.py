@@ -1,5 +1,5 @@
 """The native fused small ops inside the CPU forward (RMSNorm, RMSNorm + residual add, rotary, KV
-write): the modules equal their torch path, and tiny models give the same logits and greedy tokens
+write, SiLU-and-mul): the modules equal their torch path, and tiny models give the same logits and greedy tokens
 with the native small ops on and off."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 from model_utils import ModelDriver, make_runner, save_tiny_model
 
+from radixengine.layers.activation import SiluAndMul
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.attention.base_attn_backend import save_kv
 from radixengine.layers.layernorm import RMSNorm
@@ -122,7 +123,23 @@ def test_rotary_equals_torch_path_in_place(dtype, head_size, rotary_dim):
     assert torch.equal(qkv[:, num_heads + num_kv_heads :], v_before)
 
 
-@pytest.mark.parametrize("cache_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 3072), (1, 20), (0, 64), (2, 3, 64)], ids=["rows", "tail", "empty", "3d"])
+@torch.no_grad()
+def test_silu_and_mul_equals_torch_path(dtype, shape, native_calls):
+    x = (3 * torch.randn(*shape)).to(dtype)
+    with native_small_ops(False):
+        expected = SiluAndMul()(x)
+    out = SiluAndMul()(x)
+    assert native_calls["silu_and_mul"] == (len(shape) == 2)  # 3-D input keeps the torch path
+    assert out.shape == expected.shape and out.dtype == dtype
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    # A strided row view (every other row) reads through its stride.
+    if len(shape) == 2 and shape[0] > 1:
+        torch.testing.assert_close(SiluAndMul()(x[::2]), expected[::2], **TOL[dtype])
+
+
+@pytest.mark.parametrize("cache_dtype", [*DTYPES, torch.float16])
 @torch.no_grad()
 def test_save_kv_equals_pool_write(cache_dtype):
     num_kv_heads, head_dim, tokens = 3, 64, 9
@@ -154,7 +171,7 @@ def tiny(request, tmp_path_factory):
 @pytest.fixture
 def native_calls(monkeypatch) -> dict[str, int]:
     """Counts the calls into the native small ops (which still run)."""
-    calls = dict.fromkeys(["rms_norm", "fused_add_rms_norm", "rotary_embedding", "set_kv_buffer"], 0)
+    calls = dict.fromkeys(["rms_norm", "fused_add_rms_norm", "rotary_embedding", "set_kv_buffer", "silu_and_mul"], 0)
     for name in calls:
         real = getattr(native_cpu_ops, name)
 

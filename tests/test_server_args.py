@@ -1,6 +1,7 @@
 import argparse
 
 import pytest
+import torch
 
 from radixengine.server_args import ServerArgs
 
@@ -70,3 +71,21 @@ def test_cpu_forward_stream_flag(capsys):
 
 def test_chunked_prefill_can_be_disabled():
     assert ServerArgs(chunked_prefill_size=-1).effective_chunked_prefill_size is None
+
+
+def test_kv_cache_dtype_choices_and_device():
+    assert ServerArgs(kv_cache_dtype="float16").kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        ServerArgs(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="CPU only"):
+        ServerArgs(kv_cache_dtype="bfloat16", device="cuda")
+
+
+def test_kv_cache_dtype_resolution():
+    from radixengine.model_executor.model_runner import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float16", torch.float32) == torch.float16
+    assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        resolve_kv_cache_dtype("float16", torch.bfloat16)

@@ -522,7 +522,7 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   const int64_t per_request = args.num_splits;
 
   RADIX_DISPATCH_FLOAT_BF16(q.scalar_type(), "decode_attention", QT, [&] {
-    RADIX_DISPATCH_FLOAT_BF16(k_buffer.scalar_type(), "decode_attention", KVT, [&] {
+    RADIX_DISPATCH_KV(k_buffer.scalar_type(), "decode_attention", KVT, [&] {
       const QT* qp = q.data_ptr<QT>();
       const KVT* kp = k_buffer.data_ptr<KVT>();
       const KVT* vp = v_buffer.data_ptr<KVT>();
@@ -600,7 +600,7 @@ torch::Tensor extend_attention(const torch::Tensor& q_in, const torch::Tensor& k
                    [](const Block& x, const Block& y) { return x.cost > y.cost; });
 
   RADIX_DISPATCH_FLOAT_BF16(q.scalar_type(), "extend_attention", QT, [&] {
-    RADIX_DISPATCH_FLOAT_BF16(k_buffer.scalar_type(), "extend_attention", KVT, [&] {
+    RADIX_DISPATCH_KV(k_buffer.scalar_type(), "extend_attention", KVT, [&] {
       const QT* qp = q.data_ptr<QT>();
       const KVT* kp = k_buffer.data_ptr<KVT>();
       const KVT* vp = v_buffer.data_ptr<KVT>();

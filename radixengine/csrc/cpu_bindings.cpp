@@ -5,7 +5,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace cpu = radixengine::cpu;
-  m.doc() = "radixengine native CPU kernels: paged attention, KV cache writes, RMSNorm, rotary";
+  m.doc() = "radixengine native CPU kernels: paged attention, KV cache writes, RMSNorm, rotary, SiLU-mul, GGUF linears";
   m.def("decode_attention", &cpu::decode_attention, "Decode attention over the paged KV pool",
         py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),
         py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("scale"),
@@ -24,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rotary_embedding", &cpu::rotary_embedding, "Neox-style rotary embedding, in place",
         py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), py::arg("rotary_dim"));
+  m.def("silu_and_mul", &cpu::silu_and_mul, "silu(x[:, :d]) * x[:, d:] for x [T, 2d]", py::arg("x"));
   m.def("quant_linear", &cpu::quant_linear,
         "x [M, K] float32 times the transpose of a GGUF Q4_1 / Q8_0 weight given as raw blocks",
         py::arg("x"), py::arg("qweight"), py::arg("qtype"));

@@ -64,4 +64,26 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
     }                                                                                       \
   }()
 
+// The same for a KV cache buffer: T = float, bf16 or fp16.
+#define RADIX_DISPATCH_KV(DTYPE, NAME, T, ...)                                                \
+  [&] {                                                                                       \
+    switch (DTYPE) {                                                                          \
+      case torch::kFloat: {                                                                   \
+        using T = float;                                                                      \
+        return __VA_ARGS__();                                                                 \
+      }                                                                                       \
+      case torch::kBFloat16: {                                                                \
+        using T = ::radixengine::cpu::bf16;                                                   \
+        return __VA_ARGS__();                                                                 \
+      }                                                                                       \
+      case torch::kHalf: {                                                                    \
+        using T = ::radixengine::cpu::fp16;                                                   \
+        return __VA_ARGS__();                                                                 \
+      }                                                                                       \
+      default:                                                                                \
+        TORCH_CHECK(false, NAME, ": unsupported KV dtype ", DTYPE,                            \
+                    " (float32, bfloat16 or float16)");                                       \
+    }                                                                                         \
+  }()
+
 }  // namespace radixengine::cpu

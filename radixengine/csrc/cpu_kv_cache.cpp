@@ -32,9 +32,11 @@ void scatter_rows(DstT* dst, const SrcT* src, const int64_t* loc, int64_t T, int
         }
       } else {
         for (int64_t h = 0; h < num_heads; ++h) {
-          for (int64_t i = 0; i < D; ++i) {
-            d[h * D + i] = from_float<DstT>(to_float(s[h * src_stride1 + i]));
+          int64_t i = 0;
+          for (; i + kVecWidth <= D; i += kVecWidth) {
+            VecF::load(s + h * src_stride1 + i).store(d + h * D + i);
           }
+          for (; i < D; ++i) d[h * D + i] = from_float<DstT>(to_float(s[h * src_stride1 + i]));
         }
       }
     }
@@ -51,7 +53,7 @@ void scatter(torch::Tensor& buffer, const torch::Tensor& loc, const torch::Tenso
               src_in.sizes());
   const torch::Tensor src = src_in.stride(2) == 1 ? src_in : src_in.contiguous();
   const int64_t* lp = loc.data_ptr<int64_t>();
-  RADIX_DISPATCH_FLOAT_BF16(buffer.scalar_type(), "set_kv_buffer", DstT, [&] {
+  RADIX_DISPATCH_KV(buffer.scalar_type(), "set_kv_buffer", DstT, [&] {
     RADIX_DISPATCH_FLOAT_BF16(src.scalar_type(), "set_kv_buffer", SrcT, [&] {
       scatter_rows(buffer.data_ptr<DstT>(), src.data_ptr<SrcT>(), lp, loc.numel(),
                    buffer.size(1), buffer.size(2), src.stride(0), src.stride(1),

@@ -50,6 +50,9 @@ void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::
 void rotary_embedding(const torch::Tensor& positions, torch::Tensor& x,
                       const torch::Tensor& cos_sin_cache, int64_t rotary_dim);
 
+// out [T, d] = silu(x[:, :d]) * x[:, d:] for x [T, 2d] (rows with unit stride).
+torch::Tensor silu_and_mul(const torch::Tensor& x);
+
 // out [M, N] = x [M, K] (float32, contiguous) times the transpose of a GGUF block-quantized
 // weight [N, K] given as its raw blocks: qweight uint8 [N, K / 32 * block bytes], qtype the
 // GGML type id (Q4_1 = 3, Q8_0 = 8). Dequantized exactly as gguf-py does; no bias.

@@ -2,11 +2,12 @@
 //
 // The instruction set is picked at compile time (the extension is built with -march=native):
 // AVX-512F (16 lanes), AVX2 + FMA (8 lanes), or a portable scalar fallback (8 lanes of plain
-// loops that the compiler may still vectorize). bfloat16 data is widened to fp32 on load; all
-// arithmetic is fp32.
+// loops that the compiler may still vectorize). bfloat16 and float16 data (a KV cache stored in
+// 16 bits) are widened to fp32 on load; all arithmetic is fp32.
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
@@ -21,13 +22,15 @@
 namespace radixengine::cpu {
 
 using bf16 = c10::BFloat16;
+using fp16 = c10::Half;
 
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return static_cast<float>(x); }
+inline float to_float(fp16 x) { return static_cast<float>(x); }
 
 template <typename T>
 inline T from_float(float x) {
-  return static_cast<T>(x);  // c10::BFloat16 rounds to nearest even
+  return static_cast<T>(x);  // c10::BFloat16 and c10::Half round to nearest even
 }
 
 // exp(x) range constants shared by all implementations: below kExpLo the result is 0, above
@@ -60,7 +63,14 @@ struct VecF {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
   }
+  static VecF load(const fp16* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(fp16* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   // The bfloat16 bit patterns (round to nearest even, NaN kept quiet) in the high halves.
   __m512i bf16_bits() const {
     const __m512i u = _mm512_castps_si512(v);
@@ -82,6 +92,7 @@ struct VecF {
 inline VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline VecF operator*(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VecF operator/(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline VecF fmadd(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline float hsum(VecF a) { return _mm512_reduce_add_ps(a.v); }
@@ -135,7 +146,26 @@ struct VecF {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
   }
+  static VecF load(const fp16* p) {
+#if defined(__F16C__)
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+#else
+    alignas(32) float f[8];
+    for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+    return {_mm256_load_ps(f)};
+#endif
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(fp16* p) const {
+#if defined(__F16C__)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    alignas(32) float f[8];
+    _mm256_store_ps(f, v);
+    for (int i = 0; i < 8; ++i) p[i] = fp16(f[i]);
+#endif
+  }
   // The bfloat16 bit patterns (round to nearest even, NaN kept quiet) in the high halves.
   __m256i bf16_bits() const {
     const __m256i u = _mm256_castps_si256(v);
@@ -159,6 +189,7 @@ struct VecF {
 inline VecF operator+(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline VecF operator-(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline VecF operator*(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline VecF operator/(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
 inline VecF fmadd(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
 
@@ -230,6 +261,9 @@ struct VecF {
   void store(bf16* p) const {
     for (int i = 0; i < kWidth; ++i) p[i] = bf16(v[i]);
   }
+  void store(fp16* p) const {
+    for (int i = 0; i < kWidth; ++i) p[i] = fp16(v[i]);
+  }
   VecF round_bf16() const {
     VecF r;
     for (int i = 0; i < kWidth; ++i) r.v[i] = static_cast<float>(bf16(v[i]));
@@ -251,6 +285,9 @@ inline VecF operator-(VecF a, VecF b) {
 }
 inline VecF operator*(VecF a, VecF b) {
   return vec_map2(a, b, [](float x, float y) { return x * y; });
+}
+inline VecF operator/(VecF a, VecF b) {
+  return vec_map2(a, b, [](float x, float y) { return x / y; });
 }
 inline VecF vmax(VecF a, VecF b) {
   return vec_map2(a, b, [](float x, float y) { return x > y ? x : y; });

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from radixengine.layers.attention import native_cpu_ops
+from radixengine.layers.native_small_ops import runs_native
 from radixengine.layers.triton_ops import use_fused_ops
 
 
@@ -15,5 +16,6 @@ class SiluAndMul(nn.Module):
             from radixengine.layers.triton_ops.fused import silu_and_mul
 
             return silu_and_mul(x)
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        if x.dim() == 2 and runs_native(x):
+            return native_cpu_ops.silu_and_mul(x)
+        return native_cpu_ops.silu_and_mul_reference(x)

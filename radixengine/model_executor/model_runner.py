@@ -36,6 +36,7 @@ class ModelRunner:
             server_args.model_path, server_args.context_length, server_args.dtype, server_args.device
         )
         self.dtype = self.model_config.dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.dtype)
         self.context_len = self.model_config.context_len
         self.model = get_model(
             self.model_config, self.device, server_args.load_format, gguf_blocks=self._use_gguf_blocks()
@@ -90,7 +91,7 @@ class ModelRunner:
     def cell_size(self) -> int:
         """Bytes of K and V per token, all layers."""
         c = self.model_config
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return c.num_key_value_heads * c.head_dim * c.num_hidden_layers * 2 * itemsize
 
     def profile_max_num_token(self) -> int:
@@ -124,7 +125,7 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens,
             self.page_size,
-            self.dtype,
+            self.kv_cache_dtype,
             c.num_key_value_heads,
             c.head_dim,
             c.num_hidden_layers,
@@ -132,9 +133,10 @@ class ModelRunner:
         )
         self.token_to_kv_pool_allocator = self._make_allocator()
         logger.info(
-            "KV cache: %d tokens (%.2f GB), %d request rows",
+            "KV cache: %d tokens (%.2f GB, %s), %d request rows",
             self.max_total_num_tokens,
             self.max_total_num_tokens * self.cell_size() / 1e9,
+            str(self.kv_cache_dtype).removeprefix("torch."),
             pool_size,
         )
 
@@ -143,12 +145,16 @@ class ModelRunner:
         checks = self.device.type == "cpu"
         if self.page_size == 1:
             return TokenToKVPoolAllocator(
-                self.max_total_num_tokens, self.dtype, self.device, self.token_to_kv_pool, check_frees=checks
+                self.max_total_num_tokens,
+                self.kv_cache_dtype,
+                self.device,
+                self.token_to_kv_pool,
+                check_frees=checks,
             )
         return PagedTokenToKVPoolAllocator(
             self.max_total_num_tokens,
             self.page_size,
-            self.dtype,
+            self.kv_cache_dtype,
             self.device,
             self.token_to_kv_pool,
             check_frees=checks,
@@ -191,6 +197,17 @@ class ModelRunner:
         next_ids, logprobs = self.sampler(logits, forward_batch.sampling_info, forward_batch.return_logprob)
         logits_output.next_token_logprobs = logprobs
         return next_ids
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype`: auto is the model's dtype; a 16-bit cache under a float32 model stores K/V
+    rounded (math stays float32). Storing more bits than the model computes in gains nothing."""
+    if name == "auto":
+        return model_dtype
+    dtype = getattr(torch, name)
+    if model_dtype != torch.float32 and dtype != model_dtype:
+        raise ValueError(f"--kv-cache-dtype {name} needs a float32 model or auto; the model runs in {model_dtype}")
+    return dtype
 
 
 def _chosen_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

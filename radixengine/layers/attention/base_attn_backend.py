@@ -73,8 +73,8 @@ def save_kv(k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_bat
     """Write the new tokens' K/V `[num_tokens, kv_heads, head_dim]` at `out_cache_loc`."""
     pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc
     k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
-    runs_native = native_small_ops.runs_native
-    if runs_native(k, v) and runs_native(k_buffer, v_buffer) and loc.is_cpu and k.dim() == 3:
+    native_buffers = k_buffer.is_cpu and k_buffer.dtype in native_cpu_ops.NATIVE_KV_DTYPES
+    if native_small_ops.runs_native(k, v) and native_buffers and loc.is_cpu and k.dim() == 3:
         native_cpu_ops.set_kv_buffer(k_buffer, v_buffer, loc, k, v)
     else:
         pool.set_kv_buffer(layer.layer_id, loc, k, v)

@@ -25,10 +25,11 @@ class NativeCpuAttnBackend(AttentionBackend):
             if model_runner.device.type != "cpu":
                 raise ValueError("the native_cpu attention backend runs on a CPU only")
             head_dim = model_runner.model_config.head_dim
-            if not native_cpu_ops.native_supports(model_runner.dtype, head_dim):
+            kv_dtype = getattr(model_runner, "kv_cache_dtype", model_runner.dtype)
+            if not native_cpu_ops.native_supports(model_runner.dtype, head_dim, kv_dtype):
                 raise ValueError(
                     f"the native_cpu attention backend does not support dtype {model_runner.dtype} "
-                    f"with head_dim {head_dim}"
+                    f"(KV cache {kv_dtype}) with head_dim {head_dim}"
                 )
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

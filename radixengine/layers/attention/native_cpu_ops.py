@@ -47,10 +47,13 @@ __all__ = [
     "rotary_embedding_reference",
     "set_kv_buffer",
     "set_kv_buffer_reference",
+    "silu_and_mul",
+    "silu_and_mul_reference",
 ]
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _jit_build() -> ModuleType:
@@ -106,9 +109,11 @@ def native_isa() -> str | None:
     return _native.isa() if _native is not None else None
 
 
-def native_supports(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the native attention ops handle this KV dtype and head size."""
-    return _native is not None and dtype in NATIVE_DTYPES and head_dim % 16 == 0 and head_dim <= 512
+def native_supports(dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the native attention ops handle this query dtype, KV cache dtype (default: the
+    query's) and head size."""
+    kv_ok = (kv_dtype or dtype) in NATIVE_KV_DTYPES
+    return _native is not None and dtype in NATIVE_DTYPES and kv_ok and head_dim % 16 == 0 and head_dim <= 512
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,6 +205,11 @@ def fused_add_rms_norm_reference(
     x.copy_(rms_norm_reference(residual, weight, eps))
 
 
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
 def rotary_embedding_reference(
     positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
 ) -> None:
@@ -286,6 +296,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _native is None:
         return rms_norm_reference(x, weight, eps)
     return _native.rms_norm(x, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :d]) * x[:, d:] for x [tokens, 2d] (the gated MLP's activation)."""
+    if _native is None:
+        return silu_and_mul_reference(x)
+    return _native.silu_and_mul(x)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

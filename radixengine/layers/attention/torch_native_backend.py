@@ -77,11 +77,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         for req in self.extend_requests:
             rows = slice(req.start, req.start + req.num_new)
-            if req.slots is None:
-                ks, vs = k[rows], v[rows]
+            if req.slots is None:  # as stored: rounded to a 16-bit cache's precision
+                ks, vs = k[rows].to(k_buf.dtype), v[rows].to(v_buf.dtype)
             else:
                 ks, vs = k_buf.index_select(0, req.slots), v_buf.index_select(0, req.slots)
-            out[rows] = _sdpa(q[rows], ks, vs, req.mask, layer.scaling)
+            out[rows] = _sdpa(q[rows], ks.to(q.dtype), vs.to(q.dtype), req.mask, layer.scaling)
         return out.reshape(q.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
@@ -105,8 +105,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         shape = (chunk.end - chunk.start, q.shape[1], chunk.max_len, q.shape[3])
         return F.scaled_dot_product_attention(
             q[chunk.start : chunk.end],
-            ks.view(shape),
-            vs.view(shape),
+            ks.view(shape).to(q.dtype),
+            vs.view(shape).to(q.dtype),
             attn_mask=chunk.mask,
             scale=layer.scaling,
         )
