@@ -15,10 +15,10 @@ from radixengine.models import ModelRegistry
 
 logger = logging.getLogger(__name__)
 
-# Rows (tokens) up to which a linear reads its GGUF blocks rather than its float32 weight: the
-# block kernel wins while reading the weight dominates (decode batches), MKL's sgemm on the
-# float weight beyond (benchmarks/bench_quant_linear.py).
-GGUF_BLOCK_MAX_TOKENS = 64
+# Rows (tokens) up to which a linear reads its GGUF blocks rather than its float32 weight. On the
+# 30 layers of SmolLM2 with 2 threads the block kernel is 1.5x MKL's sgemm at 64 rows, 1.2x at
+# 128, 1.07x at 256 and 0.87-0.96x from 512 (`benchmarks/bench_quant_linear.py --without-lm-head`).
+GGUF_BLOCK_MAX_TOKENS = 256
 
 
 def get_model(
