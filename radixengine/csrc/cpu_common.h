@@ -47,43 +47,35 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
   return t.scalar_type() == torch::kLong ? t.contiguous() : t.to(torch::kLong).contiguous();
 }
 
-// Calls fn.template operator()<T>() with T = float or bf16 for the given dtype.
+// One case of a dtype switch: runs the body with T = TYPE.
+#define RADIX_DISPATCH_CASE(ENUM, TYPE, T, ...) \
+  case ENUM: {                                  \
+    using T = TYPE;                             \
+    return __VA_ARGS__();                       \
+  }
+
+// Calls the body with T = float or bf16 for the given dtype.
 #define RADIX_DISPATCH_FLOAT_BF16(DTYPE, NAME, T, ...)                                      \
   [&] {                                                                                     \
     switch (DTYPE) {                                                                        \
-      case torch::kFloat: {                                                                 \
-        using T = float;                                                                    \
-        return __VA_ARGS__();                                                               \
-      }                                                                                     \
-      case torch::kBFloat16: {                                                              \
-        using T = ::radixengine::cpu::bf16;                                                 \
-        return __VA_ARGS__();                                                               \
-      }                                                                                     \
+      RADIX_DISPATCH_CASE(torch::kFloat, float, T, __VA_ARGS__)                             \
+      RADIX_DISPATCH_CASE(torch::kBFloat16, ::radixengine::cpu::bf16, T, __VA_ARGS__)       \
       default:                                                                              \
         TORCH_CHECK(false, NAME, ": unsupported dtype ", DTYPE, " (float32 or bfloat16)"); \
     }                                                                                       \
   }()
 
 // The same for a KV cache buffer: T = float, bf16 or fp16.
-#define RADIX_DISPATCH_KV(DTYPE, NAME, T, ...)                                                \
-  [&] {                                                                                       \
-    switch (DTYPE) {                                                                          \
-      case torch::kFloat: {                                                                   \
-        using T = float;                                                                      \
-        return __VA_ARGS__();                                                                 \
-      }                                                                                       \
-      case torch::kBFloat16: {                                                                \
-        using T = ::radixengine::cpu::bf16;                                                   \
-        return __VA_ARGS__();                                                                 \
-      }                                                                                       \
-      case torch::kHalf: {                                                                    \
-        using T = ::radixengine::cpu::fp16;                                                   \
-        return __VA_ARGS__();                                                                 \
-      }                                                                                       \
-      default:                                                                                \
-        TORCH_CHECK(false, NAME, ": unsupported KV dtype ", DTYPE,                            \
-                    " (float32, bfloat16 or float16)");                                       \
-    }                                                                                         \
+#define RADIX_DISPATCH_KV(DTYPE, NAME, T, ...)                                          \
+  [&] {                                                                                 \
+    switch (DTYPE) {                                                                    \
+      RADIX_DISPATCH_CASE(torch::kFloat, float, T, __VA_ARGS__)                         \
+      RADIX_DISPATCH_CASE(torch::kBFloat16, ::radixengine::cpu::bf16, T, __VA_ARGS__)   \
+      RADIX_DISPATCH_CASE(torch::kHalf, ::radixengine::cpu::fp16, T, __VA_ARGS__)       \
+      default:                                                                          \
+        TORCH_CHECK(false, NAME, ": unsupported KV dtype ", DTYPE,                      \
+                    " (float32, bfloat16 or float16)");                                 \
+    }                                                                                   \
   }()
 
 }  // namespace radixengine::cpu
