@@ -1,5 +1,6 @@
 """When the CPU forward takes the native fused small ops (`native_cpu_ops`: RMSNorm, RMSNorm with
-the residual add, rotary embedding, KV write) instead of the torch expressions they replace.
+the residual add, rotary embedding, SiLU-and-mul, KV write) instead of the torch expressions they
+replace.
 
 They run for CPU tensors in a dtype the kernels support (float32, bfloat16) when the extension is
 built, unless `RADIXENGINE_NATIVE_OPS=0` (read once, at import) turns them off for A/B runs; tests
@@ -69,7 +70,7 @@ def runs_native(*tensors: torch.Tensor) -> bool:
 @functools.cache
 def log_native_small_ops_state() -> None:
     if _active:
-        logger.info("native small ops (RMSNorm, rotary, KV write): on for CPU float32/bfloat16 tensors")
+        logger.info("native small ops (RMSNorm, rotary, SiLU-and-mul, KV write): on for CPU float32/bfloat16 tensors")
     elif not _switched_on:
         logger.info("native small ops: off (%s=0)", ENV_VAR)
     else:
