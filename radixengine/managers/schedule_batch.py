@@ -442,24 +442,41 @@ class ScheduleBatch:
         self._evict_for(remaining_req_count * server_args.retract_decode_steps)
         req.reset_for_retract()
 
-    def retract_decode(self, server_args: ServerArgs) -> tuple[list[Req], float]:
+    def retract_decode(self, server_args: ServerArgs) -> tuple[list[Req], float, list[Req]]:
         """Retract requests until the next decode step fits: fewest decoded tokens first, then
-        the longest prompt. Returns the retracted requests and the new new_token_ratio."""
+        the longest prompt. At least one request stays; if even it cannot get its next slot, it
+        is aborted. Returns the retracted requests, the new new_token_ratio and the aborted."""
         order = sorted(
             range(len(self.reqs)),
             key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
             reverse=True,
         )
         retracted: list[Req] = []
-        while order and (not retracted or not self.check_decode_mem(_int64(order))):
+        while len(order) > 1 and (not retracted or not self.check_decode_mem(_int64(order))):
             idx = order.pop()
             retracted.append(self.reqs[idx])
             self.release_req(idx, len(order), server_args)
+        aborted: list[Req] = []
+        if len(order) == 1 and not self.check_decode_mem(_int64(order)):
+            idx = order.pop()
+            req = self.reqs[idx]
+            self.tree_cache.cache_finished_req(req, is_insert=False)
+            req.abort(
+                "Out of memory even after retracting all other requests in the decode batch: "
+                "aborting the last request. Use a larger --max-total-tokens.",
+                500,
+                "InternalServerError",
+            )
+            aborted.append(req)
         self.filter_batch(keep_indices=sorted(order))
+        return retracted, self._ratio_after_retract(server_args), aborted
+
+    def _ratio_after_retract(self, server_args: ServerArgs) -> float:
+        """How much of the remaining requests' max_new_tokens to reserve from now on."""
         decoded = sum(len(r.output_ids) for r in self.reqs)
         max_new = sum(r.sampling_params.max_new_tokens for r in self.reqs)
         new_ratio = min(1.0, (decoded + server_args.retract_decode_steps * len(self.reqs)) / (max_new + 1))
-        return retracted, (new_ratio if self.reqs else 0.0)
+        return new_ratio if self.reqs else 0.0
 
     # Worker batch ------------------------------------------------------------------------------
 

@@ -333,18 +333,18 @@ class Scheduler:
         chunked_in_batch = bool(adder.can_run_list)
 
         for req in self.waiting_queue:
-            req.init_next_round_input(None if prefix_computed else self.tree_cache)
+            # A preemption may have evicted the node an earlier match (calc_priority's) returned.
+            rematch = not prefix_computed or bool(adder.preempt_list)
+            req.init_next_round_input(self.tree_cache if rematch else None)
             if trie is not None and self._prefix_being_computed(req, trie):
                 continue  # wait one round: it will hit the cache instead of computing it again
             if len(adder.can_run_list) >= self._num_allocatable_reqs(len(running.reqs), chunked_in_batch):
                 running.batch_is_full = True
-            if running.batch_is_full:
-                if not (self.try_preemption and adder.preempt_to_schedule(req, self.server_args)):
-                    break
+            if running.batch_is_full and not self._preempt_for(adder, req):
+                break
             res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
-            if res == AddReqResult.NO_TOKEN and req not in adder.can_run_list and self.try_preemption:
-                if adder.preempt_to_schedule(req, self.server_args):
-                    res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
+            if res == AddReqResult.NO_TOKEN and req not in adder.can_run_list and self._preempt_for(adder, req):
+                res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
             if trie is not None and adder.can_run_list and adder.can_run_list[-1] is req:
                 trie.insert(req.fill_ids)
             if res != AddReqResult.CONTINUE:
@@ -374,6 +374,14 @@ class Scheduler:
         self.stats.num_prefill_tokens += batch.extend_num_tokens
         return batch
 
+    def _preempt_for(self, adder: PrefillAdder, req: Req) -> bool:
+        """Preempt running requests to make room for `req` (priority scheduling only). Releasing
+        them can evict the tree node `req` matched, so `req` is matched again before it is added."""
+        if not (self.try_preemption and adder.preempt_to_schedule(req, self.server_args)):
+            return False
+        req.init_next_round_input(self.tree_cache)
+        return True
+
     def _in_batch_prefix_trie(self, admitted: list[Req]) -> PrefixTrie | None:
         """What this round (and any batch still in flight) is about to compute."""
         if not self.enable_in_batch_prefix_caching:
@@ -394,14 +402,22 @@ class Scheduler:
         return shared - len(req.prefix_indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
+        # Measured before the filter: requests that finished last step free their rows and
+        # tokens, and the next prefill round must see it (else batching turns static).
+        initial_bs = batch.batch_size()
         batch.filter_batch()
         if batch.is_empty():
             batch.batch_is_full = False
             return batch
-        initial_bs = batch.batch_size()
         if not batch.check_decode_mem():
             old_ratio = self.new_token_ratio
-            retracted, self.new_token_ratio = batch.retract_decode(self.server_args)
+            retracted, new_ratio, aborted = batch.retract_decode(self.server_args)
+            # An empty batch (its last request aborted) keeps the ratio: nothing to estimate from.
+            self.new_token_ratio = new_ratio if not batch.is_empty() else old_ratio
+            for req in aborted:
+                req.time_stats.finish_time = time.perf_counter()
+                self._pending_outputs.append(req)
+                logger.warning("retract_decode: aborted the last request %s: out of KV memory", req.rid)
             self.stats.num_retracted_reqs += len(retracted)
             logger.info(
                 "KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
