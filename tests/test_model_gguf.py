@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from model_utils import ModelDriver, make_runner
+from gguf_utils import llama3_rope_factors, write_llama_gguf
+from model_utils import ModelDriver, assert_close_rel, hf_last_logits, make_runner, save_tiny_model
 
 from radixengine.model_loader import get_tokenizer, resolve_model_path
 
@@ -55,3 +57,50 @@ def _our_greedy(gguf_path: str, prompts: list[list[int]]) -> list[list[int]]:
             out.append(tok)
         next_ids = driver.decode(dict(zip(rids, next_ids))).argmax(-1).tolist()
     return outputs
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def test_llama3_rope_freqs_of_a_gguf_match_transformers(tmp_path, monkeypatch):
+    """A Llama 3.1 GGUF carries its RoPE scaling only as the `rope_freqs` tensor; a prompt well
+    past the original context must give transformers' logits and greedy tokens."""
+    monkeypatch.setenv("RADIXENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = save_tiny_model("llama", tmp_path / "hf", rope_parameters=LLAMA3_ROPE)
+    path = write_llama_gguf(tmp_path / "tiny.gguf", hf, rope_freqs=llama3_rope_factors(hf.config))
+    tokens = [(7 * i + 3) % 256 for i in range(300)]
+    driver = ModelDriver(make_runner(path))
+    logits = driver.extend({"a": tokens})[0]
+    assert_close_rel(logits, hf_last_logits(hf, tokens))
+
+    ids = torch.tensor([tokens])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    got = [int(logits.argmax())]
+    for _ in range(7):
+        got.append(int(driver.decode({"a": got[-1]})[0].argmax()))
+    assert got == ref[0, len(tokens) :].tolist()
+
+
+def test_linear_rope_scaling_of_a_gguf_matches_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    hf = save_tiny_model("llama", tmp_path / "hf", rope_parameters=rope)
+    path = write_llama_gguf(tmp_path / "tiny.gguf", hf, rope_scaling=("linear", 4.0))
+    tokens = [(5 * i + 1) % 256 for i in range(200)]
+    logits = ModelDriver(make_runner(path)).extend({"a": tokens})[0]
+    assert_close_rel(logits, hf_last_logits(hf, tokens))
+
+
+def test_unsupported_rope_scaling_of_a_gguf_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = save_tiny_model("llama", tmp_path / "hf")
+    path = write_llama_gguf(tmp_path / "tiny.gguf", hf, rope_scaling=("yarn", 4.0))
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        resolve_model_path(str(path))

@@ -1,4 +1,6 @@
-"""Rotary position embedding (neox style, as HF Llama/Qwen), with linear and Llama-3 scaling."""
+"""Rotary position embedding (neox style, as HF Llama/Qwen), with linear and Llama-3 scaling, or
+per-frequency factors (llama.cpp's `rope_freqs` tensor, which a GGUF carries instead of a
+Llama-3 scaling)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,11 @@ from torch import nn
 
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.native_small_ops import runs_native
+
+# A config attribute: per rotary frequency, the number its inverse frequency is divided by
+# (llama.cpp's `rope_freqs` tensor; the GGUF loader copies it there). Its scaling type:
+FREQ_FACTORS_ATTR = "rope_freq_factors"
+FREQ_FACTORS = "freq_factors"
 
 
 class RotaryEmbedding(nn.Module):
@@ -77,6 +84,8 @@ def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tens
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == FREQ_FACTORS:
+        return _divided_inv_freq(inv_freq, scaling["freq_factors"])
     raise ValueError(f"unsupported rope scaling type {rope_type!r}")
 
 
@@ -93,14 +102,30 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _divided_inv_freq(inv_freq: torch.Tensor, factors) -> torch.Tensor:
+    """llama.cpp's rope: each inverse frequency divided by its factor."""
+    factors = torch.tensor(list(factors), dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"{len(factors)} rope frequency factors for {len(inv_freq)} rotary frequencies")
+    return inv_freq / factors
+
+
 def rope_config(config) -> tuple[float, dict | None]:
-    """`(rope_theta, scaling dict or None)` from an HF config, old or new style."""
+    """`(rope_theta, scaling dict or None)` from an HF config, old or new style; a config with
+    `rope_freq_factors` (see `FREQ_FACTORS`) gets a scaling of that type."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     legacy = getattr(config, "rope_scaling", None)
     if legacy and not params.get("rope_type"):
         params.update(legacy)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    factors = getattr(config, FREQ_FACTORS_ATTR, None)
+    if factors is not None:
+        if rope_type != "default":
+            raise ValueError(
+                f"a config with {FREQ_FACTORS_ATTR} must not also have a {rope_type!r} rope scaling"
+            )
+        return float(theta), {"rope_type": FREQ_FACTORS, "freq_factors": tuple(float(f) for f in factors)}
     return float(theta), (None if rope_type == "default" else params)
 
 

@@ -20,9 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from radixengine.layers.rotary_embedding import FREQ_FACTORS_ATTR, rope_config
+
 logger = logging.getLogger(__name__)
 
-CONVERSION_VERSION = "1"
+CONVERSION_VERSION = "2"  # 2: rope_freqs and linear rope scaling kept in the config
 _HASH_PREFIX_BYTES = 16 << 20
 _DONE = "conversion.done"
 
@@ -51,7 +53,7 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_SKIPPED = ("rope_freqs",)  # Llama-3 rope factors: recomputed from the config
+_ROPE_FREQS = "rope_freqs.weight"  # Llama-3 rope factors: kept in the config, not a weight
 
 
 def is_gguf(path: str | os.PathLike | None) -> bool:
@@ -107,9 +109,31 @@ def _save_config_and_tokenizer(path: Path, out: Path):
     if arch is None:
         raise ValueError(f"GGUF model type {config.model_type!r} is not supported")
     config.architectures = [arch]
+    _set_rope_from_gguf(path, config)
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
     return config
+
+
+def _set_rope_from_gguf(path: Path, config) -> None:
+    """What transformers leaves out of a GGUF's config: a `rope_freqs` tensor (Llama 3.1/3.2's
+    rope scaling as per-frequency divisors) becomes `config.rope_freq_factors`, and a linear
+    `rope.scaling` its rope parameters; another scaling type is refused."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field_str(reader, "general.architecture")
+    scaling_type = _field_str(reader, f"{arch}.rope.scaling.type", default="none")
+    if scaling_type == "linear":
+        factor = float(reader.fields[f"{arch}.rope.scaling.factor"].contents())
+        theta = rope_config(config)[0]
+        config.rope_parameters = {"rope_type": "linear", "factor": factor, "rope_theta": theta}
+    elif scaling_type != "none":
+        raise ValueError(f"{path}: rope scaling {scaling_type!r} is not supported")
+    freqs = [t for t in reader.tensors if t.name == _ROPE_FREQS]
+    if freqs:
+        values = np.asarray(freqs[0].data, dtype=np.float32).reshape(-1)
+        setattr(config, FREQ_FACTORS_ATTR, [float(v) for v in values])
 
 
 def gguf_weights_iterator(path: str | os.PathLike, config) -> Iterator[tuple[str, torch.Tensor]]:
@@ -149,15 +173,17 @@ def gguf_block_weights_iterator(
             continue
         rows = t.data
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_key_value_heads if name.endswith("k_proj.weight") else config.num_attention_heads
+            heads = (
+                config.num_key_value_heads if name.endswith("k_proj.weight") else config.num_attention_heads
+            )
             rows = unpermute_qk(rows, heads)
         yield name, qtype, torch.from_numpy(np.array(rows, dtype=np.uint8, order="C"))
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    base, _, suffix = gguf_name.rpartition(".")
-    if base in _SKIPPED:
+    if gguf_name == _ROPE_FREQS:
         return None
+    base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if m and m.group(2) in _LAYER_TENSORS:
         return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{suffix}"
@@ -172,6 +198,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field_str(reader, key: str) -> str:
-    field = reader.fields[key]
+def _field_str(reader, key: str, default: str | None = None) -> str:
+    field = reader.fields.get(key)
+    if field is None and default is not None:
+        return default
+    if field is None:
+        raise KeyError(f"GGUF field {key!r} is missing")
     return bytes(field.parts[field.data[0]]).decode()
