@@ -1,31 +1,42 @@
 """GGUF → HF folder (config.json, model.safetensors, tokenizer files), cached per GGUF file.
 
 Dequantizing a GGUF and converting its tokenizer takes many seconds; the result is stored in
-`$RADIXENGINE_CACHE_DIR` (default `~/.cache/radixengine`) under a key made from the file's
-first bytes and size, so later starts load a plain safetensors folder.
+`$RADIXENGINE_CACHE_DIR` (default `~/.cache/radixengine`) under a key made from the file's whole
+content (see `gguf_cache`), so later starts load a plain safetensors folder. The weights are
+dequantized and written one tensor at a time: a conversion holds one float32 tensor in memory,
+never the whole model.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from radixengine.layers.rotary_embedding import FREQ_FACTORS_ATTR, rope_config
+from radixengine.model_loader.gguf_cache import (
+    cache_key,
+    cache_root,
+    content_digest,
+    exclusive_lock,
+    lock_path,
+    remove_stale_temp_dirs,
+    temp_dir_for,
+)
+from radixengine.model_loader.weight_utils import write_safetensors
 
 logger = logging.getLogger(__name__)
 
-CONVERSION_VERSION = "2"  # 2: rope_freqs and linear rope scaling kept in the config
-_HASH_PREFIX_BYTES = 16 << 20
+# 2: rope_freqs and linear rope scaling kept in the config; 3: keyed on the whole file
+CONVERSION_VERSION = "3"
 _DONE = "conversion.done"
 
 _ARCHITECTURES = {
@@ -60,26 +71,21 @@ def is_gguf(path: str | os.PathLike | None) -> bool:
     return path is not None and str(path).endswith(".gguf") and Path(path).is_file()
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("RADIXENGINE_CACHE_DIR") or Path.home() / ".cache" / "radixengine")
-
-
 def gguf_cache_key(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(_HASH_PREFIX_BYTES))
-    h.update(f"|{os.path.getsize(path)}|v{CONVERSION_VERSION}".encode())
-    return h.hexdigest()[:32]
+    """The cache folder's name for this GGUF: its whole content and the conversion version."""
+    return cache_key(content_digest(path), f"v{CONVERSION_VERSION}")
 
 
 def convert_gguf(path: str | os.PathLike) -> Path:
-    """The HF folder for this GGUF, converting it on first use (one process at a time)."""
-    target = cache_root() / gguf_cache_key(path)
+    """The HF folder for this GGUF, converting it on first use (one process at a time); first
+    removes what conversions killed mid-way left in the cache."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_dirs(root)
+    target = root / gguf_cache_key(path)
     if (target / _DONE).exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(target) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_lock(lock_path(target)):
         if not (target / _DONE).exists():
             logger.info("converting %s to %s (once)", path, target)
             _convert_into(Path(path), target)
@@ -87,12 +93,10 @@ def convert_gguf(path: str | os.PathLike) -> Path:
 
 
 def _convert_into(path: Path, target: Path) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    tmp = temp_dir_for(target)
     try:
         config = _save_config_and_tokenizer(path, tmp)
-        from safetensors.torch import save_file
-
-        save_file(dict(gguf_weights_iterator(path, config)), str(tmp / "model.safetensors"))
+        _write_weights(path, config, tmp / "model.safetensors")
         (tmp / _DONE).write_text(str(path))
         tmp.chmod(0o755)
         shutil.rmtree(target, ignore_errors=True)
@@ -136,24 +140,55 @@ def _set_rope_from_gguf(path: Path, config) -> None:
         setattr(config, FREQ_FACTORS_ATTR, [float(v) for v in values])
 
 
-def gguf_weights_iterator(path: str | os.PathLike, config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized float32 tensors with HF names; llama q/k rows un-permuted."""
+@dataclass(frozen=True)
+class _Tensor:
+    """A GGUF tensor under its HF name, with its shape in HF (row-major) order."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    raw: Any  # gguf.ReaderTensor: the file's bytes, memory-mapped
+
+
+def _hf_tensors(reader) -> list[_Tensor]:
+    tensors = []
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is not None:
+            tensors.append(_Tensor(name, tuple(reversed([int(d) for d in t.shape])), t))
+    return tensors
+
+
+def _dequantized(t: _Tensor, arch: str, config) -> np.ndarray:
+    """One tensor as C-contiguous float32, llama q/k rows un-permuted."""
+    import gguf
+
+    w = np.asarray(gguf.quants.dequantize(t.raw.data, t.raw.tensor_type), dtype=np.float32).reshape(t.shape)
+    if arch == "llama" and t.hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = (
+            config.num_key_value_heads if t.hf_name.endswith("k_proj.weight") else config.num_attention_heads
+        )
+        w = unpermute_qk(w, heads)
+    return np.ascontiguousarray(w)
+
+
+def _write_weights(path: Path, config, out: Path) -> None:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch = _field_str(reader, "general.architecture")
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is None:
-            continue
-        shape = tuple(reversed([int(d) for d in t.shape]))
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_attention_heads
-            if name.endswith("k_proj.weight"):
-                heads = config.num_key_value_heads
-            w = unpermute_qk(w, heads)
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+    tensors = _hf_tensors(reader)
+    specs = [(t.hf_name, t.shape) for t in tensors]
+    write_safetensors(out, specs, (_dequantized(t, arch, config) for t in tensors))
+
+
+def gguf_weights_iterator(path: str | os.PathLike, config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 tensors with HF names, one at a time; llama q/k rows un-permuted."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field_str(reader, "general.architecture")
+    for t in _hf_tensors(reader):
+        yield t.hf_name, torch.from_numpy(np.array(_dequantized(t, arch, config)))
 
 
 def gguf_block_weights_iterator(

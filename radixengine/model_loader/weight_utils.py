@@ -1,11 +1,15 @@
-"""Reading checkpoint tensors: safetensors folders, dtype choice."""
+"""Reading checkpoint tensors: safetensors folders, dtype choice; writing a float32 safetensors
+file one tensor at a time."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
+import struct
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -30,6 +34,42 @@ def safetensors_weights_iterator(folder: str | Path) -> Iterator[tuple[str, torc
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def write_safetensors(
+    path: str | Path, specs: Sequence[tuple[str, tuple[int, ...]]], arrays: Iterable[np.ndarray]
+) -> None:
+    """A float32 safetensors file, written as `arrays` come: the header from `specs` (name and
+    shape of each tensor, in order) first, then each array's bytes, so only the array being
+    written need be in memory (`safetensors.save_file` wants every tensor at once)."""
+    blob = _safetensors_header(specs)
+    arrays = iter(arrays)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, shape in specs:
+            array = next(arrays, None)  # (zip would hold the previous array while making this one)
+            if array is None:
+                raise ValueError(f"{len(specs)} tensors in the header; no array for {name}")
+            if array.dtype != np.float32 or array.shape != tuple(shape):
+                raise ValueError(f"{name}: got {array.dtype} {array.shape}, the header says float32 {shape}")
+            f.write(np.ascontiguousarray(array, dtype="<f4").data)
+            del array  # before the next one is made
+    if next(arrays, None) is not None:
+        raise ValueError(f"more arrays than the {len(specs)} tensors in the header")
+
+
+def _safetensors_header(specs: Sequence[tuple[str, tuple[int, ...]]]) -> bytes:
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in specs:
+        if name in header:
+            raise ValueError(f"tensor {name} is listed twice")
+        end = offset + math.prod(shape) * 4
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return blob + b" " * (-(len(blob) + 8) % 8)  # the data starts 8-byte aligned
 
 
 def cpu_has_native_bf16() -> bool:
