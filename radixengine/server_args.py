@@ -45,6 +45,7 @@ class ServerArgs:
     max_queued_requests: int | None = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # None: device default; -1 disables
+    enable_mixed_chunk: bool = False  # see _HELP
     disable_radix_cache: bool = False
 
     # Scheduling
@@ -198,6 +199,10 @@ _CHOICES = {
 }
 
 _HELP = {
+    "enable_mixed_chunk": (
+        "Run a prefill chunk and the running requests' decode step in one forward, under one token "
+        "budget, so decode does not stall while a long prompt is prefilled (not with logprobs)."
+    ),
     "kv_cache_dtype": (
         "dtype the KV cache stores K and V in. auto (default): the model's dtype, results as exact as the "
         "model's. bfloat16 / float16 with a float32 model: half the cache's bytes (twice the tokens, about "

@@ -213,3 +213,19 @@ def assert_matches_oracle(reqs: list, results: dict[str, ReqResult]) -> None:
         params = r.sampling_params
         expected = oracle_greedy(r.input_ids, params.max_new_tokens, params.ignore_eos)
         assert results[r.rid].output_ids == expected, f"{r.rid}: tokens differ from transformers"
+
+
+def oracle_greedy_min_new_tokens(prompt: list[int], max_new: int, min_new: int, stop_ids: list[int]) -> list[int]:
+    """transformers' greedy continuation with `stop_ids` as its EOS set and min_new_tokens (its
+    MinNewTokensLengthLogitsProcessor keeps them from being sampled before the minimum)."""
+    with torch.no_grad():
+        out = _hf_model().generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=max_new,
+            min_new_tokens=min_new,
+            do_sample=False,
+            eos_token_id=stop_ids,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

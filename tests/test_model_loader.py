@@ -43,6 +43,31 @@ def test_sharded_folder_loads_every_weight(tmp_path):
     assert torch.equal(model.lm_head.weight, ref["lm_head.weight"])
 
 
+@pytest.mark.parametrize(
+    "dropped",
+    [
+        ["model.layers.1.self_attn.k_proj.weight"],
+        ["model.layers.0.mlp.up_proj.weight"],
+        ["model.layers.0.self_attn.v_proj.bias", "model.layers.1.self_attn.q_proj.bias"],
+    ],
+)
+def test_checkpoint_lacking_part_of_a_fused_weight_is_refused(tmp_path, dropped):
+    """Loading q_proj must not count the whole fused qkv_proj as loaded: the error names the
+    checkpoint tensors that are missing."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_model("qwen2" if "bias" in dropped[0] else "llama", tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    for name in dropped:
+        del tensors[name]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks") as err:
+        get_model(ModelConfig(str(tmp_path), dtype="float32"), "cpu")
+    for name in dropped:
+        assert name in str(err.value)
+
+
 def test_tied_embeddings_share_the_weight(tmp_path):
     hf = save_tiny_model("llama", tmp_path, tie_word_embeddings=True)
     runner = make_runner(tmp_path)

@@ -79,3 +79,60 @@ def test_retraction_keeps_tokens(policy, radix, page_size, overlap):
     results = run_in_waves(sched, reqs, first=8, steps_between=0)
     assert sched.stats.num_retracted_reqs > 0, "the pool was meant to force retraction"
     assert_matches_oracle(reqs, results)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("chunk", [32, 64])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "no_radix"])
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_mixed_chunk_matches_transformers(policy, radix, page_size, chunk, overlap):
+    """--enable-mixed-chunk: prefill chunks carry the running requests' decode steps; the
+    tokens are the same, and some batch really was mixed."""
+    sched = make_scheduler(
+        schedule_policy=policy,
+        disable_radix_cache=not radix,
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        enable_mixed_chunk=True,
+        overlap=overlap,
+    )
+    mixed_steps = count_mixed_batches(sched)
+    reqs = workload("mx")
+    results = run_in_waves(sched, reqs)
+    assert_matches_oracle(reqs, results)
+    assert mixed_steps() > 0
+    assert all(results[r.rid].num_messages == len(results[r.rid].output_ids) for r in reqs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_chunk_with_retraction_keeps_tokens(page_size, overlap):
+    sched = make_scheduler(
+        overlap=overlap,
+        page_size=page_size,
+        max_total_tokens=256,
+        chunked_prefill_size=32,
+        enable_mixed_chunk=True,
+        init_new_token_ratio=0.05,
+    )
+    mixed_steps = count_mixed_batches(sched)
+    prompts = random_prompts(11, 8, 20, 50, shared=[SYSTEM_A[:24]]) + random_prompts(12, 2, 60, 80)
+    reqs = [gen_req(f"mr{i}", p, max_new_tokens=32) for i, p in enumerate(prompts)]
+    results = run_in_waves(sched, reqs, first=4, steps_between=6)
+    assert sched.stats.num_retracted_reqs > 0, "the pool was meant to force retraction"
+    assert mixed_steps() > 0
+    assert_matches_oracle(reqs, results)
+
+
+def count_mixed_batches(sched):
+    """Wrap the scheduler's run_batch to count MIXED batches; returns the counter."""
+    seen = []
+    run_batch = sched.run_batch
+
+    def counting_run_batch(batch):
+        seen.append(batch.forward_mode.is_mixed())
+        return run_batch(batch)
+
+    sched.run_batch = counting_run_batch
+    return lambda: sum(seen)

@@ -17,6 +17,7 @@ from sched_utils import (
     gen_req,
     make_scheduler,
     oracle_greedy,
+    oracle_greedy_min_new_tokens,
     random_prompts,
     run_to_completion,
 )
@@ -270,8 +271,8 @@ def test_stop_token_ids_strings_and_min_new_tokens(overlap):
     end = text.index(stop_str) + len(stop_str)
     assert results["str"].output_ids == full[:end]
     assert results["str"].finished_reason == {"type": "stop", "matched": stop_str}
-    min_stop = [i for i, t in enumerate(full) if t == full[1] and i >= 9]
-    assert results["min"].output_ids == full[: (min_stop[0] + 1 if min_stop else 24)]
+    # min_new_tokens keeps the stop token (and EOS) from being sampled before the minimum.
+    assert results["min"].output_ids == oracle_greedy_min_new_tokens(prompt, 24, 10, [full[1], EOS])
     assert results["len"].finished_reason == {"type": "length", "length": 24}
     assert later  # sanity
 
@@ -290,10 +291,14 @@ def test_check_finished_order_and_eos():
     r.output_ids = [3, EOS]
     r.check_finished(eos)
     assert r.finished_reason is None
-    r = req(ignore_eos=True, stop_token_ids=[EOS])
-    r.output_ids = [3, EOS]
+    r = req(ignore_eos=True, stop_token_ids=[4])
+    r.output_ids = [3, 4]
     r.check_finished(eos)
-    assert r.finished_reason is not None  # stop_token_ids still apply
+    assert r.finished_reason is None  # ignore_eos turns off every token-based stop
+    r = req(stop_token_ids=[4])
+    r.output_ids = [3, 4]
+    r.check_finished(eos)
+    assert r.finished_reason == {"type": "stop", "matched": 4}
     r = req()
     r.output_ids = [3, 4, 5, 6, EOS]
     r.check_finished(eos)

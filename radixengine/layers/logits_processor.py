@@ -20,6 +20,9 @@ class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # float32 [bs, vocab]
     # Filled by the sampler when the batch asks for logprobs: logprob of each chosen token [bs].
     next_token_logprobs: torch.Tensor | None = None
+    # Filled by the sampler: bool [bs], the rows whose logits had nothing to sample (all NaN or
+    # -inf); None when every row was fine.
+    invalid_rows: torch.Tensor | None = None
 
 
 class LogitsProcessor(nn.Module):

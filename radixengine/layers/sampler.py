@@ -37,11 +37,19 @@ class Sampler(nn.Module):
 
     def forward(
         self, logits: torch.Tensor, sampling_info: SamplingBatchInfo, return_logprob: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = logits.float()
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(next token ids, their logprobs or None, the rows with nothing to sample or None).
+        A row whose logits are all NaN or -inf still gets a valid id (its result is void)."""
+        logits = sampling_info.apply_min_new_tokens(logits.float())
+        invalid_rows = None
         if self.check_finite:
-            logits = sanitize_logits(logits)
-        info = sampling_info
+            logits, invalid_rows = sanitize_logits(logits)
+        next_ids, logprobs = self._sample(logits, sampling_info, return_logprob)
+        return next_ids, logprobs, invalid_rows
+
+    def _sample(
+        self, logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if info.is_all_greedy:
             next_ids = torch.argmax(logits, dim=-1)
             return next_ids, _chosen_logprobs(logits, next_ids) if return_logprob else None
@@ -55,21 +63,21 @@ class Sampler(nn.Module):
         return next_ids, _chosen_logprobs(scaled, next_ids) if return_logprob else None
 
 
-def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+def sanitize_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """NaN becomes -inf; in a row with +inf, the +inf entries are the only (equal) candidates.
-    Raises ValueError when a row has nothing left to sample (all NaN or -inf)."""
+    A row with nothing left to sample (all NaN or -inf) is returned as zeros and flagged in the
+    second value, a bool [bs] tensor (None when every row is fine)."""
     row_max = logits.amax(dim=-1)  # NaN propagates
     if bool(torch.isfinite(row_max).all()):
-        return logits
+        return logits, None
     logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     pos_inf = torch.isposinf(logits)
     has_pos_inf = pos_inf.any(dim=-1, keepdim=True)
     logits = torch.where(has_pos_inf, torch.where(pos_inf, 0.0, float("-inf")), logits)
     empty = torch.isneginf(logits).all(dim=-1)
-    if bool(empty.any()):
-        rows = empty.nonzero().view(-1).tolist()
-        raise ValueError(f"logits of batch row(s) {rows} are all NaN or -inf; nothing to sample")
-    return logits
+    if not bool(empty.any()):
+        return logits, None
+    return torch.where(empty.view(-1, 1), 0.0, logits), empty
 
 
 def _chosen_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

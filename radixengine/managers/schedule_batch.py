@@ -121,6 +121,17 @@ class Req:
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self._stop_str_max_len = max((len(s) for s in sampling_params.stop_strs), default=0)
 
+    def init_stop_str_window(self, tokenizer: Any) -> None:
+        """Size the look-back for stop strings in tokens: a character may span several tokens
+        (emoji, rare CJK, byte fallback), so take the most of the stop string's token count and
+        its UTF-8 length (no byte-level token is empty)."""
+        stops = self.sampling_params.stop_strs
+        if tokenizer is None or not stops or not hasattr(tokenizer, "encode"):
+            return
+        self._stop_str_max_len = max(
+            max(len(tokenizer.encode(s, add_special_tokens=False)), len(s.encode("utf-8"))) for s in stops
+        )
+
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
 
@@ -152,8 +163,9 @@ class Req:
     # Finishing ---------------------------------------------------------------------------------
 
     def check_finished(self, eos_token_ids: frozenset[int], tokenizer: Any = None) -> None:
-        """SGLang's order: abort, length, stop token ids / EOS, stop strings. Stop conditions
-        other than abort and length wait for min_new_tokens."""
+        """SGLang's order: abort, length, stop token ids / EOS (all skipped under ignore_eos),
+        stop strings. min_new_tokens is enforced by the sampler, which keeps EOS and the stop
+        token ids from being sampled before it; stop strings are checked from the first token."""
         if self.finished_reason is not None:
             return
         if self.to_abort:
@@ -166,14 +178,13 @@ class Req:
         if num_out >= params.max_new_tokens:
             self.finished_reason = finish_length(params.max_new_tokens)
             return
-        if num_out == 0 or num_out < params.min_new_tokens:
+        if num_out == 0:
             return
         last = self.output_ids[-1]
-        if last in self._stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+        if not params.ignore_eos and (last in self._stop_token_ids or last in eos_token_ids):
             self.finished_reason = finish_matched_token(last)
             return
         if self._stop_str_max_len and tokenizer is not None:
-            # A token decodes to at least one character, so this tail covers any stop string.
             tail = tokenizer.decode(self.output_ids[-(self._stop_str_max_len + 1) :])
             for stop in params.stop_strs:
                 if stop in tail:
@@ -225,6 +236,7 @@ class ScheduleBatch:
     device: torch.device | str = "cpu"
     page_size: int = 1
     vocab_size: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # suppressed until a request's min_new_tokens
 
     forward_mode: ForwardMode = ForwardMode.IDLE
     batch_is_full: bool = False
@@ -240,6 +252,8 @@ class ScheduleBatch:
     extend_lens: list[int] = field(default_factory=list)
     extend_num_tokens: int = 0
     return_logprob: bool = False
+    # MIXED only: how many of the requests (the last ones) run their decode step in this batch.
+    num_decoding_reqs: int = 0
     _sampling_base: SamplingBatchInfo | None = field(default=None, repr=False)
 
     @classmethod
@@ -362,8 +376,27 @@ class ScheduleBatch:
         self._evict_for(num_tokens)
         return self.token_to_kv_pool_allocator.available_size() >= num_tokens
 
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """Append the running batch's decode step (prepared: slots allocated, seq_lens counted)
+        to this prefill batch: each running request is an extend of one token over the KV it
+        has (mixed chunked prefill)."""
+        self.forward_mode = ForwardMode.MIXED
+        bs = running.batch_size()
+        self.prefix_lens = self.prefix_lens + (running.seq_lens_cpu - 1).tolist()
+        self.extend_lens = self.extend_lens + [1] * bs
+        self.extend_num_tokens += bs
+        input_ids = torch.cat([self.input_ids, running.input_ids.to(self.device)])
+        out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
+        self.merge_batch(running)
+        self.input_ids, self.out_cache_loc = input_ids, out_cache_loc
+        self.num_decoding_reqs = bs
+
+    def is_decoding_req(self, index: int) -> bool:
+        return index >= len(self.reqs) - self.num_decoding_reqs
+
     def prepare_for_decode(self) -> None:
         self.forward_mode = ForwardMode.DECODE
+        self.num_decoding_reqs = 0
         self.input_ids, self.output_ids = self.output_ids, None
         self.prefix_lens, self.extend_lens, self.extend_num_tokens = [], [], 0
         bs = len(self.reqs)
@@ -405,6 +438,7 @@ class ScheduleBatch:
             ]
         if len(keep_indices) == len(self.reqs):
             return
+        self.num_decoding_reqs = sum(1 for i in keep_indices if self.is_decoding_req(i))
         self.reqs = [self.reqs[i] for i in keep_indices]
         idx_cpu = _int64(keep_indices)
         idx = idx_cpu.to(self.device)
@@ -485,7 +519,11 @@ class ScheduleBatch:
         steps = (self.seq_lens_cpu - self.origin_lens_cpu).clamp_(min=0)
         if self._sampling_base is None:
             self._sampling_base = SamplingBatchInfo.from_sampling_params(
-                [r.sampling_params for r in self.reqs], steps.tolist(), self.device, self.vocab_size
+                [r.sampling_params for r in self.reqs],
+                steps.tolist(),
+                self.device,
+                self.vocab_size,
+                self.eos_token_ids,
             )
             return self._sampling_base
         return dataclasses.replace(self._sampling_base, steps=steps.to(self.device))

@@ -94,6 +94,7 @@ class Scheduler:
             enable_in_batch_prefix_caching=self.enable_in_batch_prefix_caching,
         )
         self.try_preemption = args.enable_priority_scheduling
+        self.enable_mixed_chunk = args.enable_mixed_chunk
         self.chunked_prefill_size = args.effective_chunked_prefill_size
         self.max_prefill_tokens = args.max_prefill_tokens
 
@@ -148,7 +149,7 @@ class Scheduler:
         self.max_req_input_len: int = info.max_req_input_len
         self.context_len: int = info.context_len
         self.vocab_size: int = info.vocab_size
-        self.eos_token_ids = frozenset(info.eos_token_ids)
+        self.eos_token_ids = frozenset(info.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.device = torch.device(info.device)
         if info.page_size != self.page_size:
             raise ValueError(f"--page-size {self.page_size} differs from the worker's pools ({info.page_size})")
@@ -167,6 +168,7 @@ class Scheduler:
             device=self.device,
             page_size=self.page_size,
             vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
         )
 
     # Input -------------------------------------------------------------------------------------
@@ -198,6 +200,7 @@ class Scheduler:
             stream=recv.stream,
             priority=recv.priority,
         )
+        req.init_stop_str_window(self.tokenizer)
         if self.server_args.enable_priority_scheduling and req.priority is None:
             req.priority = lowest_priority_value(self.server_args.schedule_low_priority_values_first)
         error = recv.error or self._validate_request(req)
@@ -324,6 +327,7 @@ class Scheduler:
             self.new_token_ratio,
             self.max_prefill_tokens,
             self.chunked_prefill_size,
+            mixed_with_decode_tokens=len(running.reqs) if self.enable_mixed_chunk else 0,
             priority_scheduling_preemption_threshold=self.server_args.priority_scheduling_preemption_threshold,
         )
         if self.chunked_req is not None:
@@ -372,7 +376,24 @@ class Scheduler:
         batch.prepare_for_extend()
         self.stats.num_cached_tokens += sum(r.cached_tokens for r in can_run) - cached_before
         self.stats.num_prefill_tokens += batch.extend_num_tokens
+        if self.enable_mixed_chunk:
+            self._mix_running_into(batch)
         return batch
+
+    def _mix_running_into(self, batch: ScheduleBatch) -> None:
+        """Mixed chunked prefill: the running requests take their decode step inside this prefill
+        batch. Not with logprobs, and not when the decode step would not fit (then decode runs
+        on its own next, where it can retract)."""
+        running = self.running_batch
+        if running.is_empty() or batch.return_logprob or running.return_logprob:
+            return
+        running.filter_batch()
+        if running.is_empty() or not running.check_decode_mem():
+            return
+        running.prepare_for_decode()
+        batch.mix_with_running(running)
+        self.running_batch = self._new_batch([])
+        self.running_batch.batch_is_full = running.batch_is_full
 
     def _preempt_for(self, adder: PrefillAdder, req: Req) -> bool:
         """Preempt running requests to make room for `req` (priority scheduling only). Releasing
@@ -394,7 +415,13 @@ class Scheduler:
     def _inflight_prefill_reqs(self) -> list[Req]:
         """Requests of launched prefill batches whose results are not processed yet (their
         prefixes are not in the tree yet). None in the normal loop."""
-        return [r for batch, _ in self.result_queue if batch.forward_mode.is_extend() for r in batch.reqs]
+        return [
+            r
+            for batch, _ in self.result_queue
+            if batch.forward_mode.is_extend()
+            for i, r in enumerate(batch.reqs)
+            if not batch.is_decoding_req(i)
+        ]
 
     def _prefix_being_computed(self, req: Req, trie: PrefixTrie) -> bool:
         shared = trie.match(req.fill_ids[: len(req.fill_ids) - 1])
@@ -463,6 +490,8 @@ class Scheduler:
         result.next_token_ids = _to_host(out.next_token_ids)
         if out.next_token_logprobs is not None:
             result.next_token_logprobs = _to_host(out.next_token_logprobs)
+        if out.invalid_rows is not None:
+            result.invalid_rows = _to_host(out.invalid_rows)
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         if batch.forward_mode.is_decode():
@@ -470,16 +499,18 @@ class Scheduler:
         elif batch.forward_mode.is_extend():
             self.process_batch_result_prefill(batch, result)
 
-    def _host_results(self, batch: ScheduleBatch, result: Any) -> tuple[list[int], list[float] | None]:
+    def _host_results(self, batch: ScheduleBatch, result: Any) -> HostResults:
         copy_done = getattr(result, "copy_done", None)
         if copy_done is not None:
             with self.timer.phase("wait"):
                 copy_done.synchronize()  # raises if the forward failed
-        next_ids = result.next_token_ids.tolist()
         logprobs = None
         if batch.return_logprob and result.next_token_logprobs is not None:
             logprobs = result.next_token_logprobs.tolist()
-        return next_ids, logprobs
+        invalid = frozenset()
+        if result.invalid_rows is not None:
+            invalid = frozenset(result.invalid_rows.nonzero().view(-1).tolist())
+        return HostResults(result.next_token_ids.tolist(), logprobs, invalid)
 
     def _append_token(self, req: Req, token: int, logprob: float | None) -> None:
         if req.sampling_params.max_new_tokens == 0:  # prefill only
@@ -497,29 +528,49 @@ class Scheduler:
         req.time_stats.finish_time = time.perf_counter()
         self.tree_cache.cache_finished_req(req)
 
+    def _take_result(self, req: Req, res: HostResults, row: int, batch: ScheduleBatch) -> None:
+        """Append the token sampled for `row` to `req` and finish it if it stops; a row whose
+        logits had nothing to sample (all NaN or -inf) fails that request alone."""
+        if row in res.invalid_rows:
+            logger.error("request %s: the model's logits are all NaN or -inf; aborting it", req.rid)
+            req.abort(
+                "The model produced no finite logits (all NaN or -inf) for this request.",
+                500,
+                "InternalServerError",
+            )
+            req.time_stats.finish_time = time.perf_counter()
+            # Its KV covers every token this batch computed (no new token is appended) and may
+            # hold NaN: freed, not inserted.
+            with req.as_prefilled_upto(int(batch.seq_lens_cpu[row])):
+                self.tree_cache.cache_finished_req(req, is_insert=False)
+            return
+        self._append_token(req, res.next_ids[row], res.logprobs[row] if res.logprobs else None)
+        if req.finished():
+            self._finish_req(req)
+
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: Any) -> None:
-        next_ids, logprobs = self._host_results(batch, result)
+        res = self._host_results(batch, result)
         stale: list[int] = []
         for i, req in enumerate(batch.reqs):
+            decoding = batch.is_decoding_req(i)  # a MIXED batch's decode step
             if req.is_retracted or req.finished():
-                # Overlap only: retracted while this batch ran; a re-prefill holds one slot more
-                # than cache_finished_req freed (its last output token's).
-                if req.is_retracted and req.output_ids:
+                # Overlap only: retracted while this batch ran (a re-prefill holds one slot more
+                # than cache_finished_req freed, its last output token's), or a decode step of a
+                # request that finished one step earlier.
+                if (req.is_retracted and req.output_ids) or decoding:
                     stale.append(i)
                 continue
             if req.is_chunked > 0:
                 req.is_chunked -= 1  # a partial prefill: its token is not an output
                 continue
-            self._append_token(req, next_ids[i], logprobs[i] if logprobs else None)
-            if req.finished():
-                self._finish_req(req)
-            else:
+            self._take_result(req, res, i, batch)
+            if not req.finished() and not decoding:
                 self.tree_cache.cache_unfinished_req(req)
             self._pending_outputs.append(req)
         self._free_stale_slots(batch, stale)
 
     def process_batch_result_decode(self, batch: ScheduleBatch, result: Any) -> None:
-        next_ids, logprobs = self._host_results(batch, result)
+        res = self._host_results(batch, result)
         allocator = self.token_to_kv_pool_allocator
         allocator.free_group_begin()
         stale: list[int] = []
@@ -527,9 +578,7 @@ class Scheduler:
             if req.is_retracted or req.finished():
                 stale.append(i)  # overlap only: it finished (or was retracted) one step earlier
                 continue
-            self._append_token(req, next_ids[i], logprobs[i] if logprobs else None)
-            if req.finished():
-                self._finish_req(req)
+            self._take_result(req, res, i, batch)
             self._pending_outputs.append(req)
         self._free_stale_slots(batch, stale)
         allocator.free_group_end()
@@ -781,10 +830,25 @@ class Scheduler:
         raise RuntimeError(f"scheduler not idle after {max_steps} steps: {self.get_internal_state()}")
 
 
+def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
+    """The tokenizer's own EOS id (SGLang adds it to the model's EOS set)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset() if eos is None else frozenset({eos})
+
+
 def _queue_time(req: Req) -> float | None:
     """Seconds from arrival to the first prefill batch (None if it never got one)."""
     t = req.time_stats
     return t.forward_entry_time - t.wait_queue_entry_time if t.forward_entry_time else None
+
+
+@dataclass
+class HostResults:
+    """A batch's sampled tokens on the host."""
+
+    next_ids: list[int]
+    logprobs: list[float] | None
+    invalid_rows: frozenset[int]  # rows whose logits had nothing to sample
 
 
 @dataclass
@@ -793,6 +857,7 @@ class OverlapResult:
 
     next_token_ids: torch.Tensor | None = None
     next_token_logprobs: torch.Tensor | None = None
+    invalid_rows: torch.Tensor | None = None
     copy_done: Any = None
 
 

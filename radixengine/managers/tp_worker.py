@@ -16,6 +16,7 @@ from radixengine.server_args import ServerArgs
 class GenerationBatchResult:
     next_token_ids: torch.Tensor  # int64 [bs], on the model's device
     next_token_logprobs: torch.Tensor | None = None  # float32 [bs] when the batch asked for them
+    invalid_rows: torch.Tensor | None = None  # bool [bs]: nothing to sample (NaN logits); None if none
 
 
 @dataclass
@@ -64,4 +65,6 @@ class TpModelWorker:
         forward_batch = ForwardBatch.init_new(model_worker_batch, self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
         next_token_ids = self.model_runner.sample(logits_output, forward_batch)
-        return GenerationBatchResult(next_token_ids, logits_output.next_token_logprobs)
+        return GenerationBatchResult(
+            next_token_ids, logits_output.next_token_logprobs, logits_output.invalid_rows
+        )

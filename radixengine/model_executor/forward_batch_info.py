@@ -17,10 +17,15 @@ if TYPE_CHECKING:
 class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill, possibly over a cached prefix
     DECODE = auto()  # one new token per request
+    MIXED = auto()  # a prefill batch with the running requests' decode step (one token each) appended
     IDLE = auto()  # nothing to run
 
     def is_extend(self) -> bool:
-        return self == ForwardMode.EXTEND
+        """EXTEND or MIXED: a decode request in a MIXED batch is an extend of one token."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE

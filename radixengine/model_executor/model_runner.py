@@ -194,8 +194,11 @@ class ModelRunner:
             if forward_batch.return_logprob:
                 logits_output.next_token_logprobs = _chosen_logprobs(logits, next_ids)
             return next_ids
-        next_ids, logprobs = self.sampler(logits, forward_batch.sampling_info, forward_batch.return_logprob)
+        next_ids, logprobs, invalid_rows = self.sampler(
+            logits, forward_batch.sampling_info, forward_batch.return_logprob
+        )
         logits_output.next_token_logprobs = logprobs
+        logits_output.invalid_rows = invalid_rows
         return next_ids
 
 

@@ -22,7 +22,10 @@ GGUF_BLOCK_MAX_TOKENS = 256
 
 
 def get_model(
-    model_config: ModelConfig, device: torch.device | str, load_format: str = "auto", gguf_blocks: bool = False
+    model_config: ModelConfig,
+    device: torch.device | str,
+    load_format: str = "auto",
+    gguf_blocks: bool = False,
 ) -> nn.Module:
     """The model with its weights; `gguf_blocks`: also keep the linears' GGUF blocks (see
     `layers.linear.BlockWeight`), the model must come from a GGUF file."""
@@ -50,14 +53,18 @@ def _build(model_config: ModelConfig, device: torch.device) -> nn.Module:
         torch.set_default_dtype(old_dtype)
 
 
+MISSING_NAMES_SHOWN = 8
+
+
 def _load_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
+    """Load every weight; a checkpoint that lacks any (a whole parameter or one part of a fused
+    one) is refused, naming what it lacks: the model's memory would stay uninitialised."""
     loaded = model.load_weights(safetensors_weights_iterator(model_config.hf_path))
-    expected = {name for name, _ in model.named_parameters()}
-    missing = sorted(expected - loaded)
+    missing = sorted(model.expected_weight_names() - loaded)
     if missing:
-        raise ValueError(
-            f"checkpoint {model_config.hf_path} lacks {len(missing)} weights, e.g. {missing[:3]}"
-        )
+        shown = ", ".join(missing[:MISSING_NAMES_SHOWN])
+        more = f" and {len(missing) - MISSING_NAMES_SHOWN} more" if len(missing) > MISSING_NAMES_SHOWN else ""
+        raise ValueError(f"checkpoint {model_config.hf_path} lacks {len(missing)} weight(s): {shown}{more}")
 
 
 @torch.no_grad()
@@ -97,7 +104,9 @@ def load_gguf_block_weights(model: nn.Module, model_config: ModelConfig) -> int:
         if count == module.block_weight.rows.shape[0]:
             kept += 1
         else:
-            logger.info("%s: not every shard is in a block type the kernel runs; float weights only", module_name)
+            logger.info(
+                "%s: not every shard is in a block type the kernel runs; float weights only", module_name
+            )
             module.block_weight = None
     logger.info("GGUF block weights for %d modules (batches of at most %d rows)", kept, GGUF_BLOCK_MAX_TOKENS)
     return kept

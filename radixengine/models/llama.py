@@ -151,7 +151,9 @@ class LlamaForCausalLM(nn.Module):
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded."""
+        """Copy checkpoint tensors (HF names) into the parameters; returns the checkpoint names
+        loaded, to compare with `expected_weight_names` (a fused parameter counts as loaded only
+        when each of its parts is)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -166,8 +168,21 @@ class LlamaForCausalLM(nn.Module):
                 owner = self.get_submodule(param_name.rsplit(".", 1)[0])
                 weight_loader = getattr(owner, "weight_loader", default_weight_loader)
                 weight_loader(param, tensor, shard_id)
-            loaded.add(param_name)
+            loaded.add(name)
         return loaded
+
+    def expected_weight_names(self) -> set[str]:
+        """The checkpoint names a complete checkpoint loads: every parameter, each fused one as
+        its parts (`qkv_proj` as `q_proj`, `k_proj` and `v_proj`)."""
+        names: set[str] = set()
+        for param_name, _ in self.named_parameters():
+            parts = [
+                param_name.replace(fused + ".", part + ".")
+                for fused, part, _ in self.stacked_params_mapping
+                if fused + "." in param_name
+            ]
+            names.update(parts or [param_name])
+        return names
 
     def _param_for(self, name: str) -> tuple[str, object]:
         for fused, part, shard_id in self.stacked_params_mapping:

@@ -31,6 +31,11 @@ class SamplingBatchInfo:
     max_top_k: int | None = None  # largest k among sampled rows; None = whole vocabulary
     seeded_rows: torch.Tensor | None = None  # int64 [n_seeded]: rows with a seed
     all_seeded: bool = False
+    # min_new_tokens: (row, token) pairs whose logit is -inf while the row has sampled fewer than
+    # its min_new_tokens (EOS ids and the request's stop_token_ids); None when no row asks.
+    min_tokens_rows: torch.Tensor | None = None  # int64 [n_pairs]
+    min_tokens_ids: torch.Tensor | None = None  # int64 [n_pairs]
+    min_tokens_limit: torch.Tensor | None = None  # int64 [n_pairs]: the row's min_new_tokens
 
     @property
     def batch_size(self) -> int:
@@ -43,6 +48,7 @@ class SamplingBatchInfo:
         steps: list[int],
         device: torch.device | str,
         vocab_size: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> SamplingBatchInfo:
         if len(params) != len(steps):
             raise ValueError(f"{len(params)} sampling params but {len(steps)} steps")
@@ -75,7 +81,42 @@ class SamplingBatchInfo:
             max_top_k=_max_top_k([ks[i] for i in sampled], full) if need_top_k else None,
             seeded_rows=torch.tensor(seeded, dtype=torch.int64, device=device) if seeded else None,
             all_seeded=len(seeded) == len(params) > 0,
+            **_min_new_tokens_pairs(params, eos_token_ids, device),
         )
+
+    def apply_min_new_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """EOS and stop tokens at -inf for the rows still short of their min_new_tokens (out of
+        place, with no host sync)."""
+        if self.min_tokens_rows is None:
+            return logits
+        rows, ids = self.min_tokens_rows, self.min_tokens_ids
+        active = self.steps.index_select(0, rows) < self.min_tokens_limit
+        suppressed = torch.where(active, float("-inf"), logits[rows, ids])
+        return logits.index_put((rows, ids), suppressed)
+
+
+def _min_new_tokens_pairs(
+    params: list[SamplingParams], eos_token_ids: frozenset[int], device: torch.device | str
+) -> dict[str, torch.Tensor | None]:
+    rows: list[int] = []
+    ids: list[int] = []
+    limits: list[int] = []
+    for row, p in enumerate(params):
+        if p.min_new_tokens <= 0:
+            continue
+        stops = sorted(set(p.stop_token_ids or ()) | eos_token_ids)
+        rows += [row] * len(stops)
+        ids += stops
+        limits += [p.min_new_tokens] * len(stops)
+    if not rows:
+        return {}
+    return dict(
+        min_tokens_rows=_int64(rows, device), min_tokens_ids=_int64(ids, device), min_tokens_limit=_int64(limits, device)
+    )
+
+
+def _int64(values: list[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _resolve_top_k(top_k: int, vocab_size: int | None) -> int:
