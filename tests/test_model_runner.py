@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 from model_utils import ModelDriver, make_runner, save_tiny_model
@@ -45,6 +46,47 @@ def test_cpu_default_pool_is_bounded(folder, monkeypatch):
     runner = make_runner(folder, max_total_tokens=None)
     assert 0 < runner.max_total_num_tokens <= 5000
     assert runner.cell_size() == 2 * 16 * 2 * 2 * 4  # kv heads * head dim * layers * (K, V) * fp32
+
+
+def _pretend_available(monkeypatch, nbytes: int) -> None:
+    memory = psutil.virtual_memory()._replace(available=nbytes)
+    monkeypatch.setattr(model_runner_module.psutil, "virtual_memory", lambda: memory)
+
+
+def _pool_bytes(runner) -> int:
+    kv = sum(k.numel() * k.element_size() * 2 for k in runner.token_to_kv_pool.k_buffer)
+    rows = runner.req_to_token_pool.req_to_token
+    return kv + rows.numel() * rows.element_size()
+
+
+def test_absurd_max_total_tokens_is_refused_at_start(folder):
+    with pytest.raises(RuntimeError, match=r"--max-total-tokens 1000000000000 .* available"):
+        make_runner(folder, max_total_tokens=10**12)
+
+
+def test_pool_beyond_available_memory_is_refused(folder, monkeypatch):
+    """The pool is mapped lazily, so nothing fails at start by itself: the check must."""
+    _pretend_available(monkeypatch, 64 << 20)
+    with pytest.raises(RuntimeError, match=r"--max-total-tokens 1000000 \(512\.0 MB"):
+        make_runner(folder, max_total_tokens=1_000_000)  # 512 B a token
+
+
+def test_req_to_token_counts_against_memory(folder, monkeypatch):
+    """4096 rows of 516 int32 (8.5 MB) on top of a 2 MB KV cache do not fit in 8 MB."""
+    _pretend_available(monkeypatch, 8 << 20)
+    with pytest.raises(RuntimeError, match=r"4096 requests \(--max-running-requests; 8\.5 MB"):
+        make_runner(folder, max_total_tokens=4096, max_running_requests=4096)
+    runner = make_runner(folder, max_total_tokens=4096, max_running_requests=64)
+    assert _pool_bytes(runner) < 8 << 20
+
+
+def test_default_pool_counts_req_to_token_in_its_share(folder, monkeypatch):
+    available = 100 << 20
+    _pretend_available(monkeypatch, available)
+    runner = make_runner(folder, max_total_tokens=None)
+    assert runner.req_to_token_pool.size == 4096
+    assert _pool_bytes(runner) <= model_runner_module.CPU_DEFAULT_RAM_FRACTION * available
+    assert runner.max_total_num_tokens > 10_000
 
 
 def test_attention_backend_registry(folder):

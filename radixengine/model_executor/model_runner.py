@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 # (raise it with --max-total-tokens).
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 CPU_DEFAULT_RAM_FRACTION = 0.2
+# An explicit --max-total-tokens may take at most this share of the available RAM (KV cache and
+# req_to_token together); the rest is left for activations and the process.
+CPU_MAX_RAM_FRACTION = 0.9
 
 
 class ModelRunner:
@@ -94,16 +97,36 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return c.num_key_value_heads * c.head_dim * c.num_hidden_layers * 2 * itemsize
 
+    def req_to_token_row_bytes(self) -> int:
+        """Bytes of one `req_to_token` row (int32 per token of the context, plus 4)."""
+        return (self.context_len + 4) * 4
+
+    def req_to_token_rows(self, max_total_tokens: int) -> int:
+        """ReqToTokenPool rows: --max-running-requests, else SGLang's rule from the pool size."""
+        return self.server_args.max_running_requests or min(
+            max(int(max_total_tokens / self.context_len * 512), 2048), 4096
+        )
+
+    def pool_bytes(self, max_total_tokens: int) -> tuple[int, int]:
+        """`(KV cache bytes, req_to_token bytes)` for a pool of `max_total_tokens`."""
+        kv = (max_total_tokens + self.page_size) * self.cell_size()
+        return kv, self.req_to_token_rows(max_total_tokens) * self.req_to_token_row_bytes()
+
+    def available_memory(self) -> int:
+        """Bytes the pools may come from: free device memory on CUDA, available RAM on a CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        return psutil.virtual_memory().available
+
     def profile_max_num_token(self) -> int:
         if self.server_args.max_total_tokens is not None:
             tokens = self.server_args.max_total_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            usable = free - total * (1.0 - self.server_args.mem_fraction_static)
-            tokens = int(usable // self.cell_size())
+            tokens = self._tokens_within(free - total * (1.0 - self.server_args.mem_fraction_static), None)
         else:
-            ram = psutil.virtual_memory().available * CPU_DEFAULT_RAM_FRACTION
-            tokens = min(CPU_DEFAULT_MAX_TOTAL_TOKENS, int(ram // self.cell_size()))
+            ram = self.available_memory() * CPU_DEFAULT_RAM_FRACTION
+            tokens = self._tokens_within(ram, CPU_DEFAULT_MAX_TOTAL_TOKENS)
         tokens = tokens // self.page_size * self.page_size
         if tokens <= 0:
             raise RuntimeError(
@@ -112,12 +135,38 @@ class ModelRunner:
             )
         return tokens
 
+    def _tokens_within(self, budget: float, cap: int | None) -> int:
+        """The most tokens whose KV cache and req_to_token rows together fit in `budget` bytes.
+        The rows grow with the pool, so size the pool without them first, then take their bytes
+        off: fewer tokens never need more rows."""
+        tokens = int(budget // self.cell_size()) - self.page_size
+        if cap is not None:
+            tokens = min(cap, tokens)
+        rows = self.req_to_token_rows(max(tokens, 1)) * self.req_to_token_row_bytes()
+        return min(tokens, int((budget - rows) // self.cell_size()) - self.page_size)
+
+    def check_pool_fits(self, max_total_tokens: int) -> None:
+        """Refuse at start a pool that the machine cannot hold: the CPU pool is mapped lazily,
+        so it would otherwise start and be killed for memory mid-serving."""
+        kv, rows = self.pool_bytes(max_total_tokens)
+        available = self.available_memory()
+        limit = available * (CPU_MAX_RAM_FRACTION if self.device.type == "cpu" else 1.0)
+        if kv + rows <= limit:
+            return
+        row_count = self.req_to_token_rows(max_total_tokens)
+        raise RuntimeError(
+            f"the KV cache for --max-total-tokens {max_total_tokens} ({_gb(kv)}) and req_to_token for "
+            f"{row_count} requests (--max-running-requests; {_gb(rows)}, {self.context_len + 4} tokens a row) "
+            f"need {_gb(kv + rows)}, but {self.device.type} memory has {_gb(available)} available"
+            f" (the pools may take {_gb(limit)}); lower --max-total-tokens, --max-running-requests "
+            "or --context-length"
+        )
+
     def init_memory_pool(self) -> None:
         c, args = self.model_config, self.server_args
         self.max_total_num_tokens = self.profile_max_num_token()
-        pool_size = args.max_running_requests or min(
-            max(int(self.max_total_num_tokens / self.context_len * 512), 2048), 4096
-        )
+        self.check_pool_fits(self.max_total_num_tokens)
+        pool_size = self.req_to_token_rows(self.max_total_num_tokens)
         self.max_running_requests = min(
             args.max_running_requests or self.max_total_num_tokens // 2, pool_size
         )
@@ -209,8 +258,14 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
     dtype = getattr(torch, name)
     if model_dtype != torch.float32 and dtype != model_dtype:
-        raise ValueError(f"--kv-cache-dtype {name} needs a float32 model or auto; the model runs in {model_dtype}")
+        raise ValueError(
+            f"--kv-cache-dtype {name} needs a float32 model or auto; the model runs in {model_dtype}"
+        )
     return dtype
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _chosen_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
