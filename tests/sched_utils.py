@@ -171,7 +171,8 @@ class ReqResult:
 
 
 def collect(outputs: list[object]) -> dict[str, ReqResult]:
-    """The last state of each request across the scheduler's BatchTokenIDOut messages."""
+    """The state of each request across the scheduler's BatchTokenIDOut messages (each carries
+    only the output ids new since the request's previous message: they are concatenated)."""
     results: dict[str, ReqResult] = {}
     for msg in outputs:
         if not isinstance(msg, BatchTokenIDOut):
@@ -180,7 +181,7 @@ def collect(outputs: list[object]) -> dict[str, ReqResult]:
             prev = results.get(rid)
             assert prev is None or prev.finished_reason is None, f"{rid}: output after it finished"
             results[rid] = ReqResult(
-                msg.output_ids[i],
+                (prev.output_ids if prev else []) + msg.output_ids[i],
                 msg.finished_reasons[i],
                 msg.prompt_tokens[i],
                 msg.cached_tokens[i],

@@ -1,11 +1,15 @@
 """DetokenizerManager: turns the scheduler's token ids into text, incrementally, in its own process.
 
+The scheduler sends each request's output ids once (only the new ones each step); the detokenizer
+keeps them per request until the request's finish reason comes, then drops its state.
 Incremental decoding as in SGLang: per request, `surr_offset..read_offset` is the window of ids
 already turned into text, kept as context so that the next piece decodes the way it would in the
-full sequence (leading spaces, merges). A piece whose text ends in U+FFFD is an incomplete UTF-8
-character split across tokens: it is held back until the next token completes it. When a request
-finishes, its whole output is decoded once (the final text never depends on how it was streamed)
-and trimmed at the matched stop string or stop token unless `no_stop_trim`."""
+full sequence (leading spaces, merges). The window starts in the last prompt tokens (the first
+message of a request carries them), so the first output token keeps its leading space with
+SentencePiece tokenizers. A piece whose text ends in U+FFFD is an incomplete UTF-8 character split
+across tokens: it is held back until the next token completes it. When a request finishes, its
+whole output is decoded once after the same prompt tokens (the final text never depends on how it
+was streamed) and trimmed at the matched stop string or stop token unless `no_stop_trim`."""
 
 from __future__ import annotations
 
@@ -23,9 +27,16 @@ REPLACEMENT_CHAR = "\ufffd"
 
 @dataclass
 class DecodeStatus:
-    decoded_text: str = ""  # text of output_ids[:read_offset], never ending in a broken char
+    """One request: `ids` is the prompt's tail (`prefix_len` ids, decode context only) followed by
+    every output id so far."""
+
+    ids: list[int]
+    prefix_len: int
+    prefix_text: str  # the decoded prompt tail
+    decoded_text: str = ""  # text of the output ids before read_offset, never ending in a broken char
     surr_offset: int = 0
     read_offset: int = 0
+    sent_len: int = 0  # how much of decoded_text the previous messages carried
 
 
 def trim_matched_stop(text: str, output_ids: list[int], finished_reason: dict | None, no_stop_trim: bool):
@@ -56,48 +67,55 @@ class IncrementalDetokenizer:
     def step(
         self,
         rid: str,
-        output_ids: list[int],
+        new_ids: list[int],
         skip_special_tokens: bool,
         finished_reason: dict | None = None,
         no_stop_trim: bool = False,
+        prompt_tail_ids: list[int] | None = None,
     ) -> str:
-        """The request's text so far: everything decodable, and the trimmed full text once finished."""
+        """Take the request's new output ids; return its text so far (everything decodable), or
+        its trimmed final text once finished (and forget the request). The first call for a
+        request must give `prompt_tail_ids` (an empty list for no context)."""
+        status = self.status.get(rid)
+        if status is None:
+            status = self.status[rid] = self.new_status(rid, prompt_tail_ids, skip_special_tokens)
+        status.ids.extend(new_ids)
         if finished_reason is not None:
-            self.status.pop(rid, None)
-            return self.finish_text(output_ids, skip_special_tokens, finished_reason, no_stop_trim)
-        status = self.status.setdefault(rid, DecodeStatus())
-        if len(output_ids) < status.read_offset:  # the request was restarted: decode from scratch
-            status = self.status[rid] = DecodeStatus()
-        if len(output_ids) == status.read_offset:
+            del self.status[rid]
+            return self.finish_text(status, skip_special_tokens, finished_reason, no_stop_trim)
+        if len(status.ids) == status.read_offset:
             return status.decoded_text
-        surr_text = self.decode(output_ids[status.surr_offset : status.read_offset], skip_special_tokens)
-        new_text = self.decode(output_ids[status.surr_offset :], skip_special_tokens)
+        surr_text = self.decode(status.ids[status.surr_offset : status.read_offset], skip_special_tokens)
+        new_text = self.decode(status.ids[status.surr_offset :], skip_special_tokens)
         if new_text.endswith(REPLACEMENT_CHAR):
             return status.decoded_text  # incomplete character: wait for the next token
         status.decoded_text += new_text[len(surr_text) :]
         status.surr_offset = status.read_offset
-        status.read_offset = len(output_ids)
+        status.read_offset = len(status.ids)
         return status.decoded_text
 
+    def new_status(self, rid: str, prompt_tail_ids: list[int] | None, skip_special_tokens: bool) -> DecodeStatus:
+        if prompt_tail_ids is None:
+            raise ValueError(f"request {rid!r}: its first output came without the prompt's tail ids")
+        tail = list(prompt_tail_ids)
+        text = self.decode(tail, skip_special_tokens)
+        while tail and text.endswith(REPLACEMENT_CHAR):
+            # A prompt ending inside a character: its last bytes are no context for the output.
+            tail.pop()
+            text = self.decode(tail, skip_special_tokens)
+        return DecodeStatus(ids=tail, prefix_len=len(tail), prefix_text=text, read_offset=len(tail))
+
     def finish_text(
-        self, output_ids: list[int], skip_special_tokens: bool, finished_reason: dict, no_stop_trim: bool
+        self, status: DecodeStatus, skip_special_tokens: bool, finished_reason: dict, no_stop_trim: bool
     ) -> str:
-        _, ids = trim_matched_stop("", output_ids, finished_reason, no_stop_trim)
-        text = self.decode(ids, skip_special_tokens)
+        _, ids = trim_matched_stop("", status.ids[status.prefix_len :], finished_reason, no_stop_trim)
+        text = self.decode(status.ids[: status.prefix_len] + ids, skip_special_tokens)
+        text = text[len(status.prefix_text) :]
         text, _ = trim_matched_stop(text, ids, finished_reason, no_stop_trim)
         return text
 
     def handle_batch_token_id_out(self, recv: BatchTokenIDOut) -> BatchStrOut:
-        texts = [
-            self.step(
-                rid,
-                recv.output_ids[i],
-                recv.skip_special_tokens[i],
-                recv.finished_reasons[i],
-                recv.no_stop_trim[i],
-            )
-            for i, rid in enumerate(recv.rids)
-        ]
+        texts = [self._new_text(recv, i) for i in range(len(recv.rids))]
         return BatchStrOut(
             rids=recv.rids,
             finished_reasons=recv.finished_reasons,
@@ -108,6 +126,17 @@ class IncrementalDetokenizer:
             output_token_logprobs=recv.output_token_logprobs,
             queue_times=recv.queue_times,
         )
+
+    def _new_text(self, recv: BatchTokenIDOut, i: int) -> str:
+        """The text the i-th request's message carries: new since its last one, or the final text."""
+        rid, reason = recv.rids[i], recv.finished_reasons[i]
+        skip, no_stop_trim, tail = recv.skip_special_tokens[i], recv.no_stop_trim[i], recv.prompt_tail_ids[i]
+        text = self.step(rid, recv.output_ids[i], skip, reason, no_stop_trim, tail)
+        if reason is not None:
+            return text
+        status = self.status[rid]
+        new, status.sent_len = text[status.sent_len :], len(text)
+        return new
 
 
 class FastDecoder:

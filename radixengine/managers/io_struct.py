@@ -72,20 +72,28 @@ class GetInternalStateReqOutput:
 
 # Scheduler -> detokenizer ---------------------------------------------------------------------
 
+# How many prompt tokens the detokenizer decodes the output after, so that the first output token
+# decodes the way it does in the full sequence (SentencePiece tokenizers keep its leading space).
+INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+
 
 @dataclass
 class BatchTokenIDOut:
-    """One step's outputs. Per request: the output ids so far (all of them, so the detokenizer
-    keeps no state that could drift), and the finish reason once finished."""
+    """One step's outputs. Per request only what is new since its previous message: the output
+    ids (and their logprobs) sent before are not sent again, so a long generation costs the same
+    per step; the detokenizer keeps each request's ids until its finish reason comes."""
 
     rids: list[str]
     finished_reasons: list[dict | None]
-    output_ids: list[list[int]]
+    output_ids: list[list[int]]  # the output ids new since the request's previous message
+    # The last INIT_INCREMENTAL_DETOKENIZATION_OFFSET prompt ids while no output id has been sent
+    # (the detokenizer decodes the output after them), None afterwards.
+    prompt_tail_ids: list[list[int] | None]
     prompt_tokens: list[int]
     cached_tokens: list[int]
     skip_special_tokens: list[bool]
     no_stop_trim: list[bool]
-    # Per request, per output token: logprob of the chosen token (only when asked for).
+    # Per request, per new output token: logprob of the chosen token (only when asked for).
     output_token_logprobs: list[list[float] | None] = field(default_factory=list)
     # Per request: seconds from arrival to its first prefill batch (None while it waits); empty
     # when the scheduler does not report it. Feeds the per-priority queue-time metric.
@@ -97,10 +105,13 @@ class BatchTokenIDOut:
 
 @dataclass
 class BatchStrOut:
+    """Per request, like BatchTokenIDOut, only what is new since its previous message; the text
+    of a finished request is its whole final text (decoded once, stop strings trimmed)."""
+
     rids: list[str]
     finished_reasons: list[dict | None]
-    output_strs: list[str]  # the full text so far (stop strings trimmed once finished)
-    output_ids: list[list[int]]
+    output_strs: list[str]  # unfinished: the text decoded since the previous message; finished: all of it
+    output_ids: list[list[int]]  # the output ids new since the previous message
     prompt_tokens: list[int]
     cached_tokens: list[int]
     output_token_logprobs: list[list[float] | None] = field(default_factory=list)

@@ -97,6 +97,8 @@ class Req:
 
         self.output_ids: list[int] = []
         self.output_token_logprobs: list[float] = []
+        # How many output ids (and their logprobs) stream_output has sent to the detokenizer.
+        self.send_token_offset = 0
         # The tokens this round computes KV for (origin + output, truncated for a chunk).
         self.fill_ids: list[int] = []
         self.prefix_indices: torch.Tensor = _EMPTY_INDICES

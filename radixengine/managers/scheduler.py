@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from radixengine.managers.io_struct import (
+    INIT_INCREMENTAL_DETOKENIZATION_OFFSET,
     AbortReq,
     BatchTokenIDOut,
     FlushCacheReqInput,
@@ -601,20 +602,31 @@ class Scheduler:
         self.token_to_kv_pool_allocator.free(locs)
 
     def stream_output(self) -> None:
-        """One BatchTokenIDOut for every request that got a token, finished or failed this step."""
-        reqs, self._pending_outputs = self._pending_outputs, []
+        """One BatchTokenIDOut for every request that got a token, finished or failed this step.
+        Per request only what is new since its previous message (ids, logprobs): a long
+        generation costs the same per step. Output ids survive retraction, so the offset does."""
+        reqs = list(dict.fromkeys(self._pending_outputs))  # a request once, in order
+        self._pending_outputs = []
         if not reqs:
             return
+        new_ids, new_logprobs, tails = [], [], []
+        for r in reqs:
+            start = r.send_token_offset
+            new_ids.append(r.output_ids[start:])
+            new_logprobs.append(r.output_token_logprobs[start:] if r.return_logprob else None)
+            tails.append(r.origin_input_ids[-INIT_INCREMENTAL_DETOKENIZATION_OFFSET:] if start == 0 else None)
+            r.send_token_offset = len(r.output_ids)
         self.io.send(
             BatchTokenIDOut(
                 rids=[r.rid for r in reqs],
                 finished_reasons=[r.finished_reason for r in reqs],
-                output_ids=[list(r.output_ids) for r in reqs],
+                output_ids=new_ids,
+                prompt_tail_ids=tails,
                 prompt_tokens=[len(r.origin_input_ids) for r in reqs],
                 cached_tokens=[r.cached_tokens for r in reqs],
                 skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
                 no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
-                output_token_logprobs=[list(r.output_token_logprobs) if r.return_logprob else None for r in reqs],
+                output_token_logprobs=new_logprobs,
                 queue_times=[_queue_time(r) for r in reqs],
             )
         )

@@ -74,10 +74,13 @@ class ReqState:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     outs: deque = field(default_factory=deque)
     finished: bool = False
+    # The outputs so far (the detokenizer sends what is new each step); the text only when streaming.
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    output_token_logprobs: list[float] = field(default_factory=list)
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None
-    num_output_ids: int = 0
     queue_time_seen: bool = False
 
 
@@ -298,41 +301,60 @@ class TokenizerManager:
             if state is None:
                 continue  # aborted by its client
             reason = recv.finished_reasons[i]
-            out_ids = recv.output_ids[i]
-            self._record_tokens(state, len(out_ids), now)
-            if i < len(recv.queue_times):
-                self._record_queue_time(state, recv.queue_times[i])
+            self._add_output(state, recv, i, now)
             if reason is None and not state.obj.stream:
                 continue
-            text = recv.output_strs[i] if reason is not None else self._visible_text(recv.output_strs[i], state)
-            meta = {
-                "id": rid,
-                "prompt_tokens": recv.prompt_tokens[i],
-                "completion_tokens": len(out_ids),
-                "cached_tokens": recv.cached_tokens[i],
-                "finish_reason": reason,
-                "e2e_latency": now - state.created_time,
-            }
-            if state.obj.return_logprob and i < len(recv.output_token_logprobs):
-                meta["output_token_logprobs"] = recv.output_token_logprobs[i]
-            state.outs.append({"text": text, "output_ids": list(out_ids), "meta_info": meta})
+            out = self._make_output(state, recv, i, now)
+            state.outs.append(out)
             if reason is not None:
                 state.finished = True
                 del self.rid_to_state[rid]
                 if self.metrics is not None:
-                    self.metrics.observe_finished(meta, state.first_token_time, state.created_time, now)
+                    self.metrics.observe_finished(out["meta_info"], state.first_token_time, state.created_time, now)
             state.event.set()
 
-    def _record_tokens(self, state: ReqState, num_ids: int, now: float) -> None:
-        new = num_ids - state.num_output_ids
-        if new <= 0:
+    def _add_output(self, state: ReqState, recv: BatchStrOut, i: int, now: float) -> None:
+        """Append the i-th request's new ids, logprobs and (streaming) text to its state."""
+        new_ids = recv.output_ids[i]
+        state.output_ids.extend(new_ids)
+        logprobs = recv.output_token_logprobs[i] if i < len(recv.output_token_logprobs) else None
+        if logprobs:
+            state.output_token_logprobs.extend(logprobs)
+        if recv.finished_reasons[i] is not None:
+            state.text = recv.output_strs[i]  # the whole final text
+        elif state.obj.stream:
+            state.text += recv.output_strs[i]
+        self._record_tokens(state, len(new_ids), now)
+        if i < len(recv.queue_times):
+            self._record_queue_time(state, recv.queue_times[i])
+
+    def _make_output(self, state: ReqState, recv: BatchStrOut, i: int, now: float) -> dict:
+        """The request's output so far (copies while it streams: later steps extend the state)."""
+        reason = recv.finished_reasons[i]
+        meta = {
+            "id": recv.rids[i],
+            "prompt_tokens": recv.prompt_tokens[i],
+            "completion_tokens": len(state.output_ids),
+            "cached_tokens": recv.cached_tokens[i],
+            "finish_reason": reason,
+            "e2e_latency": now - state.created_time,
+        }
+        finished = reason is not None
+        if state.obj.return_logprob:
+            lps = state.output_token_logprobs
+            meta["output_token_logprobs"] = lps if finished else list(lps)
+        text = state.text if finished else self._visible_text(state.text, state)
+        ids = state.output_ids if finished else list(state.output_ids)
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _record_tokens(self, state: ReqState, num_new: int, now: float) -> None:
+        if num_new <= 0:
             return
         if self.metrics is not None:
-            self.metrics.observe_tokens(state, new, now)
+            self.metrics.observe_tokens(state, num_new, now)
         if state.first_token_time is None:
             state.first_token_time = now
         state.last_token_time = now
-        state.num_output_ids = num_ids
 
     def _record_queue_time(self, state: ReqState, queue_time: float | None) -> None:
         if queue_time is None or state.queue_time_seen:
