@@ -9,11 +9,13 @@ scheduler and the detokenizer run in child processes (spawned, talking over ZMQ 
 a private temporary directory). Errors: a single-prompt call raises `RequestError` for a request
 the engine refuses or aborts; in a batch call every result carries its own outcome, and a failed
 one has `"error"` (the message) and `meta_info.finish_reason == {"type": "abort", ...}` while the
-others finish normally. If a child process dies, every call raises `EngineDeadError`."""
+others finish normally. If a child process dies, every call raises `EngineDeadError`; `shutdown()`
+ends every call still in flight with `EngineDeadError` at once, and later calls raise RuntimeError."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -106,22 +108,55 @@ def shutdown_subprocesses(manager: TokenizerManager) -> None:
     remove_ipc_dir(getattr(manager, "ipc_dir", None))
 
 
+SHUTDOWN_MESSAGE = "the engine was shut down"
+
+
 class _Runtime:
-    """What shutdown needs, kept apart from the Engine so that a finalizer can hold it."""
+    """What shutdown needs, kept apart from the Engine so that a finalizer can hold it: the
+    manager, its event loop and thread, and every call submitted to that loop."""
 
     def __init__(self, manager: TokenizerManager, loop: asyncio.AbstractEventLoop, thread: threading.Thread):
         self.manager, self.loop, self.thread = manager, loop, thread
+        self.lock = threading.Lock()
+        self.closed = False
+        self.calls: weakref.WeakSet[concurrent.futures.Future] = weakref.WeakSet()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        """Run `coro` in the manager's loop; refused once shutdown began."""
+        with self.lock:
+            if self.closed:
+                coro.close()
+                raise RuntimeError("the engine has been shut down")
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self.calls.add(future)
+        return future
 
     def shutdown(self) -> None:
+        """Every call still running ends with `EngineDeadError` at once; then the loop stops and
+        the child processes are ended."""
+        with self.lock:
+            self.closed = True
         self.manager.stopping = True
         if self.loop.is_running() and threading.current_thread() is not self.thread:
             try:
-                asyncio.run_coroutine_threadsafe(self.manager.aclose(), self.loop).result(5.0)
+                asyncio.run_coroutine_threadsafe(_close(self.manager), self.loop).result(10.0)
             except Exception as e:  # best effort: the processes are ended below anyway
                 logger.warning("closing the tokenizer manager: %r", e)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5.0)
+        for future in list(self.calls):  # any the loop did not get to run
+            if not future.done():
+                future.set_exception(EngineDeadError(SHUTDOWN_MESSAGE))
         shutdown_subprocesses(self.manager)
+
+
+async def _close(manager: TokenizerManager) -> None:
+    """Close the manager (its pending requests fail with EngineDeadError), then let every other
+    task of this loop (the calls in flight) see its error and end."""
+    await manager.aclose(SHUTDOWN_MESSAGE)
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=5.0)
 
 
 class Engine:
@@ -186,7 +221,7 @@ class Engine:
                 raise ValueError("stream=True takes a single prompt with n == 1")
             objs[0].stream = True
             return self._stream_async(objs[0])
-        future = asyncio.run_coroutine_threadsafe(self._generate_all(objs, single), self.loop)
+        future = self._runtime.submit(self._generate_all(objs, single))
         return await asyncio.wrap_future(future)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: dict | list[dict] | None = None, **kwargs):
@@ -221,10 +256,7 @@ class Engine:
     # Internals ---------------------------------------------------------------------------------
 
     def _run(self, coro):
-        if not self._finalizer.alive:
-            coro.close()
-            raise RuntimeError("the engine has been shut down")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = self._runtime.submit(coro)
         try:
             return future.result()
         except KeyboardInterrupt:
@@ -256,7 +288,7 @@ class Engine:
 
     def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict]:
         items: queue.Queue = queue.Queue()
-        future = asyncio.run_coroutine_threadsafe(_pump(self.tokenizer_manager, obj, items.put), self.loop)
+        future = self._submit_pump(obj, items.put)
         delta = _StreamDelta()
         try:
             while True:
@@ -269,6 +301,17 @@ class Engine:
         finally:
             future.cancel()
 
+    def _submit_pump(self, obj: GenerateReqInput, put) -> concurrent.futures.Future:
+        """Start a stream's pump; if it cannot run (shutdown), its error still reaches the reader."""
+        future = self._runtime.submit(_pump(self.tokenizer_manager, obj, put))
+
+        def on_done(f: concurrent.futures.Future) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                put(("error", f.exception()))
+
+        future.add_done_callback(on_done)
+        return future
+
     async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         caller = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
@@ -276,7 +319,7 @@ class Engine:
         def put(item) -> None:
             caller.call_soon_threadsafe(items.put_nowait, item)
 
-        future = asyncio.run_coroutine_threadsafe(_pump(self.tokenizer_manager, obj, put), self.loop)
+        future = self._submit_pump(obj, put)
         delta = _StreamDelta()
         try:
             while True:

@@ -12,6 +12,7 @@ from test_engine_utils import build_tiny_model, hf_greedy, load_hf_model
 
 from radixengine import Engine
 from radixengine.engine import RequestError
+from radixengine.managers.io_struct import GenerateReqInput
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -31,7 +32,9 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    engine = Engine(model_path=model_path, dtype="float32", max_total_tokens=8192, num_threads=1, log_level="warning")
+    engine = Engine(
+        model_path=model_path, dtype="float32", max_total_tokens=8192, num_threads=1, log_level="warning"
+    )
     yield engine
     engine.shutdown()
 
@@ -65,7 +68,10 @@ def decode(engine, ids):
 def assert_accounting(engine) -> None:
     info = engine.get_server_info()
     assert info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0
-    assert info["available_tokens"] + info["evictable_tokens"] + info["protected_tokens"] == info["max_total_tokens"]
+    assert (
+        info["available_tokens"] + info["evictable_tokens"] + info["protected_tokens"]
+        == info["max_total_tokens"]
+    )
 
 
 def test_unknown_server_arg_is_a_type_error():
@@ -193,3 +199,61 @@ def test_server_info(engine):
         assert key in info
     assert info["num_cached_tokens"] > 0
     assert_accounting(engine)
+
+
+def test_rid_of_an_aborted_request_is_refused_until_the_scheduler_finished_it(engine):
+    """A client that gives up and retries at once with the same rid is refused with a clear 400
+    (not handed the old request's "aborted" output) while the old one is being aborted; once the
+    scheduler's final output for it arrived, the rid is free again."""
+    tm = engine.tokenizer_manager
+    long = {"max_new_tokens": 500, "ignore_eos": True}
+
+    async def scenario() -> dict:
+        old = tm.generate_request(
+            GenerateReqInput(text=PROMPTS[0], sampling_params=long, rid="again", stream=True)
+        )
+        await old.__anext__()  # it runs
+        await old.aclose()  # its client is gone: the abort is sent, the scheduler has not finished it
+        retry = tm.generate_request(GenerateReqInput(text=PROMPTS[0], sampling_params=GREEDY, rid="again"))
+        with pytest.raises(RequestError) as refused:
+            await retry.__anext__()
+        assert refused.value.status_code == 400 and refused.value.param == "rid"
+        assert "duplicate request id 'again'" in refused.value.message
+        while "again" in tm.rid_to_state:  # until the old request's final output arrives
+            await asyncio.sleep(0.01)
+        outs = [
+            out
+            async for out in tm.generate_request(
+                GenerateReqInput(text=PROMPTS[0], sampling_params=GREEDY, rid="again")
+            )
+        ]
+        return outs[-1]
+
+    out = asyncio.run_coroutine_threadsafe(scenario(), engine.loop).result(120)
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and out["meta_info"]["id"] == "again"
+    assert_accounting(engine)
+
+
+@pytest.mark.parametrize("rid", [{"a": 1}, [["a"]], 5])
+def test_rid_that_is_not_a_string_is_refused(engine, rid):
+    with pytest.raises(RequestError, match="rid must be a string") as e:
+        engine.generate(PROMPTS[0], GREEDY, rid=rid)
+    assert e.value.param == "rid" and e.value.status_code == 400
+
+
+def test_top_logprobs_num_is_refused_not_dropped(engine):
+    """Only the chosen token's logprob is computed: asking for the top alternatives is a 400."""
+    tm = engine.tokenizer_manager
+
+    async def run(num):
+        obj = GenerateReqInput(
+            text=PROMPTS[0], sampling_params=GREEDY, return_logprob=True, top_logprobs_num=num
+        )
+        return [out async for out in tm.generate_request(obj)][-1]
+
+    for num in (2, -1, "3"):
+        with pytest.raises(RequestError, match="top_logprobs_num") as e:
+            asyncio.run_coroutine_threadsafe(run(num), engine.loop).result(60)
+        assert e.value.param == "top_logprobs_num"
+    out = asyncio.run_coroutine_threadsafe(run(0), engine.loop).result(60)
+    assert len(out["meta_info"]["output_token_logprobs"]) == MAX_NEW

@@ -1,13 +1,17 @@
 """The Engine's processes: a killed scheduler gives a clear error (not a hang) and no orphan;
-shutdown() and garbage collection leave no child process behind."""
+shutdown() fails the calls in flight at once; shutdown() and garbage collection leave no child
+process behind."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -94,3 +98,52 @@ def test_children_exit_when_the_parent_is_killed(model_path, tmp_path):
         parent.kill()
         parent.wait()
     assert wait_gone(children, timeout=10) == set()
+
+
+def test_shutdown_fails_the_calls_in_flight_at_once(model_path):
+    """generate() in a thread, an async_generate awaiter and a stream, all waiting on a scheduler
+    that cannot answer (stopped): shutdown() ends each with EngineDeadError, at once."""
+    engine = Engine(model_path=model_path, **ARGS)
+    scheduler = engine_children(engine)["scheduler"]
+    params = {"max_new_tokens": 8}
+    results: dict[str, BaseException | object] = {}
+
+    def call(name: str, fn) -> threading.Thread:
+        def run() -> None:
+            try:
+                results[name] = fn()
+            except BaseException as e:
+                results[name] = e
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    async def awaiter():
+        return await engine.async_generate("hello", params, rid="awaited")
+
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        threads = [
+            call("generate", lambda: engine.generate("hello", params, rid="blocked")),
+            call("async_generate", lambda: asyncio.run(awaiter())),
+            call("stream", lambda: list(engine.generate("hello", params, stream=True, rid="streamed"))),
+        ]
+        deadline = time.monotonic() + 30
+        while not {"blocked", "awaited", "streamed"} <= set(engine.tokenizer_manager.rid_to_state):
+            assert time.monotonic() < deadline, "the calls did not reach the tokenizer manager"
+            time.sleep(0.01)
+        closer = call("shutdown", engine.shutdown)
+        for thread in threads:
+            thread.join(10)
+            assert not thread.is_alive(), "a call still waits after shutdown()"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # shutdown() may have ended it already
+            os.kill(scheduler, signal.SIGCONT)
+    closer.join(30)
+    for name in ("generate", "async_generate", "stream"):
+        assert isinstance(results[name], EngineDeadError), (name, results[name])
+        assert "shut down" in str(results[name])
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate("hello", params)
+    assert wait_gone({scheduler}) == set()

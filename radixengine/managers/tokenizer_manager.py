@@ -3,7 +3,8 @@
 It tokenizes a request (text, chat messages through the tokenizer's chat template, or input ids),
 validates it, sends it to the scheduler process and yields the detokenized outputs as they come
 back from the detokenizer process. A watchdog polls the child processes: if one dies, every
-pending request and every later one fails at once with an `EngineDeadError` naming it."""
+pending request and every later one fails at once with an `EngineDeadError` naming it; closing
+the manager (`aclose`, on shutdown) fails the pending requests the same way."""
 
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ class ReqState:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     outs: deque = field(default_factory=deque)
     finished: bool = False
+    # Aborted by its caller: the state (and so the rid) is kept until the scheduler's final output
+    # for it arrives, so that a new request with the same rid cannot receive the old one's outputs.
+    aborted: bool = False
     # The outputs so far (the detokenizer sends what is new each step); the text only when streaming.
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -129,9 +133,12 @@ class TokenizerManager:
         self.send_to_scheduler.connect(self.port_args.scheduler_input_ipc_name)
         self._tasks = [loop.create_task(self.handle_loop()), loop.create_task(self.watchdog_loop())]
 
-    async def aclose(self) -> None:
-        """Stop the loops and close the sockets (in the manager's event loop)."""
+    async def aclose(self, message: str = "the engine was shut down") -> None:
+        """Fail every pending request with `EngineDeadError(message)`, stop the loops and close
+        the sockets (in the manager's event loop)."""
         self.stopping = True
+        if self.dead_error is None:
+            self.fail_pending(message)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -166,14 +173,18 @@ class TokenizerManager:
                     if out["meta_info"]["finish_reason"] is not None:
                         return
         finally:
-            if not state.finished and tokenized.rid in self.rid_to_state:
+            if not state.finished:
                 self.abort_request(tokenized.rid)
 
     def abort_request(self, rid: str) -> None:
-        if self.rid_to_state.pop(rid, None) is None:
+        """Abort a running request. Its state stays, marked aborted, until the scheduler's final
+        output for it arrives (that output is dropped): until then the rid is taken, and a new
+        request with the same rid is refused."""
+        state = self.rid_to_state.get(rid)
+        if state is None or state.finished or state.aborted:
             return
-        if self._loop is not None and self.dead_error is None:
-            self.send_to_scheduler.send_pyobj(AbortReq(rid))
+        state.aborted = True
+        self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._request_reply(FlushCacheReqInput(), FlushCacheReqOutput)
@@ -193,14 +204,13 @@ class TokenizerManager:
     # Tokenization and validation ---------------------------------------------------------------
 
     def tokenize_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        rid = self.check_rid(obj.rid)
         input_text, input_ids, param = self.tokenize_prompt(obj)
         sampling_params = self.make_sampling_params(obj.sampling_params, len(input_ids))
         self.validate_input_ids(input_ids, sampling_params, param)
         if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
             raise RequestError(f"priority must be an integer, got {obj.priority!r}", param="priority")
-        rid = obj.rid or uuid.uuid4().hex
-        if rid in self.rid_to_state:
-            raise RequestError(f"duplicate request id {rid!r}", param="rid")
+        check_top_logprobs_num(obj.top_logprobs_num)
         obj.rid = rid
         return TokenizedGenerateReqInput(
             rid=rid,
@@ -209,9 +219,22 @@ class TokenizerManager:
             sampling_params=sampling_params,
             stream=obj.stream,
             return_logprob=obj.return_logprob,
-            top_logprobs_num=obj.top_logprobs_num,
             priority=obj.priority,
         )
+
+    def check_rid(self, rid: object) -> str:
+        """The request's id: the given one (a string no running request has), or a new one. A
+        request aborted by its client holds its rid until the scheduler has finished it."""
+        if rid is None or rid == "":
+            return uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise RequestError(f"rid must be a string, got {type(rid).__name__}", param="rid")
+        if rid in self.rid_to_state:
+            raise RequestError(
+                f"duplicate request id {rid!r}: a request with this id is still running (or being aborted)",
+                param="rid",
+            )
+        return rid
 
     def make_sampling_params(self, params: dict | SamplingParams | None, prompt_len: int) -> SamplingParams:
         """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default)."""
@@ -299,8 +322,12 @@ class TokenizerManager:
         for i, rid in enumerate(recv.rids):
             state = self.rid_to_state.get(rid)
             if state is None:
-                continue  # aborted by its client
+                continue  # failed already (the engine died or shut down)
             reason = recv.finished_reasons[i]
+            if state.aborted:
+                if reason is not None:  # the scheduler is done with it: the rid is free again
+                    del self.rid_to_state[rid]
+                continue
             self._add_output(state, recv, i, now)
             if reason is None and not state.obj.stream:
                 continue
@@ -399,19 +426,40 @@ class TokenizerManager:
 
     def fail_all(self, message: str) -> None:
         logger.error("%s; failing every request", message)
+        self.fail_pending(message)
+        if self.on_dead is not None:
+            self.on_dead(message)
+
+    def fail_pending(self, message: str) -> None:
+        """End every pending request and control call with `EngineDeadError(message)`, and every
+        later one too (a child process died, or the engine is shutting down)."""
         self.dead_error = message
         for state in self.rid_to_state.values():
             state.outs.append(EngineDeadError(message))
             state.finished = True
             state.event.set()
         self.rid_to_state.clear()
-        if self.on_dead is not None:
-            self.on_dead(message)
         for queue in self._pending_replies.values():
             while queue:
                 future = queue.popleft()
                 if not future.done():
                     future.set_exception(EngineDeadError(message))
+
+
+def check_top_logprobs_num(value: object) -> None:
+    """Only the chosen token's logprob is computed (`return_logprob`): a request for the top
+    alternatives is refused rather than answered without them."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RequestError(f"top_logprobs_num must be a non-negative integer, got {value!r}", param="top_logprobs_num")
+    if value == 0:
+        return
+    raise RequestError(
+        "top_logprobs_num is not supported: the engine computes only the logprob of the chosen token "
+        "(return_logprob)",
+        param="top_logprobs_num",
+    )
 
 
 def _model_name(model_path: str | None) -> str:
