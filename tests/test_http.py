@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -203,6 +205,57 @@ def test_native_generate(server, oracle):
     assert json.loads(events[-2])["text"] == expected
 
 
+def sse_events(server, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.base_url + "/generate", headers=AUTH, timeout=60, json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_native_generate_n_samples_and_batch_rids(server, oracle):
+    """SGLang's /generate: n > 1 answers a list (prompt by prompt, n samples each); a string rid
+    for several requests is suffixed _k, a list gives one per prompt."""
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    hello_ids, hello = oracle(oracle.tok.encode("hello world"))
+    once_ids, _ = oracle(oracle.tok.encode("Once upon a time"))
+    r = post(server, "/generate", {"text": "hello world", "sampling_params": {**params, "n": 2}, "rid": "nn"})
+    assert r.status_code == 200, r.text
+    assert [o["text"] for o in r.json()] == [hello, hello]
+    assert [o["meta_info"]["id"] for o in r.json()] == ["nn_0", "nn_1"]
+    body = {"text": ["hello world", "Once upon a time"], "sampling_params": {**params, "n": 2}, "rid": ["a", "b"]}
+    outs = post(server, "/generate", body).json()
+    assert [o["output_ids"] for o in outs] == [hello_ids, hello_ids, once_ids, once_ids]
+    assert [o["meta_info"]["id"] for o in outs] == ["a_0", "a_1", "b_0", "b_1"]
+    outs = post(server, "/generate", {"text": ["hello world"] * 2, "sampling_params": params, "rid": "batch"}).json()
+    assert [o["meta_info"]["id"] for o in outs] == ["batch_0", "batch_1"]
+    assert [o["output_ids"] for o in outs] == [hello_ids, hello_ids]
+    events = sse_events(server, {"text": "hello world", "sampling_params": {**params, "n": 2}, "stream": True})
+    finals = {e["index"]: e["text"] for e in events if e["meta_info"]["finish_reason"]}
+    assert finals == {0: hello, 1: hello}
+    assert_idle_accounting(server)
+
+
+def test_completions_echo_streaming(client, model_name, oracle):
+    """echo puts the prompt before the completion: in a streamed choice, in its first chunk."""
+    prompt = "Once upon a time there was"
+    ids = oracle.tok.encode(prompt)
+    _, expected = oracle(ids)
+    decoded = oracle.tok.decode(ids, skip_special_tokens=True)
+    for given, echoed, n in ((prompt, prompt, 1), (prompt, prompt, 2), (ids, decoded, 1)):
+        kwargs = dict(model=model_name, prompt=given, max_tokens=MAX_NEW, temperature=0, echo=True, n=n,
+                      extra_body={"ignore_eos": True})  # fmt: skip
+        texts: dict[int, list[str]] = {}
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                texts.setdefault(choice.index, []).append(choice.text)
+        assert sorted(texts) == list(range(n))
+        for pieces in texts.values():
+            assert pieces[0].startswith(echoed) and "".join(pieces) == echoed + expected
+        whole = client.completions.create(**kwargs)
+        assert [c.text for c in whole.choices] == [echoed + expected] * n
+
+
 def test_64_concurrent_streams(server, model_name):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int]:
         stream = await client.chat.completions.create(
@@ -226,24 +279,98 @@ def test_64_concurrent_streams(server, model_name):
     assert_idle_accounting(server)
 
 
-def test_disconnect_mid_stream_aborts_and_frees(server):
-    body = {"text": "a long one", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "stream": True}
+@contextmanager
+def children_paused(server):
+    """The server's scheduler and detokenizer stopped (SIGSTOP): requests reach the tokenizer
+    manager and wait there, and nothing is generated, until the block ends."""
+    kids = [p for p in psutil.Process(server.pid).children(recursive=True) if "resource_tracker" not in _cmdline(p)]
+    assert kids
+    for p in kids:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in kids:
+            p.send_signal(signal.SIGCONT)
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def rid_taken(server, rid: str) -> bool:
+    """Whether the server holds a request with this rid: the rid is checked before anything else,
+    so a probe with a bad parameter is refused for its rid (taken) or for the parameter (free),
+    and never runs."""
+    r = post(server, "/generate", {"text": "probe", "rid": rid, "sampling_params": {"temperature": -1}})
+    assert r.status_code == 400, r.text
+    return r.json()["error"]["param"] == "rid"
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def raw_post(server, path: str, body: dict) -> socket.socket:
+    """Send a request on a plain socket (the test decides when the client goes away)."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    host, port = server.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    got = b""
+    while marker not in got:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection before {marker!r}: {got!r}"
+        got += chunk
+    return got
+
+
+LONG = {"max_new_tokens": 900, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non_streaming", "streaming"])
+def test_client_that_leaves_before_any_output_aborts_its_request(server, stream):
+    """A client that leaves while its request waits (here: the scheduler is stopped) gets the
+    request aborted at once; the request never runs to its end, and its rid is free again once
+    the scheduler finished it."""
+    rid = f"left-early-{stream}"
     before = get(server, "/get_server_info").json()["num_generated_tokens"]
-    with httpx.stream("POST", server.base_url + "/generate", headers=AUTH, json=body, timeout=60) as resp:
-        got = []
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                got.append(line)
-            if len(got) >= 3:
-                break
+    with children_paused(server):
+        sock = raw_post(server, "/generate", {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": stream})
+        wait_until(lambda: rid_taken(server, rid), "the request did not reach the server")
+        sock.close()
+        wait_until(lambda: f"client disconnected; aborted request(s) {rid}" in server.log.read_text(), "no abort")
     info = assert_idle_accounting(server)
-    assert info["num_generated_tokens"] - before < 900, "the request ran to the end instead of being aborted"
-    # A non-streaming client that gives up is aborted too.
-    before = info["num_generated_tokens"]
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/generate", headers=AUTH, json={**body, "stream": False}, timeout=1.0)
+    assert info["num_generated_tokens"] - before < LONG["max_new_tokens"], "the request ran to the end"
+    wait_until(lambda: not rid_taken(server, rid), "the aborted request's rid stayed taken")
+
+
+def test_disconnect_mid_stream_aborts_and_frees(server):
+    rid = "left-mid-stream"
+    before = get(server, "/get_server_info").json()["num_generated_tokens"]
+    sock = raw_post(server, "/generate", {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": True})
+    read_until(sock, b"data: ")  # the stream has started
+    with children_paused(server):  # no more tokens while the server notices the client left
+        sock.close()
+        marker = f"client disconnected mid-stream; aborted request(s) {rid}"
+        wait_until(lambda: marker in server.log.read_text(), "no abort")
     info = assert_idle_accounting(server)
-    assert info["num_generated_tokens"] - before < 900, "the request ran to the end instead of being aborted"
+    assert info["num_generated_tokens"] - before < LONG["max_new_tokens"], "the request ran to the end"
+    wait_until(lambda: not rid_taken(server, rid), "the aborted request's rid stayed taken")
 
 
 BAD_INPUTS = [
@@ -269,6 +396,15 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ("/generate", {"input_ids": [10**7]}, "input_ids"),
     ("/generate", {"text": "hi", "priority": "high"}, "priority"),
+    ("/generate", {"text": "hi", "rid": {"a": 1}}, "rid"),
+    ("/generate", {"text": "hi", "rid": ["a"]}, "rid"),
+    ("/generate", {"text": ["a", "b"], "rid": ["x", 5]}, "rid"),
+    ("/generate", {"text": ["a", "b"], "rid": ["x"]}, "rid"),
+    ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, "n"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 1}]}, "n"),
+    ("/generate", {"text": "hi", "top_logprobs_num": 3}, "top_logprobs_num"),
+    ("/generate", {"text": "hi", "top_logprobs_num": -1}, "top_logprobs_num"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "rid": {"a": 1}}, "rid"),
 ]
 
 

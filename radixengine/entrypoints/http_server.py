@@ -38,7 +38,6 @@ from radixengine.managers.tokenizer_manager import (
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_INTERVAL = 0.5
 READY_MESSAGE = "The server is fired up and ready to roll! Ready on http://{host}:{port}"
 
 
@@ -104,13 +103,15 @@ async def collect(tm: TokenizerManager, obj: GenerateReqInput) -> dict:
 
 
 async def collect_all(tm: TokenizerManager, objs: list[GenerateReqInput]) -> list[dict]:
-    """All requests' final outputs; the first failure cancels (aborts) the others."""
+    """All requests' final outputs; the first failure (or a cancel) aborts the others, and
+    returns once their aborts are sent."""
     tasks = [asyncio.ensure_future(collect(tm, o)) for o in objs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.wait(tasks)
 
 
 async def merged_stream(tm: TokenizerManager, objs: list[GenerateReqInput]) -> AsyncIterator[tuple[int, dict]]:
@@ -149,45 +150,72 @@ async def merged_stream(tm: TokenizerManager, objs: list[GenerateReqInput]) -> A
             t.cancel()
 
 
-async def with_disconnect_abort(request: Request, coro: Awaitable):
-    """Await `coro`; if the client goes away first, cancel it (which aborts its requests)."""
+async def with_disconnect_abort(request: Request, coro: Awaitable, objs: list[GenerateReqInput]):
+    """Await `coro`; if the client goes away first, cancel it (which aborts its requests) and
+    answer 499. The body is read by then, so the next ASGI message is the client's disconnect:
+    it is seen the moment it happens."""
     task = asyncio.ensure_future(coro)
+    disconnect = asyncio.ensure_future(wait_for_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_INTERVAL)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                logger.info("client disconnected; request aborted")
-                return Response(status_code=499)
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.wait({task})  # its requests' aborts are sent
+        logger.info("client disconnected; aborted request(s) %s", ", ".join(_rids(objs)))
+        return Response(status_code=499)
     finally:
         task.cancel()
+        disconnect.cancel()
 
 
-async def sse_response(events: AsyncIterator[dict]) -> Response:
-    """Start the stream only once its first event is there, so that a refused request gets its
-    HTTP status instead of a 200 with an error inside."""
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _rids(objs: list[GenerateReqInput]) -> list[str]:
+    return [str(o.rid) for o in objs]
+
+
+async def _first_event(events: AsyncIterator[dict]) -> dict | None:
     try:
-        first = await events.__anext__()
+        return await events.__anext__()
     except StopAsyncIteration:
-        first = None
+        return None
+
+
+async def sse_response(request: Request, events: AsyncIterator[dict], objs: list[GenerateReqInput]) -> Response:
+    """Start the stream only once its first event is there, so that a refused request gets its
+    HTTP status instead of a 200 with an error inside. A client that leaves before (a queued
+    request) or during the stream gets its requests aborted."""
+    try:
+        first = await with_disconnect_abort(request, _first_event(events), objs)
     except BaseException:
         await events.aclose()
         raise
+    if isinstance(first, Response):  # the client left
+        await events.aclose()
+        return first
 
     async def body() -> AsyncIterator[bytes]:
+        complete = False
         try:
             if first is not None:
                 yield _sse(first)
                 async for event in events:
                     yield _sse(event)
+            complete = True
         except RequestError as e:
+            complete = True
             yield _sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.status_code}})
         except EngineDeadError as e:
+            complete = True
             yield _sse({"error": {"message": str(e), "type": "EngineDeadError", "param": None, "code": 503}})
         finally:
             await events.aclose()
+            if not complete:
+                logger.info("client disconnected mid-stream; aborted request(s) %s", ", ".join(_rids(objs)))
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
@@ -231,14 +259,12 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         objs, single = native_requests(await parse_json(request))
-        if any(o.stream for o in objs):
-            if not single:
-                raise RequestError("stream takes a single prompt", param="stream")
-            return await sse_response(_native_events(tm, objs[0]))
+        if objs[0].stream:
+            return await sse_response(request, _native_events(tm, objs, single), objs)
         if single:
-            result = await with_disconnect_abort(request, collect(tm, objs[0]))
+            result = await with_disconnect_abort(request, collect(tm, objs[0]), objs)
         else:
-            result = await with_disconnect_abort(request, collect_all(tm, objs))
+            result = await with_disconnect_abort(request, collect_all(tm, objs), objs)
         return result if isinstance(result, Response) else JSONResponse(result)
 
     @app.post("/v1/completions")
@@ -251,8 +277,8 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         check_model(tm, req.model)
         objs, prompts = oai.completion_requests(tm, req)
         if req.stream:
-            return await sse_response(oai.completion_stream(tm, req, merged_stream(tm, objs), len(prompts)))
-        outs = await with_disconnect_abort(request, collect_all(tm, objs))
+            return await sse_response(request, oai.completion_stream(tm, req, merged_stream(tm, objs), prompts), objs)
+        outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
         if isinstance(outs, Response):
             return outs
         return JSONResponse(oai.completion_response(tm, req, outs, prompts))
@@ -268,8 +294,8 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         check_model(tm, req.model)
         objs = oai.chat_requests(tm, req)
         if req.stream:
-            return await sse_response(oai.chat_stream(tm, req, merged_stream(tm, objs)))
-        outs = await with_disconnect_abort(request, collect_all(tm, objs))
+            return await sse_response(request, oai.chat_stream(tm, req, merged_stream(tm, objs)), objs)
+        outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
         if isinstance(outs, Response):
             return outs
         return JSONResponse(oai.chat_response(tm, req, outs))
@@ -332,39 +358,56 @@ def check_model(tm: TokenizerManager, model: str) -> None:
         )
 
 
+NATIVE_FIELDS = {
+    "text", "input_ids", "sampling_params", "stream", "rid", "priority", "return_logprob", "top_logprobs_num"
+}  # fmt: skip
+
+
 def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
-    """SGLang's /generate body: text or input_ids (one or a batch), sampling_params (one or a
-    list), stream, rid, priority, return_logprob."""
+    """SGLang's /generate body: text or input_ids (one prompt or a batch), sampling_params (one,
+    or one per prompt), rid (a string, or one per prompt), stream, priority, return_logprob,
+    top_logprobs_num. `sampling_params.n` > 1 asks for n samples of each prompt (seed + j for the
+    j-th when a seed is given): the answer is then a list, prompt by prompt, n samples each, as
+    for a batch. Returns the requests and whether the answer is a single object."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object", param="body")
-    known = {"text", "input_ids", "sampling_params", "stream", "rid", "priority", "return_logprob", "top_logprobs_num"}
-    unknown = sorted(set(body) - known)
+    unknown = sorted(set(body) - NATIVE_FIELDS)
     if unknown:
         raise RequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
+    prompts, kind, single = _native_prompts(body)
+    params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
+    priorities = _per_prompt(body.get("priority"), len(prompts), "priority")
+    for name in ("stream", "return_logprob"):
+        if not isinstance(body.get(name, False), bool):
+            raise RequestError(f"{name} must be a boolean", param=name)
+    n = _num_samples(params)
+    rids = _native_rids(body.get("rid"), len(prompts), n, single)
+    objs = []
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            obj = GenerateReqInput(
+                sampling_params=_sample_params(params[i], j, n),
+                rid=rids[i * n + j],
+                priority=priorities[i],
+                stream=body.get("stream", False),
+                return_logprob=body.get("return_logprob", False),
+                top_logprobs_num=body.get("top_logprobs_num", 0),
+            )
+            setattr(obj, kind, prompt)
+            objs.append(obj)
+    return objs, single and n == 1
+
+
+def _native_prompts(body: dict) -> tuple[list, str, bool]:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise RequestError("give exactly one of text or input_ids", param="text")
-    single = isinstance(text, str) or (ids is not None and not (ids and isinstance(ids[0], list)))
-    prompts = [text if text is not None else ids] if single else list(text if text is not None else ids)
-    if not prompts:
-        raise RequestError("the batch is empty", param="text" if text is not None else "input_ids")
     kind = "text" if text is not None else "input_ids"
-    per = {name: _per_prompt(body.get(name), len(prompts), name) for name in ("sampling_params", "rid", "priority")}
-    for name, kind_ in (("stream", bool), ("return_logprob", bool)):
-        if not isinstance(body.get(name, False), kind_):
-            raise RequestError(f"{name} must be a boolean", param=name)
-    objs = []
-    for i, prompt in enumerate(prompts):
-        obj = GenerateReqInput(
-            sampling_params=per["sampling_params"][i],
-            rid=per["rid"][i],
-            priority=per["priority"][i],
-            stream=body.get("stream", False),
-            return_logprob=body.get("return_logprob", False),
-        )
-        setattr(obj, kind, prompt)
-        objs.append(obj)
-    return objs, single
+    single = isinstance(text, str) or (ids is not None and not (ids and isinstance(ids[0], list)))
+    prompts = [body[kind]] if single else body[kind]
+    if not isinstance(prompts, list) or not prompts:
+        raise RequestError(f"{kind} must be a prompt or a non-empty list of prompts", param=kind)
+    return prompts, kind, single
 
 
 def _per_prompt(value, n: int, name: str) -> list:
@@ -375,13 +418,59 @@ def _per_prompt(value, n: int, name: str) -> list:
     return [value] * n
 
 
-async def _native_events(tm: TokenizerManager, obj: GenerateReqInput) -> AsyncIterator[dict]:
-    gen = tm.generate_request(obj)
+def _num_samples(params: list) -> int:
+    """n of the sampling params: the same for every prompt (SGLang's rule)."""
+    values = set()
+    for p in params:
+        if p is not None and not isinstance(p, dict):
+            raise RequestError("sampling_params must be an object (or a list of them)", param="sampling_params")
+        n = (p or {}).get("n")
+        n = 1 if n is None else n
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise RequestError(f"n must be a positive integer, got {n!r}", param="n")
+        values.add(n)
+    if len(values) > 1:
+        raise RequestError("n must be the same in every prompt's sampling_params", param="n")
+    return values.pop()
+
+
+def _sample_params(params: dict | None, j: int, n: int) -> dict | None:
+    if n == 1:
+        return params
+    sample = dict(params, n=1)
+    seed = sample.get("sampling_seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):  # anything else is refused later
+        sample["sampling_seed"] = seed + j
+    return sample
+
+
+def _native_rids(rid: object, num_prompts: int, n: int, single: bool) -> list[str | None]:
+    """One rid per request (prompt by prompt, n samples each). SGLang's rule: a string names a
+    single request, and is suffixed `_k` (k = 0, 1, ...) when it stands for several; a list gives
+    one per prompt (suffixed `_j` per sample when n > 1)."""
+    total = num_prompts * n
+    if rid is None:
+        return [None] * total
+    if isinstance(rid, str):
+        return [rid] if single and n == 1 else [f"{rid}_{k}" for k in range(total)]
+    if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+        raise RequestError(f"rid must be a string or a list of strings, got {type(rid).__name__}", param="rid")
+    if single:
+        raise RequestError("rid must be a string for a single prompt (a list is for a batch)", param="rid")
+    if len(rid) != num_prompts:
+        raise RequestError(f"rid has {len(rid)} entries for {num_prompts} prompts", param="rid")
+    return list(rid) if n == 1 else [f"{r}_{j}" for r in rid for j in range(n)]
+
+
+async def _native_events(tm: TokenizerManager, objs: list[GenerateReqInput], single: bool) -> AsyncIterator[dict]:
+    """A single request's outputs, or several requests' outputs as they come, each with the
+    `index` of its request (SGLang's batch stream)."""
+    gen = merged_stream(tm, objs)
     try:
-        async for out in gen:
+        async for i, out in gen:
             if is_abort(out):
                 raise abort_to_error(out)
-            yield out
+            yield out if single else {**out, "index": i}
     finally:
         await gen.aclose()
 

@@ -199,13 +199,17 @@ def chat_logprobs(tm: TokenizerManager, ids: list[int], logprobs: list[float] | 
     return {"content": content}
 
 
+def echo_text(tm: TokenizerManager, prompt: str | list[int]) -> str:
+    """The prompt as `echo` puts it before the completion (ids decoded without special tokens)."""
+    return prompt if isinstance(prompt, str) else tm.tokenizer.decode(prompt, skip_special_tokens=True)
+
+
 def completion_response(tm: TokenizerManager, req: CompletionRequest, outs: list[dict], prompts: list) -> dict:
     choices = []
     for i, out in enumerate(outs):
         text = out["text"]
         if req.echo:
-            prompt = prompts[i // req.n]
-            text = (prompt if isinstance(prompt, str) else tm.tokenizer.decode(prompt)) + text
+            text = echo_text(tm, prompts[i // req.n]) + text
         reason, matched = finish_reason_of(out)
         lp = None
         if req.logprobs is not None:
@@ -265,9 +269,11 @@ class _Deltas:
 
 
 async def completion_stream(
-    tm: TokenizerManager, req: CompletionRequest, outs: AsyncIterator[tuple[int, dict]], num_prompts: int
+    tm: TokenizerManager, req: CompletionRequest, outs: AsyncIterator[tuple[int, dict]], prompts: list
 ) -> AsyncIterator[dict]:
-    rid, created, deltas, finals = make_id("cmpl"), now(), _Deltas(), {}
+    """Chunks of every choice as they come; with `echo`, a choice's first chunk starts with its
+    prompt (SGLang's rule)."""
+    rid, created, deltas, finals, started = make_id("cmpl"), now(), _Deltas(), {}, set()
     async for i, out in outs:
         if is_abort(out):
             raise abort_to_error(out)
@@ -278,6 +284,9 @@ async def completion_stream(
         lp = None
         if req.logprobs is not None:
             lp = completion_logprobs(tm, ids, lps, req.logprobs, deltas.text_len[i] - len(text))
+        if i not in started:
+            started.add(i)
+            text = echo_text(tm, prompts[i // req.n]) + text if req.echo else text
         choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
         yield {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": [choice]}
         if reason is not None:
