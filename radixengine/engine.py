@@ -67,7 +67,9 @@ def launch_subprocesses(server_args: ServerArgs, tokenizer=None) -> TokenizerMan
         )
         for name, target, args in children:
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(args, port_args, writer), name=f"radixengine-{name}", daemon=True)
+            proc = ctx.Process(
+                target=target, args=(args, port_args, writer), name=f"radixengine-{name}", daemon=True
+            )
             proc.start()
             writer.close()
             procs.append((name, proc, reader))
@@ -160,7 +162,9 @@ async def _close(manager: TokenizerManager) -> None:
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, server_args: ServerArgs | None = None, **kwargs) -> None:
+    def __init__(
+        self, model_path: str | None = None, server_args: ServerArgs | None = None, **kwargs
+    ) -> None:
         """`Engine(model_path, **server_args)` (ServerArgs' fields; an unknown one is a TypeError),
         or `Engine(server_args=ServerArgs(...))`."""
         if server_args is None:
@@ -195,7 +199,9 @@ class Engine:
         """Generate for one prompt (a dict back; raises `RequestError` if refused) or a batch (a list
         of dicts in input order, one per prompt and per choice when n > 1; a refused one carries
         `"error"`). `stream=True` (one prompt) yields chunks with the new text and ids."""
-        objs, single = self._make_requests(prompt, sampling_params, input_ids, priority, return_logprob, rid, messages)
+        objs, single = self._make_requests(
+            prompt, sampling_params, input_ids, priority, return_logprob, rid, messages
+        )
         if stream:
             if not single or len(objs) != 1:
                 raise ValueError("stream=True takes a single prompt with n == 1")
@@ -215,7 +221,9 @@ class Engine:
         messages: list[dict] | list[list[dict]] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate` for asyncio callers (any event loop); with stream=True, an async iterator."""
-        objs, single = self._make_requests(prompt, sampling_params, input_ids, priority, return_logprob, rid, messages)
+        objs, single = self._make_requests(
+            prompt, sampling_params, input_ids, priority, return_logprob, rid, messages
+        )
         if stream:
             if not single or len(objs) != 1:
                 raise ValueError("stream=True takes a single prompt with n == 1")
@@ -224,7 +232,12 @@ class Engine:
         future = self._runtime.submit(self._generate_all(objs, single))
         return await asyncio.wrap_future(future)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: dict | list[dict] | None = None, **kwargs):
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: dict | list[dict] | None = None,
+        **kwargs,
+    ):
         """`generate` on chat messages (one conversation, or a list of them), rendered with the
         tokenizer's chat template."""
         return self.generate(sampling_params=sampling_params, messages=messages, **kwargs)
@@ -273,7 +286,9 @@ class Engine:
         for i, (kind, value) in enumerate(prompts):
             choices = _expand_n(params[i])
             for j, choice_params in enumerate(choices):
-                obj = GenerateReqInput(sampling_params=choice_params, priority=priorities[i], return_logprob=return_logprob)
+                obj = GenerateReqInput(
+                    sampling_params=choice_params, priority=priorities[i], return_logprob=return_logprob
+                )
                 setattr(obj, kind, value)
                 if rids[i] is not None:
                     obj.rid = rids[i] if len(choices) == 1 else f"{rids[i]}-{j}"
@@ -377,7 +392,11 @@ class _StreamDelta:
 
     def __call__(self, out: dict) -> dict:
         text, ids = out["text"], out["output_ids"]
-        chunk = {"text": text[self.text_len :], "output_ids": ids[self.ids_len :], "meta_info": out["meta_info"]}
+        chunk = {
+            "text": text[self.text_len :],
+            "output_ids": ids[self.ids_len :],
+            "meta_info": out["meta_info"],
+        }
         self.text_len, self.ids_len = max(self.text_len, len(text)), len(ids)
         return chunk
 

@@ -138,7 +138,11 @@ def test_chat_completion_matches_transformers(client, model_name, oracle):
     ids = oracle.chat_ids(MESSAGES)
     _, expected = oracle(ids)
     r = client.chat.completions.create(
-        model=model_name, messages=MESSAGES, max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True}
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=MAX_NEW,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert r.choices[0].message.content == expected
     assert r.choices[0].finish_reason == "length"
@@ -175,7 +179,9 @@ def test_completions_stop_n_and_logprobs(client, model_name, oracle):
     assert r.usage.completion_tokens == 2 * MAX_NEW and r.usage.prompt_tokens == len(ids)
 
     stop = expected[len(expected) // 2 : len(expected) // 2 + 2]
-    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=MAX_NEW, temperature=0, stop=[stop])
+    r = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=MAX_NEW, temperature=0, stop=[stop]
+    )
     assert r.choices[0].text == expected[: expected.find(stop)]
     assert r.choices[0].finish_reason == "stop"
 
@@ -223,14 +229,22 @@ def test_native_generate_n_samples_and_batch_rids(server, oracle):
     assert r.status_code == 200, r.text
     assert [o["text"] for o in r.json()] == [hello, hello]
     assert [o["meta_info"]["id"] for o in r.json()] == ["nn_0", "nn_1"]
-    body = {"text": ["hello world", "Once upon a time"], "sampling_params": {**params, "n": 2}, "rid": ["a", "b"]}
+    body = {
+        "text": ["hello world", "Once upon a time"],
+        "sampling_params": {**params, "n": 2},
+        "rid": ["a", "b"],
+    }
     outs = post(server, "/generate", body).json()
     assert [o["output_ids"] for o in outs] == [hello_ids, hello_ids, once_ids, once_ids]
     assert [o["meta_info"]["id"] for o in outs] == ["a_0", "a_1", "b_0", "b_1"]
-    outs = post(server, "/generate", {"text": ["hello world"] * 2, "sampling_params": params, "rid": "batch"}).json()
+    outs = post(
+        server, "/generate", {"text": ["hello world"] * 2, "sampling_params": params, "rid": "batch"}
+    ).json()
     assert [o["meta_info"]["id"] for o in outs] == ["batch_0", "batch_1"]
     assert [o["output_ids"] for o in outs] == [hello_ids, hello_ids]
-    events = sse_events(server, {"text": "hello world", "sampling_params": {**params, "n": 2}, "stream": True})
+    events = sse_events(
+        server, {"text": "hello world", "sampling_params": {**params, "n": 2}, "stream": True}
+    )
     finals = {e["index"]: e["text"] for e in events if e["meta_info"]["finish_reason"]}
     assert finals == {0: hello, 1: hello}
     assert_idle_accounting(server)
@@ -270,7 +284,9 @@ def test_64_concurrent_streams(server, model_name):
         return n_chunks, usage.completion_tokens
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(
+            base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+        )
         return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     results = asyncio.run(main())
@@ -283,7 +299,11 @@ def test_64_concurrent_streams(server, model_name):
 def children_paused(server):
     """The server's scheduler and detokenizer stopped (SIGSTOP): requests reach the tokenizer
     manager and wait there, and nothing is generated, until the block ends."""
-    kids = [p for p in psutil.Process(server.pid).children(recursive=True) if "resource_tracker" not in _cmdline(p)]
+    kids = [
+        p
+        for p in psutil.Process(server.pid).children(recursive=True)
+        if "resource_tracker" not in _cmdline(p)
+    ]
     assert kids
     for p in kids:
         p.send_signal(signal.SIGSTOP)
@@ -350,10 +370,14 @@ def test_client_that_leaves_before_any_output_aborts_its_request(server, stream)
     rid = f"left-early-{stream}"
     before = get(server, "/get_server_info").json()["num_generated_tokens"]
     with children_paused(server):
-        sock = raw_post(server, "/generate", {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": stream})
+        sock = raw_post(
+            server, "/generate", {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": stream}
+        )
         wait_until(lambda: rid_taken(server, rid), "the request did not reach the server")
         sock.close()
-        wait_until(lambda: f"client disconnected; aborted request(s) {rid}" in server.log.read_text(), "no abort")
+        wait_until(
+            lambda: f"client disconnected; aborted request(s) {rid}" in server.log.read_text(), "no abort"
+        )
     info = assert_idle_accounting(server)
     assert info["num_generated_tokens"] - before < LONG["max_new_tokens"], "the request ran to the end"
     wait_until(lambda: not rid_taken(server, rid), "the aborted request's rid stayed taken")
@@ -362,7 +386,9 @@ def test_client_that_leaves_before_any_output_aborts_its_request(server, stream)
 def test_disconnect_mid_stream_aborts_and_frees(server):
     rid = "left-mid-stream"
     before = get(server, "/get_server_info").json()["num_generated_tokens"]
-    sock = raw_post(server, "/generate", {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": True})
+    sock = raw_post(
+        server, "/generate", {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": True}
+    )
     read_until(sock, b"data: ")  # the stream has started
     with children_paused(server):  # no more tokens while the server notices the client left
         sock.close()
@@ -380,14 +406,26 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"model": "no-such-model", "messages": MESSAGES}, "model"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]},
+        "messages[0].role",
+    ),
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "max_tokens": -3}, "max_tokens"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "max_tokens": CONTEXT}, "max_tokens"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "temperature": -0.5}, "temperature"),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "frequency_penalty": 0.5}, "frequency_penalty"),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": MESSAGES, "frequency_penalty": 0.5},
+        "frequency_penalty",
+    ),
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "bogus": 1}, "bogus"),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "stream": True, "max_tokens": 0}, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": MESSAGES, "stream": True, "max_tokens": 0},
+        "max_tokens",
+    ),
     ("/v1/completions", {"model": "MODEL", "prompt": "hello " * 3000}, "prompt"),
     ("/v1/completions", {"model": "MODEL", "prompt": [5] * CONTEXT, "stream": True}, "prompt"),
     ("/v1/completions", {"model": "MODEL", "prompt": "hi", "n": 0}, "n"),
@@ -446,8 +484,12 @@ def test_metrics_parse_and_move(server, client, model_name):
     assert after[p + "generation_tokens_total"] - before.get(p + "generation_tokens_total", 0) == 5
     assert after[p + "num_requests_total"] == before.get(p + "num_requests_total", 0) + 1
     assert after[p + "prompt_tokens_total"] > before.get(p + "prompt_tokens_total", 0)
-    assert after[p + "time_to_first_token_seconds_count"] > before.get(p + "time_to_first_token_seconds_count", 0)
-    assert after[p + "e2e_request_latency_seconds_count"] > before.get(p + "e2e_request_latency_seconds_count", 0)
+    assert after[p + "time_to_first_token_seconds_count"] > before.get(
+        p + "time_to_first_token_seconds_count", 0
+    )
+    assert after[p + "e2e_request_latency_seconds_count"] > before.get(
+        p + "e2e_request_latency_seconds_count", 0
+    )
     for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "num_retracted_reqs_total",
                  "num_preempted_reqs_total", "inter_token_latency_seconds_count"):  # fmt: skip
         assert p + name in after, name

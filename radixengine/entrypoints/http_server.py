@@ -44,7 +44,9 @@ READY_MESSAGE = "The server is fired up and ready to roll! Ready on http://{host
 # Errors ---------------------------------------------------------------------------------------
 
 
-def error_response(message: str, status_code: int = 400, param: str | None = None, err_type: str | None = None):
+def error_response(
+    message: str, status_code: int = 400, param: str | None = None, err_type: str | None = None
+):
     if err_type is None:
         err_type = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
             status_code, "ServiceUnavailableError" if status_code == 503 else "InternalServerError"
@@ -114,7 +116,9 @@ async def collect_all(tm: TokenizerManager, objs: list[GenerateReqInput]) -> lis
         await asyncio.wait(tasks)
 
 
-async def merged_stream(tm: TokenizerManager, objs: list[GenerateReqInput]) -> AsyncIterator[tuple[int, dict]]:
+async def merged_stream(
+    tm: TokenizerManager, objs: list[GenerateReqInput]
+) -> AsyncIterator[tuple[int, dict]]:
     """(index, output) of several streaming requests as they come; aborts all on exit."""
     if len(objs) == 1:
         gen = tm.generate_request(objs[0])
@@ -185,7 +189,9 @@ async def _first_event(events: AsyncIterator[dict]) -> dict | None:
         return None
 
 
-async def sse_response(request: Request, events: AsyncIterator[dict], objs: list[GenerateReqInput]) -> Response:
+async def sse_response(
+    request: Request, events: AsyncIterator[dict], objs: list[GenerateReqInput]
+) -> Response:
     """Start the stream only once its first event is there, so that a refused request gets its
     HTTP status instead of a 200 with an error inside. A client that leaves before (a queued
     request) or during the stream gets its requests aborted."""
@@ -208,7 +214,9 @@ async def sse_response(request: Request, events: AsyncIterator[dict], objs: list
             complete = True
         except RequestError as e:
             complete = True
-            yield _sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.status_code}})
+            yield _sse(
+                {"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.status_code}}
+            )
         except EngineDeadError as e:
             complete = True
             yield _sse({"error": {"message": str(e), "type": "EngineDeadError", "param": None, "code": 503}})
@@ -277,7 +285,9 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         check_model(tm, req.model)
         objs, prompts = oai.completion_requests(tm, req)
         if req.stream:
-            return await sse_response(request, oai.completion_stream(tm, req, merged_stream(tm, objs), prompts), objs)
+            return await sse_response(
+                request, oai.completion_stream(tm, req, merged_stream(tm, objs), prompts), objs
+            )
         outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
         if isinstance(outs, Response):
             return outs
@@ -423,7 +433,9 @@ def _num_samples(params: list) -> int:
     values = set()
     for p in params:
         if p is not None and not isinstance(p, dict):
-            raise RequestError("sampling_params must be an object (or a list of them)", param="sampling_params")
+            raise RequestError(
+                "sampling_params must be an object (or a list of them)", param="sampling_params"
+            )
         n = (p or {}).get("n")
         n = 1 if n is None else n
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -454,7 +466,9 @@ def _native_rids(rid: object, num_prompts: int, n: int, single: bool) -> list[st
     if isinstance(rid, str):
         return [rid] if single and n == 1 else [f"{rid}_{k}" for k in range(total)]
     if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
-        raise RequestError(f"rid must be a string or a list of strings, got {type(rid).__name__}", param="rid")
+        raise RequestError(
+            f"rid must be a string or a list of strings, got {type(rid).__name__}", param="rid"
+        )
     if single:
         raise RequestError("rid must be a string for a single prompt (a list is for a batch)", param="rid")
     if len(rid) != num_prompts:
@@ -462,7 +476,9 @@ def _native_rids(rid: object, num_prompts: int, n: int, single: bool) -> list[st
     return list(rid) if n == 1 else [f"{r}_{j}" for r in rid for j in range(n)]
 
 
-async def _native_events(tm: TokenizerManager, objs: list[GenerateReqInput], single: bool) -> AsyncIterator[dict]:
+async def _native_events(
+    tm: TokenizerManager, objs: list[GenerateReqInput], single: bool
+) -> AsyncIterator[dict]:
     """A single request's outputs, or several requests' outputs as they come, each with the
     `index` of its request (SGLang's batch stream)."""
     gen = merged_stream(tm, objs)
@@ -486,7 +502,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        message = (
+            f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        )
         return error_response(message, e.status_code)
 
     @app.exception_handler(Exception)
@@ -525,7 +543,11 @@ def launch_server(server_args) -> None:
     tm = launch_subprocesses(server_args)
     app = create_app(tm, server_args)
     config = uvicorn.Config(
-        app, host=server_args.host, port=server_args.port, log_level=server_args.log_level, timeout_keep_alive=5
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level,
+        timeout_keep_alive=5,
     )
     server = uvicorn.Server(config)
     exit_code = 0

@@ -41,7 +41,9 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise RequestError("only the text response_format is supported", param="response_format")
 
 
-def sampling_params_of(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, param: str) -> dict:
+def sampling_params_of(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, param: str
+) -> dict:
     if max_tokens is not None and max_tokens <= 0:
         raise RequestError(f"{param} must be at least 1, got {max_tokens}", param=param)
     if req.temperature < 0:
@@ -107,7 +109,9 @@ def completion_requests(tm: TokenizerManager, req: CompletionRequest):
     prompts = completion_prompts(req.prompt)
     objs = []
     for k, prompt in enumerate(prompts):
-        base = GenerateReqInput(stream=req.stream, return_logprob=req.logprobs is not None, priority=req.priority)
+        base = GenerateReqInput(
+            stream=req.stream, return_logprob=req.logprobs is not None, priority=req.priority
+        )
         if isinstance(prompt, str):
             base.text = prompt
         else:
@@ -173,7 +177,9 @@ def _token_strs(tm: TokenizerManager, ids: list[int]) -> list[str]:
     return [tm.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
-def completion_logprobs(tm: TokenizerManager, ids: list[int], logprobs: list[float] | None, top: int, offset: int):
+def completion_logprobs(
+    tm: TokenizerManager, ids: list[int], logprobs: list[float] | None, top: int, offset: int
+):
     """OpenAI's completions logprobs. Only the sampled token's logprob is known: each
     `top_logprobs` entry holds that token alone."""
     tokens = _token_strs(tm, ids)
@@ -204,7 +210,9 @@ def echo_text(tm: TokenizerManager, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else tm.tokenizer.decode(prompt, skip_special_tokens=True)
 
 
-def completion_response(tm: TokenizerManager, req: CompletionRequest, outs: list[dict], prompts: list) -> dict:
+def completion_response(
+    tm: TokenizerManager, req: CompletionRequest, outs: list[dict], prompts: list
+) -> dict:
     choices = []
     for i, out in enumerate(outs):
         text = out["text"]
@@ -216,7 +224,9 @@ def completion_response(tm: TokenizerManager, req: CompletionRequest, outs: list
             lp = completion_logprobs(
                 tm, out["output_ids"], out["meta_info"].get("output_token_logprobs"), req.logprobs, 0
             )
-        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched})
+        choices.append(
+            {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+        )
     return {
         "id": make_id("cmpl"),
         "object": "text_completion",
@@ -233,7 +243,9 @@ def chat_response(tm: TokenizerManager, req: ChatCompletionRequest, outs: list[d
         reason, matched = finish_reason_of(out)
         lp = None
         if req.logprobs:
-            lp = chat_logprobs(tm, out["output_ids"], out["meta_info"].get("output_token_logprobs"), req.top_logprobs or 0)
+            lp = chat_logprobs(
+                tm, out["output_ids"], out["meta_info"].get("output_token_logprobs"), req.top_logprobs or 0
+            )
         choices.append(
             {
                 "index": i,
@@ -288,7 +300,13 @@ async def completion_stream(
             started.add(i)
             text = echo_text(tm, prompts[i // req.n]) + text if req.echo else text
         choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
-        yield {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": [choice]}
+        yield {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": req.model,
+            "choices": [choice],
+        }
         if reason is not None:
             finals[i] = out
     if req.stream_options and req.stream_options.include_usage:
@@ -324,7 +342,12 @@ async def chat_stream(
         if not text and not ids and reason is None:
             continue
         lp = chat_logprobs(tm, ids, lps, req.top_logprobs or 0) if req.logprobs else None
-        choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
+        choice = {
+            "index": i,
+            "delta": {"content": text} if text else {},
+            "logprobs": lp,
+            "finish_reason": reason,
+        }
         if reason is not None:
             choice["matched_stop"] = matched
             finals[i] = out

@@ -94,7 +94,9 @@ class IncrementalDetokenizer:
         status.read_offset = len(status.ids)
         return status.decoded_text
 
-    def new_status(self, rid: str, prompt_tail_ids: list[int] | None, skip_special_tokens: bool) -> DecodeStatus:
+    def new_status(
+        self, rid: str, prompt_tail_ids: list[int] | None, skip_special_tokens: bool
+    ) -> DecodeStatus:
         if prompt_tail_ids is None:
             raise ValueError(f"request {rid!r}: its first output came without the prompt's tail ids")
         tail = list(prompt_tail_ids)
@@ -148,7 +150,9 @@ class FastDecoder:
 
         self.tokenizer = Tokenizer.from_file(path)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False):
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False
+    ):
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 

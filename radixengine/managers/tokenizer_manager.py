@@ -37,7 +37,9 @@ WATCHDOG_INTERVAL = 0.2
 class RequestError(Exception):
     """A request the engine refused or aborted (bad input, full queue, ...), with its HTTP status."""
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None, err_type: str | None = None):
+    def __init__(
+        self, message: str, status_code: int = 400, param: str | None = None, err_type: str | None = None
+    ):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
@@ -63,7 +65,9 @@ def is_abort(out: dict) -> bool:
 def abort_to_error(out: dict) -> RequestError:
     reason = out["meta_info"]["finish_reason"]
     return RequestError(
-        reason.get("message", "request aborted"), reason.get("status_code", 400), err_type=reason.get("err_type")
+        reason.get("message", "request aborted"),
+        reason.get("status_code", 400),
+        err_type=reason.get("err_type"),
     )
 
 
@@ -112,7 +116,10 @@ class TokenizerManager:
             self.metrics = TokenizerMetricsCollector(self.served_model_name)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
-        self._pending_replies: dict[type, deque] = {FlushCacheReqOutput: deque(), GetInternalStateReqOutput: deque()}
+        self._pending_replies: dict[type, deque] = {
+            FlushCacheReqOutput: deque(),
+            GetInternalStateReqOutput: deque(),
+        }
 
     # Start-up (in the loop that will serve the requests) ---------------------------------------
 
@@ -250,7 +257,9 @@ class TokenizerManager:
         except (ValueError, TypeError) as e:
             raise RequestError(str(e), param=_param_of(str(e), params)) from None
         if sampling_params.n != 1:
-            raise RequestError("n > 1 is expanded by the front end; the tokenizer manager takes n == 1", param="n")
+            raise RequestError(
+                "n > 1 is expanded by the front end; the tokenizer manager takes n == 1", param="n"
+            )
         return sampling_params
 
     def tokenize_prompt(self, obj: GenerateReqInput) -> tuple[str | None, list[int], str]:
@@ -291,7 +300,8 @@ class TokenizerManager:
             raise RequestError("the prompt is empty", param=param)
         if self.max_req_input_len is not None and n >= self.max_req_input_len:
             raise RequestError(
-                f"the prompt is too long: {n} tokens, the maximum is {self.max_req_input_len - 1}", param=param
+                f"the prompt is too long: {n} tokens, the maximum is {self.max_req_input_len - 1}",
+                param=param,
             )
         if self.max_req_len is not None and n + sampling_params.max_new_tokens > self.max_req_len:
             raise RequestError(
@@ -337,7 +347,9 @@ class TokenizerManager:
                 state.finished = True
                 del self.rid_to_state[rid]
                 if self.metrics is not None:
-                    self.metrics.observe_finished(out["meta_info"], state.first_token_time, state.created_time, now)
+                    self.metrics.observe_finished(
+                        out["meta_info"], state.first_token_time, state.created_time, now
+                    )
             state.event.set()
 
     def _add_output(self, state: ReqState, recv: BatchStrOut, i: int, now: float) -> None:
@@ -421,7 +433,9 @@ class TokenizerManager:
                 return
             for name, proc in self.processes:
                 if not proc.is_alive():
-                    self.fail_all(f"the {name} process (pid {proc.pid}) died unexpectedly (exit code {proc.exitcode})")
+                    self.fail_all(
+                        f"the {name} process (pid {proc.pid}) died unexpectedly (exit code {proc.exitcode})"
+                    )
                     break
 
     def fail_all(self, message: str) -> None:
@@ -452,7 +466,9 @@ def check_top_logprobs_num(value: object) -> None:
     if value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise RequestError(f"top_logprobs_num must be a non-negative integer, got {value!r}", param="top_logprobs_num")
+        raise RequestError(
+            f"top_logprobs_num must be a non-negative integer, got {value!r}", param="top_logprobs_num"
+        )
     if value == 0:
         return
     raise RequestError(
