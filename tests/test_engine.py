@@ -201,10 +201,11 @@ def test_server_info(engine):
     assert_accounting(engine)
 
 
-def test_rid_of_an_aborted_request_is_refused_until_the_scheduler_finished_it(engine):
+def test_rid_of_an_aborted_request_is_refused_until_the_scheduler_finished_it(engine, oracle):
     """A client that gives up and retries at once with the same rid is refused with a clear 400
     (not handed the old request's "aborted" output) while the old one is being aborted; once the
-    scheduler's final output for it arrived, the rid is free again."""
+    scheduler's final output for it arrived, the rid is free again, and nothing of the old request
+    (ids, text, detokenizer state) leaks into the new one."""
     tm = engine.tokenizer_manager
     long = {"max_new_tokens": 500, "ignore_eos": True}
 
@@ -221,16 +222,16 @@ def test_rid_of_an_aborted_request_is_refused_until_the_scheduler_finished_it(en
         assert "duplicate request id 'again'" in refused.value.message
         while "again" in tm.rid_to_state:  # until the old request's final output arrives
             await asyncio.sleep(0.01)
-        outs = [
-            out
-            async for out in tm.generate_request(
-                GenerateReqInput(text=PROMPTS[0], sampling_params=GREEDY, rid="again")
-            )
-        ]
-        return outs[-1]
+        new = GenerateReqInput(text=PROMPTS[1], sampling_params=GREEDY, rid="again", stream=True)
+        return [out async for out in tm.generate_request(new)]
 
-    out = asyncio.run_coroutine_threadsafe(scenario(), engine.loop).result(120)
-    assert out["meta_info"]["finish_reason"]["type"] == "length" and out["meta_info"]["id"] == "again"
+    outs = asyncio.run_coroutine_threadsafe(scenario(), engine.loop).result(120)
+    expected = oracle([oracle.encode(PROMPTS[1])])[0]
+    assert (
+        outs[-1]["meta_info"]["finish_reason"]["type"] == "length" and outs[-1]["meta_info"]["id"] == "again"
+    )
+    assert all(out["output_ids"] == expected[: len(out["output_ids"])] for out in outs)
+    assert outs[-1]["output_ids"] == expected and outs[-1]["text"] == decode(engine, expected)
     assert_accounting(engine)
 
 
