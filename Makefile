@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test bench lint setup clean
 
-$(VENV)/.installed: setup.py pyproject.toml $(wildcard radixengine/csrc/*)
+$(VENV)/.installed: setup.py pyproject.toml radixengine/utils/cpu_isa.py $(wildcard radixengine/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"

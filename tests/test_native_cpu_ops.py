@@ -4,6 +4,10 @@ Random ragged batches over a paged pool: random (non-contiguous) slots, rows of 
 sharing prefix slots, GQA ratios 1 and 3, head_dim 64 and 128, float32 (within 1e-5) and
 bfloat16 (within bf16 rounding). Positions past a request's length hold valid but unrelated
 slots, so reading beyond seq_len shows up as a mismatch.
+
+Every test runs once per instruction-set level this CPU can execute (``avx512``, ``avx2``,
+``portable``: the modules of ``radixengine/utils/cpu_isa.py``), with that level's module in
+place of the one loaded at import.
 """
 
 from __future__ import annotations
@@ -15,11 +19,32 @@ import pytest
 import torch
 
 from radixengine.layers.attention import native_cpu_ops as ops
+from radixengine.utils import cpu_isa
 
 needs_native = pytest.mark.skipif(
     not ops.native_available(),
     reason=f"native CPU extension not built: {ops.native_unavailable_reason()}",
 )
+NAN = float("nan")
+
+
+def _levels_under_test() -> list[str | None]:
+    return list(cpu_isa.supported_levels()) if ops.native_available() else [None]
+
+
+@pytest.fixture(autouse=True, params=_levels_under_test(), ids=lambda level: level or "no-native")
+def native_level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """The ISA level this run of a test uses: its module replaces the loaded one for the test."""
+    level = request.param
+    if level is None or level == ops.native_level():
+        return level
+    try:
+        module = ops.load_native_level(level)
+    except ModuleNotFoundError:
+        pytest.skip(f"the {level} build is missing (test_every_level_this_cpu_runs_is_built says so)")
+    monkeypatch.setattr(ops, "_native", module)
+    return level
+
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2}}
 
@@ -32,7 +57,18 @@ def test_native_extension_is_built() -> None:
         f"the native CPU extension is not available ({ops.native_unavailable_reason()}); "
         "build it with `pip install --no-build-isolation -e .` (or set RADIXENGINE_ALLOW_NO_NATIVE=1)"
     )
-    assert ops.native_isa() in ("avx512", "avx2", "scalar")
+    assert ops.native_level() == cpu_isa.chosen_level()[0]
+
+
+def test_every_level_this_cpu_runs_is_built(native_level: str | None) -> None:
+    """The package build holds a module per level, each compiled for its own vector path."""
+    if native_level is None:
+        pytest.skip(f"native CPU extension not built: {ops.native_unavailable_reason()}")
+    assert ops.native_isa() == native_level  # the module this run of the tests uses
+    if os.environ.get("RADIXENGINE_JIT_BUILD") == "1":
+        return  # a JIT build compiles only the level picked at import
+    for level in cpu_isa.supported_levels():
+        assert ops.load_native_level(level).isa() == level
 
 
 def test_require_native_names_the_reason() -> None:
@@ -247,7 +283,6 @@ def test_empty_batch_and_bad_slot() -> None:
 
 
 @needs_native
-@needs_native
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seed", range(2))
@@ -346,3 +381,98 @@ def test_rotary_embedding_matches_reference(
     ops.rotary_embedding_reference(positions, ref, rope.cos_sin_cache, rotary_dim)  # rotates again
     ops.rotary_embedding(positions, qk, rope.cos_sin_cache, rotary_dim)
     torch.testing.assert_close(qk, ref, **TOL[dtype])
+
+
+def _extend_lens(seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quarter of each sequence (at least one token) as new tokens; the rest is the prefix."""
+    ext = (seq_lens // 4).clamp(min=1)
+    return ext, torch.cumsum(ext, 0) - ext
+
+
+def _attention_pair(batch: Batch, q_decode: torch.Tensor, q_extend: torch.Tensor, splits: int):
+    """(native, reference) outputs of decode (with ``splits``) and of extend over ``batch``."""
+    table = (batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+    scale = q_decode.shape[-1] ** -0.5
+    ext, start = _extend_lens(batch.seq_lens)
+    decode = (
+        ops.decode_attention(q_decode, *table, scale, num_kv_splits=splits),
+        ops.decode_attention_reference(q_decode, *table, scale),
+    )
+    extend = (
+        ops.extend_attention(q_extend, *table, ext, start, scale),
+        ops.extend_attention_reference(q_extend, *table, ext, start, scale),
+    )
+    return decode, extend
+
+
+def _nan_batch(dtype: torch.dtype) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(41)
+    batch = make_batch(gen, 6, 300, 2, 64, dtype)
+    q_decode = torch.randn(6, 6, 64, generator=gen).to(dtype)
+    ext, _ = _extend_lens(batch.seq_lens)
+    q_extend = torch.randn(int(ext.sum()), 6, 64, generator=gen).to(dtype)
+    return batch, q_decode, q_extend
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_nan_in_a_visible_kv_row_reaches_the_output(where: str, dtype: torch.dtype) -> None:
+    """A NaN in a K or V row that queries attend over (a 16-bit KV overflow, say) shows in the
+    output exactly where the reference's NaN is: every feature of the heads reading a NaN key, the
+    NaN's feature for a NaN value; decode with any KV split, and extend."""
+    batch, q_decode, q_extend = _nan_batch(dtype)
+    buffer = batch.k_buffer if where == "k" else batch.v_buffer
+    ext, _ = _extend_lens(batch.seq_lens)
+    # Request 0 at position 0 (seen by every query), request 2 at the last position of its prefix
+    # (or 0), in the second KV head: positions every query of the request sees, decode and extend.
+    for i, head, dim in ((0, 0, 5), (2, 1, 9)):
+        row = int(batch.req_pool_indices[i])
+        pos = max(0, int(batch.seq_lens[i] - ext[i]) - 1) if i == 2 else 0
+        buffer[int(batch.req_to_token[row, pos]), head, dim] = NAN
+    for splits in (0, 1, 3, 7):
+        decode, extend = _attention_pair(batch, q_decode, q_extend, splits)
+        for out, expected in (decode, extend):
+            assert expected.isnan().any() and not expected.isnan().all()
+            assert torch.equal(out.isnan(), expected.isnan()), f"splits={splits}"
+
+
+@needs_native
+def test_nan_key_of_a_new_token_reaches_the_queries_that_see_it() -> None:
+    """Extend: a NaN K at new-token position p gives NaN at the queries at p and after it (as the
+    reference does) and leaves the earlier queries, which never see that key, finite. (The SDPA
+    reference adds the mask's -inf to the NaN score and spreads it to those too.)"""
+    gen = torch.Generator().manual_seed(43)
+    seq_len, ext, p = 150, 100, 120  # queries at positions 50..149; the NaN key at 120
+    k_buffer, v_buffer = torch.randn(200, 1, 64, generator=gen), torch.randn(200, 1, 64, generator=gen)
+    req_to_token = (torch.randperm(199, generator=gen)[:seq_len] + 1).to(torch.int32).unsqueeze(0)
+    k_buffer[int(req_to_token[0, p]), 0, 3] = NAN
+    q = torch.randn(ext, 3, 64, generator=gen)
+    table = (k_buffer, v_buffer, req_to_token, torch.tensor([0]), torch.tensor([seq_len]))
+    args = (q, *table, torch.tensor([ext]), torch.tensor([0]), 0.125)
+    out, expected = ops.extend_attention(*args), ops.extend_attention_reference(*args)
+    first = p - (seq_len - ext)  # the query at position p
+    assert out[first:].isnan().all() and expected[first:].isnan().all()
+    assert torch.isfinite(out[:first]).all()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_in_slots_no_query_sees_does_not_leak(dtype: torch.dtype) -> None:
+    """NaN K and V in every slot outside the requests' visible positions (the padding slot, free
+    slots, and the slots that req_to_token holds past each request's length): all outputs stay
+    finite, as the reference's do."""
+    batch, q_decode, q_extend = _nan_batch(dtype)
+    visible = set()
+    for row, n in zip(batch.req_pool_indices.tolist(), batch.seq_lens.tolist()):
+        visible.update(batch.req_to_token[row, :n].tolist())
+    hidden = torch.tensor(sorted(set(range(batch.k_buffer.shape[0])) - visible))
+    row0, n0 = int(batch.req_pool_indices[0]), int(batch.seq_lens[0])
+    assert set(batch.req_to_token[row0, n0:].tolist()) - visible  # past seq_len: hidden slots too
+    batch.k_buffer[hidden] = NAN
+    batch.v_buffer[hidden] = NAN
+    for splits in (0, 1, 3, 7):
+        decode, extend = _attention_pair(batch, q_decode, q_extend, splits)
+        for out, expected in (decode, extend):
+            assert torch.isfinite(expected).all()
+            assert torch.isfinite(out).all(), f"splits={splits}"

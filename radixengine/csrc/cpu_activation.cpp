@@ -31,13 +31,13 @@ inline void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t d) {
 
 }  // namespace
 
-torch::Tensor silu_and_mul(const torch::Tensor& x_in) {
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.device().is_cpu(), "silu_and_mul: CPU tensors only");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 2 == 0, "silu_and_mul: x must be [tokens, 2 * d], got ",
               x_in.sizes());
-  const torch::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t T = x.size(0), d = x.size(1) / 2;
-  torch::Tensor out = torch::empty({T, d}, x.options());
+  at::Tensor out = at::empty({T, d}, x.options());
   RADIX_DISPATCH_FLOAT_BF16(x.scalar_type(), "silu_and_mul", S, [&] {
     const S* xp = x.data_ptr<S>();
     S* op = out.data_ptr<S>();

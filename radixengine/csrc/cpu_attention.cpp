@@ -241,14 +241,16 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
     }
   }
 
+  // row_sum is 0 only for no keys (an empty split); NaN (a NaN score) stays NaN in both outputs.
   for (int64_t h = 0; h < H; ++h) {
-    const float inv = row_sum[h] > 0.0f ? 1.0f / row_sum[h] : 0.0f;
+    const bool empty = row_sum[h] == 0.0f;
+    const float inv = empty ? 0.0f : 1.0f / row_sum[h];
     if (a.num_splits == 1) {
       store_scaled(acc + h * D, out + b * a.out_stride0 + h * a.out_stride1, D, inv);
     } else {
       const int64_t idx = (b * H + h) * a.num_splits + split;
       store_scaled(acc + h * D, a.partial_out + idx * D, D, inv);
-      a.partial_lse[idx] = row_sum[h] > 0.0f ? row_max[h] + std::log(row_sum[h]) : kNegInf;
+      a.partial_lse[idx] = empty ? kNegInf : row_max[h] + std::log(row_sum[h]);
     }
   }
 }
@@ -264,21 +266,22 @@ void merge_splits(const DecodeArgs& a, QT* out) {
     const float* po = a.partial_out + task * S * D;
     float* acc = thread_scratch(D);
     std::fill(acc, acc + D, 0.0f);
-    const float max_lse = *std::max_element(lse, lse + S);
+    // Empty splits (lse -inf) are skipped; a NaN lse (a NaN score) makes its weight, and so
+    // the output, NaN (the max skips NaN, so it does not depend on the order of the splits).
+    float max_lse = kNegInf;
+    for (int64_t s = 0; s < S; ++s) max_lse = lse[s] > max_lse ? lse[s] : max_lse;
     float total = 0.0f;
-    if (max_lse != kNegInf) {
-      for (int64_t s = 0; s < S; ++s) {
-        if (lse[s] == kNegInf) continue;
-        const float w = std::exp(lse[s] - max_lse);
-        total += w;
-        const VecF wv = VecF::broadcast(w);
-        for (int64_t d = 0; d < D; d += kVecWidth) {
-          fmadd(wv, VecF::load(po + s * D + d), VecF::load(acc + d)).store(acc + d);
-        }
+    for (int64_t s = 0; s < S; ++s) {
+      if (lse[s] == kNegInf) continue;
+      const float w = std::exp(lse[s] - max_lse);
+      total += w;
+      const VecF wv = VecF::broadcast(w);
+      for (int64_t d = 0; d < D; d += kVecWidth) {
+        fmadd(wv, VecF::load(po + s * D + d), VecF::load(acc + d)).store(acc + d);
       }
     }
     store_scaled(acc, out + b * a.out_stride0 + h * a.out_stride1, D,
-                 total > 0.0f ? 1.0f / total : 0.0f);
+                 total == 0.0f ? 0.0f : 1.0f / total);
   });
 }
 
@@ -290,8 +293,8 @@ int64_t choose_num_splits(int64_t batch, int64_t max_len) {
   return std::max<int64_t>(1, std::min(wanted, most));
 }
 
-void check_pool(const torch::Tensor& q, const torch::Tensor& k_buffer,
-                const torch::Tensor& v_buffer, const torch::Tensor& req_to_token,
+void check_pool(const at::Tensor& q, const at::Tensor& k_buffer,
+                const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                 const char* name) {
   TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(q.dim() == 3, name, ": q must be 3-D, got ", q.sizes());
@@ -301,7 +304,7 @@ void check_pool(const torch::Tensor& q, const torch::Tensor& k_buffer,
               ": k_buffer and v_buffer dtypes differ");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), name,
               ": k_buffer and v_buffer must be contiguous");
-  TORCH_CHECK(req_to_token.scalar_type() == torch::kInt && req_to_token.dim() == 2 &&
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 &&
                   req_to_token.is_contiguous(),
               name, ": req_to_token must be a contiguous int32 [max_reqs, max_context_len]");
   const int64_t D = q.size(2);
@@ -314,7 +317,7 @@ void check_pool(const torch::Tensor& q, const torch::Tensor& k_buffer,
               " query heads per kv head");
 }
 
-PoolView make_pool_view(const torch::Tensor& k_buffer, const torch::Tensor& req_to_token) {
+PoolView make_pool_view(const at::Tensor& k_buffer, const at::Tensor& req_to_token) {
   return PoolView{k_buffer.size(0), k_buffer.size(1), k_buffer.size(2),
                   req_to_token.data_ptr<int32_t>(), req_to_token.size(1)};
 }
@@ -466,15 +469,15 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
 
 }  // namespace
 
-torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k_buffer,
-                               const torch::Tensor& v_buffer, const torch::Tensor& req_to_token,
-                               const torch::Tensor& req_pool_indices_in,
-                               const torch::Tensor& seq_lens_in, double scale,
-                               int64_t num_kv_splits) {
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
+                            const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                            const at::Tensor& req_pool_indices_in,
+                            const at::Tensor& seq_lens_in, double scale,
+                            int64_t num_kv_splits) {
   check_pool(q_in, k_buffer, v_buffer, req_to_token, "decode_attention");
-  const torch::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
-  const torch::Tensor req_pool_indices = as_int64(req_pool_indices_in);
-  const torch::Tensor seq_lens = as_int64(seq_lens_in);
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor req_pool_indices = as_int64(req_pool_indices_in);
+  const at::Tensor seq_lens = as_int64(seq_lens_in);
   const int64_t bs = q.size(0);
   const int64_t H = q.size(1);
   const int64_t D = q.size(2);
@@ -482,7 +485,7 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   TORCH_CHECK(req_pool_indices.numel() == bs && seq_lens.numel() == bs,
               "decode_attention: req_pool_indices and seq_lens need one entry per request");
 
-  torch::Tensor out = torch::empty({bs, H, D}, q.options());
+  at::Tensor out = at::empty({bs, H, D}, q.options());
   if (bs == 0) return out;
 
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -510,10 +513,10 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   args.num_splits = num_kv_splits > 0 ? num_kv_splits : choose_num_splits(bs, max_len);
   args.scale = static_cast<float>(scale);
 
-  torch::Tensor partial_out, partial_lse;
+  at::Tensor partial_out, partial_lse;
   if (args.num_splits > 1) {
-    partial_out = torch::empty({bs, H, args.num_splits, D}, q.options().dtype(torch::kFloat));
-    partial_lse = torch::empty({bs, H, args.num_splits}, q.options().dtype(torch::kFloat));
+    partial_out = at::empty({bs, H, args.num_splits, D}, q.options().dtype(at::kFloat));
+    partial_lse = at::empty({bs, H, args.num_splits}, q.options().dtype(at::kFloat));
     args.partial_out = partial_out.data_ptr<float>();
     args.partial_lse = partial_lse.data_ptr<float>();
   }
@@ -537,18 +540,18 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   return out;
 }
 
-torch::Tensor extend_attention(const torch::Tensor& q_in, const torch::Tensor& k_buffer,
-                               const torch::Tensor& v_buffer, const torch::Tensor& req_to_token,
-                               const torch::Tensor& req_pool_indices_in,
-                               const torch::Tensor& seq_lens_in,
-                               const torch::Tensor& extend_seq_lens_in,
-                               const torch::Tensor& extend_start_loc_in, double scale) {
+at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
+                            const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                            const at::Tensor& req_pool_indices_in,
+                            const at::Tensor& seq_lens_in,
+                            const at::Tensor& extend_seq_lens_in,
+                            const at::Tensor& extend_start_loc_in, double scale) {
   check_pool(q_in, k_buffer, v_buffer, req_to_token, "extend_attention");
-  const torch::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
-  const torch::Tensor req_pool_indices = as_int64(req_pool_indices_in);
-  const torch::Tensor seq_lens = as_int64(seq_lens_in);
-  const torch::Tensor extend_seq_lens = as_int64(extend_seq_lens_in);
-  const torch::Tensor extend_start_loc = as_int64(extend_start_loc_in);
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor req_pool_indices = as_int64(req_pool_indices_in);
+  const at::Tensor seq_lens = as_int64(seq_lens_in);
+  const at::Tensor extend_seq_lens = as_int64(extend_seq_lens_in);
+  const at::Tensor extend_start_loc = as_int64(extend_start_loc_in);
   const int64_t T = q.size(0);
   const int64_t H = q.size(1);
   const int64_t D = q.size(2);
@@ -558,7 +561,7 @@ torch::Tensor extend_attention(const torch::Tensor& q_in, const torch::Tensor& k
                   extend_start_loc.numel() == bs,
               "extend_attention: the per-request tensors need one entry per request");
 
-  torch::Tensor out = torch::empty({T, H, D}, q.options());
+  at::Tensor out = at::empty({T, H, D}, q.options());
   if (bs == 0 || T == 0) return out;
 
   ExtendArgs args{};

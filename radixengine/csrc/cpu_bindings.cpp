@@ -1,5 +1,5 @@
-// Python bindings of the native CPU ops (module radixengine._native_cpu).
-#include <torch/extension.h>
+// Python bindings of the native CPU ops (one module per ISA level: radixengine._native_cpu_<level>).
+#include <torch/csrc/utils/pybind.h>  // pybind11 with the at::Tensor casters
 
 #include "cpu_ops.h"
 

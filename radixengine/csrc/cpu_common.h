@@ -3,7 +3,8 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <atomic>
@@ -43,8 +44,8 @@ inline float* thread_scratch(size_t num_floats) {
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Integer index tensors may arrive as int32 or int64; the kernels read int64.
-inline torch::Tensor as_int64(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kLong ? t.contiguous() : t.to(torch::kLong).contiguous();
+inline at::Tensor as_int64(const at::Tensor& t) {
+  return t.scalar_type() == at::kLong ? t.contiguous() : t.to(at::kLong).contiguous();
 }
 
 // One case of a dtype switch: runs the body with T = TYPE.
@@ -58,10 +59,10 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
 #define RADIX_DISPATCH_FLOAT_BF16(DTYPE, NAME, T, ...)                                      \
   [&] {                                                                                     \
     switch (DTYPE) {                                                                        \
-      RADIX_DISPATCH_CASE(torch::kFloat, float, T, __VA_ARGS__)                             \
-      RADIX_DISPATCH_CASE(torch::kBFloat16, ::radixengine::cpu::bf16, T, __VA_ARGS__)       \
+      RADIX_DISPATCH_CASE(at::kFloat, float, T, __VA_ARGS__)                                \
+      RADIX_DISPATCH_CASE(at::kBFloat16, ::radixengine::cpu::bf16, T, __VA_ARGS__)          \
       default:                                                                              \
-        TORCH_CHECK(false, NAME, ": unsupported dtype ", DTYPE, " (float32 or bfloat16)"); \
+        TORCH_CHECK(false, NAME, ": unsupported dtype ", DTYPE, " (float32 or bfloat16)");  \
     }                                                                                       \
   }()
 
@@ -69,9 +70,9 @@ inline torch::Tensor as_int64(const torch::Tensor& t) {
 #define RADIX_DISPATCH_KV(DTYPE, NAME, T, ...)                                          \
   [&] {                                                                                 \
     switch (DTYPE) {                                                                    \
-      RADIX_DISPATCH_CASE(torch::kFloat, float, T, __VA_ARGS__)                         \
-      RADIX_DISPATCH_CASE(torch::kBFloat16, ::radixengine::cpu::bf16, T, __VA_ARGS__)   \
-      RADIX_DISPATCH_CASE(torch::kHalf, ::radixengine::cpu::fp16, T, __VA_ARGS__)       \
+      RADIX_DISPATCH_CASE(at::kFloat, float, T, __VA_ARGS__)                            \
+      RADIX_DISPATCH_CASE(at::kBFloat16, ::radixengine::cpu::bf16, T, __VA_ARGS__)      \
+      RADIX_DISPATCH_CASE(at::kHalf, ::radixengine::cpu::fp16, T, __VA_ARGS__)          \
       default:                                                                          \
         TORCH_CHECK(false, NAME, ": unsupported KV dtype ", DTYPE,                      \
                     " (float32, bfloat16 or float16)");                                 \

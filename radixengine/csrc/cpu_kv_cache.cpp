@@ -43,7 +43,7 @@ void scatter_rows(DstT* dst, const SrcT* src, const int64_t* loc, int64_t T, int
   });
 }
 
-void scatter(torch::Tensor& buffer, const torch::Tensor& loc, const torch::Tensor& src_in,
+void scatter(at::Tensor& buffer, const at::Tensor& loc, const at::Tensor& src_in,
              const char* which) {
   TORCH_CHECK(buffer.dim() == 3 && buffer.is_contiguous(), "set_kv_buffer: ", which,
               "_buffer must be a contiguous [num_slots, num_kv_heads, head_dim]");
@@ -51,7 +51,7 @@ void scatter(torch::Tensor& buffer, const torch::Tensor& loc, const torch::Tenso
                   src_in.size(1) == buffer.size(1) && src_in.size(2) == buffer.size(2),
               "set_kv_buffer: ", which, " must be [len(loc), num_kv_heads, head_dim], got ",
               src_in.sizes());
-  const torch::Tensor src = src_in.stride(2) == 1 ? src_in : src_in.contiguous();
+  const at::Tensor src = src_in.stride(2) == 1 ? src_in : src_in.contiguous();
   const int64_t* lp = loc.data_ptr<int64_t>();
   RADIX_DISPATCH_KV(buffer.scalar_type(), "set_kv_buffer", DstT, [&] {
     RADIX_DISPATCH_FLOAT_BF16(src.scalar_type(), "set_kv_buffer", SrcT, [&] {
@@ -64,9 +64,9 @@ void scatter(torch::Tensor& buffer, const torch::Tensor& loc, const torch::Tenso
 
 }  // namespace
 
-void set_kv_buffer(torch::Tensor& k_buffer, torch::Tensor& v_buffer, const torch::Tensor& loc_in,
-                   const torch::Tensor& k, const torch::Tensor& v) {
-  const torch::Tensor loc = as_int64(loc_in);
+void set_kv_buffer(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc_in,
+                   const at::Tensor& k, const at::Tensor& v) {
+  const at::Tensor loc = as_int64(loc_in);
   scatter(k_buffer, loc, k, "k");
   scatter(v_buffer, loc, v, "v");
 }

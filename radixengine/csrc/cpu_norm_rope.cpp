@@ -41,7 +41,7 @@ inline void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   }
 }
 
-void check_norm(const torch::Tensor& x, const torch::Tensor& weight, const char* name) {
+void check_norm(const at::Tensor& x, const at::Tensor& weight, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name,
               ": x must be [tokens, hidden] with unit stride");
@@ -53,10 +53,10 @@ void check_norm(const torch::Tensor& x, const torch::Tensor& weight, const char*
 
 }  // namespace
 
-torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, double eps) {
-  const torch::Tensor x = x_in.dim() == 2 && x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  const at::Tensor x = x_in.dim() == 2 && x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   check_norm(x, weight, "rms_norm");
-  torch::Tensor out = torch::empty(x.sizes(), x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t T = x.size(0), n = x.size(1);
   RADIX_DISPATCH_FLOAT_BF16(x.scalar_type(), "rms_norm", S, [&] {
     const S* xp = x.data_ptr<S>();
@@ -72,7 +72,7 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, d
   return out;
 }
 
-void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps) {
   check_norm(x, weight, "fused_add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
@@ -99,8 +99,8 @@ void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::
   });
 }
 
-void rotary_embedding(const torch::Tensor& positions_in, torch::Tensor& x,
-                      const torch::Tensor& cos_sin_cache, int64_t rotary_dim) {
+void rotary_embedding(const at::Tensor& positions_in, at::Tensor& x,
+                      const at::Tensor& cos_sin_cache, int64_t rotary_dim) {
   TORCH_CHECK(x.device().is_cpu(), "rotary_embedding: CPU tensors only");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1,
               "rotary_embedding: x must be [tokens, heads, head_dim] with unit stride");
@@ -110,7 +110,7 @@ void rotary_embedding(const torch::Tensor& positions_in, torch::Tensor& x,
                   cos_sin_cache.is_contiguous() && cos_sin_cache.scalar_type() == x.scalar_type(),
               "rotary_embedding: cos_sin_cache must be a contiguous [max_position, rotary_dim] "
               "in x's dtype");
-  const torch::Tensor positions = as_int64(positions_in);
+  const at::Tensor positions = as_int64(positions_in);
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(positions.numel() == T, "rotary_embedding: one position per token");
   const int64_t half = rotary_dim / 2;

@@ -409,12 +409,12 @@ int64_t block_bytes_of(int64_t qtype) {
   }
 }
 
-void check_quant_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
+void check_quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype) {
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quant_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat, "quant_linear: x must be float32, got ",
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_linear: x must be float32, got ",
               x.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_linear: x must be a contiguous [M, K]");
-  TORCH_CHECK(qweight.scalar_type() == torch::kByte, "quant_linear: qweight must be uint8, got ",
+  TORCH_CHECK(qweight.scalar_type() == at::kByte, "quant_linear: qweight must be uint8, got ",
               qweight.scalar_type());
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(),
               "quant_linear: qweight must be a contiguous [N, row_bytes]");
@@ -431,10 +431,10 @@ void check_quant_linear(const torch::Tensor& x, const torch::Tensor& qweight, in
 
 }  // namespace
 
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype) {
   check_quant_linear(x, qweight, qtype);
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  torch::Tensor out = torch::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
   const QuantLinearArgs a{x.data_ptr<float>(), qweight.data_ptr<uint8_t>(), out.data_ptr<float>(),

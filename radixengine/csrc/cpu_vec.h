@@ -1,8 +1,9 @@
 // A minimal fp32 SIMD vector for the CPU kernels.
 //
-// The instruction set is picked at compile time (the extension is built with -march=native):
-// AVX-512F (16 lanes), AVX2 + FMA (8 lanes), or a portable scalar fallback (8 lanes of plain
-// loops that the compiler may still vectorize). bfloat16 and float16 data (a KV cache stored in
+// The instruction set is picked at compile time by the flags of the level being built (setup.py
+// builds every level; radixengine/utils/cpu_isa.py has the flags): AVX-512F (16 lanes), AVX2 +
+// FMA (8 lanes), or a portable fallback (8 lanes of plain loops that the compiler may still
+// vectorize for the baseline). bfloat16 and float16 data (a KV cache stored in
 // 16 bits) are widened to fp32 on load; all arithmetic is fp32.
 #pragma once
 
@@ -35,6 +36,9 @@ inline T from_float(float x) {
 
 // exp(x) range constants shared by all implementations: below kExpLo the result is 0, above
 // kExpHi it saturates at exp(kExpHi) (scores are max-subtracted, so that never happens here).
+// exp(NaN) is NaN, as std::exp: a NaN score (a NaN in a K row) must reach the output, as it does
+// in the reference. The clamps put x second in max/min, whose NaN rule returns the second
+// operand, so a NaN goes through the polynomial unchanged.
 constexpr float kExpLo = -87.33654f;
 constexpr float kExpHi = 88.37626f;
 constexpr float kLog2e = 1.44269504088896341f;
@@ -111,8 +115,8 @@ inline void hsum4(const VecF* v, float* out) {
 
 inline VecF vexp(VecF x) {
   const __m512 lo = _mm512_set1_ps(kExpLo);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x.v, lo, _CMP_LT_OQ);
-  __m512 xc = _mm512_min_ps(_mm512_max_ps(x.v, lo), _mm512_set1_ps(kExpHi));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x.v, lo, _CMP_LT_OQ);  // false for NaN
+  __m512 xc = _mm512_min_ps(_mm512_set1_ps(kExpHi), _mm512_max_ps(lo, x.v));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
@@ -215,8 +219,8 @@ inline float hmax(VecF a) {
 
 inline VecF vexp(VecF x) {
   const __m256 lo = _mm256_set1_ps(kExpLo);
-  const __m256 keep = _mm256_cmp_ps(x.v, lo, _CMP_GE_OQ);  // false for x < lo (and NaN)
-  __m256 xc = _mm256_min_ps(_mm256_max_ps(x.v, lo), _mm256_set1_ps(kExpHi));
+  const __m256 keep = _mm256_cmp_ps(x.v, lo, _CMP_NLT_UQ);  // false for x < lo, true for NaN
+  __m256 xc = _mm256_min_ps(_mm256_set1_ps(kExpHi), _mm256_max_ps(lo, x.v));
   __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), xc);
@@ -237,7 +241,7 @@ inline VecF vexp(VecF x) {
 
 #else
 
-constexpr const char* kIsaName = "scalar";
+constexpr const char* kIsaName = "portable";
 
 struct VecF {
   static constexpr int kWidth = 8;

@@ -2,9 +2,10 @@
 
 The KV cache is a paged pool: per layer K and V buffers ``[num_slots, num_kv_heads, head_dim]``
 and ``req_to_token`` (int32 ``[max_reqs, max_context_len]``) mapping (request row, position) to a
-slot. The native kernels (``radixengine/csrc``, built into ``radixengine._native_cpu`` by the
-package's set-up) read K/V through ``req_to_token`` in place; the references gather and use
-``scaled_dot_product_attention`` in fp32.
+slot. The native kernels (``radixengine/csrc``, built into ``radixengine._native_cpu_<level>``
+by the package's set-up) read K/V through ``req_to_token`` in place; the references gather and
+use ``scaled_dot_product_attention`` in fp32. A NaN in a K or V row a query attends over reaches
+its output, as in the reference.
 
 Besides attention and the KV write, the fused small ops of a decoder layer: ``rms_norm``,
 ``fused_add_rms_norm`` (in place) and ``rotary_embedding`` (in place, neox style); their
@@ -16,18 +17,27 @@ only when it is not: ``native_available()`` says which, and ``native_unavailable
 Callers that need the native code (an explicitly requested native backend) call
 ``require_native()``, which raises.
 
-Set ``RADIXENGINE_JIT_BUILD=1`` to compile the extension on import with
+The kernels are built once per instruction-set level (``radixengine._native_cpu_avx512``,
+``_avx2``, ``_portable``; see ``radixengine/utils/cpu_isa.py``) and only the highest level this
+CPU supports is imported (``RADIXENGINE_CPU_ISA`` may ask for a lower one); ``native_level()``
+says which. Set ``RADIXENGINE_JIT_BUILD=1`` to compile that level on import with
 ``torch.utils.cpp_extension.load`` instead of importing the prebuilt module (for development).
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from radixengine.utils import cpu_isa
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "decode_attention",
@@ -38,6 +48,8 @@ __all__ = [
     "fused_add_rms_norm_reference",
     "native_available",
     "native_isa",
+    "native_level",
+    "load_native_level",
     "native_supports",
     "native_unavailable_reason",
     "require_native",
@@ -56,31 +68,63 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _jit_build() -> ModuleType:
+def jit_build_options(level: str) -> dict:
+    """Arguments of ``torch.utils.cpp_extension.load`` for one level: the level's flags (never
+    -march=native) and a name, hence a build directory, of its own."""
+    cpu_isa.check_level(level)
+    return {
+        "name": f"radixengine_native_cpu_{level}",
+        "sources": sorted(str(p) for p in CSRC_DIR.glob("*.cpp")),
+        "extra_cflags": ["-O3", *cpu_isa.COMPILE_FLAGS[level], "-fopenmp"],
+        "extra_ldflags": ["-fopenmp"],
+    }
+
+
+def _jit_build(level: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    sources = sorted(str(p) for p in CSRC_DIR.glob("*.cpp"))
-    return load(
-        name="radixengine_native_cpu",
-        sources=sources,
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        verbose=os.environ.get("RADIXENGINE_JIT_VERBOSE") == "1",
-    )
+    verbose = os.environ.get("RADIXENGINE_JIT_VERBOSE") == "1"
+    return load(**jit_build_options(level), verbose=verbose)
 
 
-def _load_native() -> tuple[ModuleType | None, str | None]:
+def load_native_level(level: str) -> ModuleType:
+    """The prebuilt module of one level; refuses a level this CPU cannot run (importing it could
+    end the process with SIGILL). ImportError when that level was not built."""
+    if level not in cpu_isa.supported_levels():
+        raise RuntimeError(f"this CPU cannot run the {level!r} native kernels")
+    return importlib.import_module(cpu_isa.module_name(level))
+
+
+def _import_prebuilt(level: str) -> tuple[ModuleType, str]:
+    """The module of ``level``, or of the next lower level that was built."""
+    missing = []
+    for candidate in reversed(cpu_isa.LEVELS[: cpu_isa.LEVELS.index(level) + 1]):
+        try:
+            return load_native_level(candidate), candidate
+        except ModuleNotFoundError as exc:
+            if exc.name != cpu_isa.module_name(candidate):
+                raise
+            missing.append(exc.name)
+    raise ModuleNotFoundError(f"no native CPU build ({', '.join(missing)} not found)")
+
+
+def _load_native() -> tuple[ModuleType | None, str | None, str | None]:
+    """(module, its level, None) or (None, None, why not)."""
     try:
+        level, why = cpu_isa.chosen_level()
         if os.environ.get("RADIXENGINE_JIT_BUILD") == "1":
-            return _jit_build(), None
-        from radixengine import _native_cpu
-
-        return _native_cpu, None
+            module, loaded = _jit_build(level), level
+        else:
+            module, loaded = _import_prebuilt(level)
     except Exception as exc:  # ImportError, or a compiler error from the JIT build
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, None, f"{type(exc).__name__}: {exc}"
+    if loaded != level:
+        why = f"{why}; {level} not built"
+    logger.info("native CPU kernels: %s (%s)", loaded, why)
+    return module, loaded, None
 
 
-_native, _native_error = _load_native()
+_native, _native_level, _native_error = _load_native()
 
 
 def native_available() -> bool:
@@ -105,8 +149,13 @@ def require_native() -> ModuleType:
 
 
 def native_isa() -> str | None:
-    """The instruction set the extension was compiled for ("avx512", "avx2", "scalar")."""
+    """The vector code path the loaded module was compiled with ("avx512", "avx2", "portable")."""
     return _native.isa() if _native is not None else None
+
+
+def native_level() -> str | None:
+    """The instruction-set level whose module is loaded (see ``radixengine.utils.cpu_isa``)."""
+    return _native_level
 
 
 def native_supports(dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None) -> bool:
