@@ -87,7 +87,10 @@ async def _run_requests(engine, items: list[dict]) -> tuple[float, list[float], 
     async def one(item: dict) -> tuple[float, dict, list[int]]:
         first, meta, ids = None, None, []
         stream = await engine.async_generate(
-            messages=item.get("messages"), prompt=item.get("text"), sampling_params=item["sampling_params"], stream=True
+            messages=item.get("messages"),
+            prompt=item.get("text"),
+            sampling_params=item["sampling_params"],
+            stream=True,
         )
         async for chunk in stream:
             if first is None and chunk["output_ids"]:
@@ -109,16 +112,25 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
 
     def label(self, ablation: bool) -> str:
-        label = f"radixengine {self.policy}" + (f", overlap {'on' if self.overlap else 'off'}" if ablation else "")
+        label = f"radixengine {self.policy}" + (
+            f", overlap {'on' if self.overlap else 'off'}" if ablation else ""
+        )
         return label if self.kv_cache_dtype == "auto" else f"{label}, KV {DTYPE_NAMES[self.kv_cache_dtype]}"
 
 
-def run_radixengine(items: list[dict], config: EngineConfig, dtype: str, threads: int, model_path: str | None) -> dict:
+def run_radixengine(
+    items: list[dict], config: EngineConfig, dtype: str, threads: int, model_path: str | None
+) -> dict:
     from radixengine import Engine
 
     with Engine(
-        model_path=model_path, schedule_policy=config.policy, dtype=dtype, num_threads=threads, log_level="warning",
-        disable_overlap_schedule=not config.overlap, cpu_forward_stream=config.cpu_forward_stream,
+        model_path=model_path,
+        schedule_policy=config.policy,
+        dtype=dtype,
+        num_threads=threads,
+        log_level="warning",
+        disable_overlap_schedule=not config.overlap,
+        cpu_forward_stream=config.cpu_forward_stream,
         kv_cache_dtype=config.kv_cache_dtype,
     ) as engine:
         engine.generate("Warm-up.", {"max_new_tokens": 8, "temperature": 0})
@@ -161,7 +173,9 @@ def _overlaps(cpu_forward_stream: str, threads: int, info: dict) -> bool:
 # transformers ---------------------------------------------------------------------------------
 
 
-def run_transformers(prompts: list[list[int]], max_new_tokens: int, dtype: str, threads: int, hf_path: str) -> dict:
+def run_transformers(
+    prompts: list[list[int]], max_new_tokens: int, dtype: str, threads: int, hf_path: str
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -177,13 +191,22 @@ def run_transformers(prompts: list[list[int]], max_new_tokens: int, dtype: str, 
         model.generate(input_ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, **kwargs)
         start = time.perf_counter()
         out = model.generate(
-            input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **kwargs
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            **kwargs,
         )
         elapsed = time.perf_counter() - start
     tokens = (out.shape[1] - width) * len(prompts)
     del model
     gc.collect()
-    return {"system": "transformers", "elapsed_s": elapsed, "output_tokens": tokens, "output_tok_s": tokens / elapsed}
+    return {
+        "system": "transformers",
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / elapsed,
+    }
 
 
 # llama-cpp-python -----------------------------------------------------------------------------
@@ -267,7 +290,9 @@ def print_table(rows: list[dict]) -> None:
     print(header)
     print("|" + "---|" * 8)
     for r in rows:
-        ttft = f"{r['ttft_mean_s']:.2f} / {r.get('ttft_max_s', float('nan')):.2f}" if "ttft_mean_s" in r else "–"
+        ttft = (
+            f"{r['ttft_mean_s']:.2f} / {r.get('ttft_max_s', float('nan')):.2f}" if "ttft_mean_s" in r else "–"
+        )
         hit = f"{r['cache_hit_rate']:.1%}" if "cache_hit_rate" in r else "–"
         ideal = f"{r['cached_vs_ideal']:.1%}" if r.get("cached_vs_ideal") is not None else "–"
         ratio = f"{r['ratio_vs_transformers']:.2f}" if r.get("ratio_vs_transformers") else "–"
@@ -279,7 +304,9 @@ def print_table(rows: list[dict]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model-path", default=None, help="default: the bundled SmolLM2 GGUF")
     parser.add_argument("--workloads-dir", default=str(WORKLOADS_DIR))
     parser.add_argument("--workloads", default="W1,W2")
@@ -287,12 +314,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--peers", default="transformers", help="comma list: transformers, llamacpp")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--limit", type=int, default=None, help="first N requests of each workload (smoke runs)")
-    parser.add_argument("--overlap", default="on", help="comma list of on, off: the engine's overlap schedule")
-    parser.add_argument("--kv-cache-dtypes", default="auto",
-                        help="comma list of the engine's --kv-cache-dtype values (auto, bfloat16, float16)")
-    parser.add_argument("--cpu-forward-stream", default="auto", choices=CPU_FORWARD_STREAMS,
-                        help="the engine's --cpu-forward-stream")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="first N requests of each workload (smoke runs)"
+    )
+    parser.add_argument(
+        "--overlap", default="on", help="comma list of on, off: the engine's overlap schedule"
+    )
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        default="auto",
+        help="comma list of the engine's --kv-cache-dtype values (auto, bfloat16, float16)",
+    )
+    parser.add_argument(
+        "--cpu-forward-stream",
+        default="auto",
+        choices=CPU_FORWARD_STREAMS,
+        help="the engine's --cpu-forward-stream",
+    )
     parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_offline.json"))
     args = parser.parse_args(argv)
     for name in ("workloads", "policies", "dtypes", "peers", "overlap", "kv_cache_dtypes"):
@@ -319,8 +357,14 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench_workload(name, items, dtype, args, hf_path, tokenizer)
     print_table(rows)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join(sys.argv), "threads": args.threads, "cpu": _cpu_name(), "time": time.ctime(),
-            "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    meta = {
+        "command": " ".join(sys.argv),
+        "threads": args.threads,
+        "cpu": _cpu_name(),
+        "time": time.ctime(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
     with open(args.output, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     print(f"\nwrote {args.output}", file=sys.stderr)

@@ -44,10 +44,23 @@ from radixengine.sampling.sampling_params import SamplingParams  # noqa: E402
 from radixengine.server_args import CPU_FORWARD_STREAMS, ServerArgs  # noqa: E402
 
 CONFIGS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256),
-    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -57,8 +70,15 @@ def model_folder(name: str, root: Path) -> tuple[str, str]:
         return name, "auto"
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 2048,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32", **CONFIGS[name]}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+        **CONFIGS[name],
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return str(folder), "dummy"
 
@@ -95,7 +115,13 @@ class TimedWorker:
 
 
 def run_once(
-    args, worker: TimedWorker, model_args: dict, bs: int, overlap: bool, vocab: int, trace_file: str | None = None
+    args,
+    worker: TimedWorker,
+    model_args: dict,
+    bs: int,
+    overlap: bool,
+    vocab: int,
+    trace_file: str | None = None,
 ) -> dict:
     server_args = ServerArgs(
         **model_args, disable_overlap_schedule=not overlap, chunked_prefill_size=-1, trace_file=trace_file
@@ -109,7 +135,9 @@ def run_once(
 
     def reqs(tag: str, n: int):
         return [
-            TokenizedGenerateReqInput(f"{tag}{i}", None, [rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
+            TokenizedGenerateReqInput(
+                f"{tag}{i}", None, [rng.randrange(3, vocab) for _ in range(args.prompt_len)], params
+            )
             for i in range(n)
         ]
 
@@ -166,8 +194,14 @@ def best_of(repeats: int, run) -> dict[str, dict]:
     return best
 
 
-PHASE_COLORS = {"recv": "tab:gray", "schedule": "tab:blue", "launch": "tab:purple", "process": "tab:green",
-                "wait": "lightgray", "forward": "tab:orange"}
+PHASE_COLORS = {
+    "recv": "tab:gray",
+    "schedule": "tab:blue",
+    "launch": "tab:purple",
+    "process": "tab:green",
+    "wait": "lightgray",
+    "forward": "tab:orange",
+}
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -193,15 +227,28 @@ def plot_ratios(results: list[dict], ratio_ax, idle_ax) -> None:
         rows = [r for r in results if r["model"] == model]
         sizes = sorted({r["bs"] for r in rows})
         get = {(r["bs"], r["loop"]): r for r in rows}
-        ratio_ax.plot(sizes, [get[b, "overlap"]["tokens_per_s"] / get[b, "normal"]["tokens_per_s"] for b in sizes],
-                      marker="o", color=f"C{i}", label=model)
+        ratio_ax.plot(
+            sizes,
+            [get[b, "overlap"]["tokens_per_s"] / get[b, "normal"]["tokens_per_s"] for b in sizes],
+            marker="o",
+            color=f"C{i}",
+            label=model,
+        )
         for loop, style in (("normal", "--"), ("overlap", "-")):
-            idle_ax.plot(sizes, [get[b, loop]["device_idle"] for b in sizes], style, marker="o", color=f"C{i}",
-                         label=f"{model} {loop}")
+            idle_ax.plot(
+                sizes,
+                [get[b, loop]["device_idle"] for b in sizes],
+                style,
+                marker="o",
+                color=f"C{i}",
+                label=f"{model} {loop}",
+            )
     ratio_ax.axhline(1.0, color="gray", lw=0.8)
     ratio_ax.set(ylabel="throughput overlap / normal")
     idles = [r["device_idle"] for r in results if r["device_idle"] > 0]
-    idle_ax.set(yscale="log" if idles and max(idles) > 10 * min(idles) else "linear", ylabel="device idle fraction")
+    idle_ax.set(
+        yscale="log" if idles and max(idles) > 10 * min(idles) else "linear", ylabel="device idle fraction"
+    )
     idle_ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     sizes = sorted({r["bs"] for r in results})
     for a in (ratio_ax, idle_ax):
@@ -217,32 +264,51 @@ def plot_timeline(row: dict, ax, legend: bool, steps: int = 3) -> None:
     from matplotlib.patches import Patch
 
     forwards = sorted((e for e in row["trace"] if e[0] == 2 and e[1] != "wait"), key=lambda e: e[2])
-    shown = forwards[len(forwards) // 2:][:steps]
+    shown = forwards[len(forwards) // 2 :][:steps]
     margin = 0.15 * shown[0][3]
     t0, t1 = shown[0][2] - margin, shown[-1][2] + shown[-1][3] + margin
     for lane, name, start, dur in sorted(row["trace"], key=lambda e: -e[3]):  # nested phases on top
         if start + dur < t0 or start > t1:
             continue
         color = PHASE_COLORS.get(name, "tab:orange") if lane == 1 else "tab:orange"
-        ax.broken_barh([(start - t0, max(dur, 0.002 * (t1 - t0)))], (2 - lane + 0.1, 0.8), facecolor=color,
-                       edgecolor="white", linewidth=0.5)
+        ax.broken_barh(
+            [(start - t0, max(dur, 0.002 * (t1 - t0)))],
+            (2 - lane + 0.1, 0.8),
+            facecolor=color,
+            edgecolor="white",
+            linewidth=0.5,
+        )
     order = "overlap" if row["overlap_step_order"] else "normal"
     ax.set(xlim=(0, t1 - t0), ylim=(0, 2), yticks=[0.5, 1.5], yticklabels=["forward", "scheduler"])
-    ax.set_title(f"{row['model']} bs {row['bs']}: {row['loop']} loop (ran the {order} step order), ms",
-                 fontsize=8, loc="left")
+    ax.set_title(
+        f"{row['model']} bs {row['bs']}: {row['loop']} loop (ran the {order} step order), ms",
+        fontsize=8,
+        loc="left",
+    )
     ax.tick_params(labelsize=7)
     if legend:
         handles = [Patch(color=c, label=n) for n, c in PHASE_COLORS.items()]
-        ax.legend(handles=handles, fontsize=6, ncol=len(handles), loc="lower right", bbox_to_anchor=(1.0, 1.0),
-                  frameon=False)
+        ax.legend(
+            handles=handles,
+            fontsize=6,
+            ncol=len(handles),
+            loc="lower right",
+            bbox_to_anchor=(1.0, 1.0),
+            frameon=False,
+        )
 
 
 def bench_model(args, model: str, sizes: list[int], traced_bs: int, tmp: Path) -> list[dict]:
     path, load_format = model_folder(model, tmp)
     model_args = dict(
-        model_path=path, load_format=load_format, device=args.device, dtype=args.dtype,
+        model_path=path,
+        load_format=load_format,
+        device=args.device,
+        dtype=args.dtype,
         max_total_tokens=max(sizes) * (args.prompt_len + args.new_tokens) * 2 + 1024,
-        max_running_requests=max(sizes), num_threads=args.num_threads, cpu_forward_stream=args.cpu_layout,
+        max_running_requests=max(sizes),
+        num_threads=args.num_threads,
+        cpu_forward_stream=args.cpu_layout,
     )
     worker = TimedWorker(TpModelWorker(ServerArgs(**model_args)))
     if args.no_finite_check:
@@ -260,10 +326,12 @@ def bench_model(args, model: str, sizes: list[int], traced_bs: int, tmp: Path) -
             r["model"] = model
             results.append(r)
         n, o = pair["normal"], pair["overlap"]
-        print(f"{model:<8} {bs:>4} | {n['tokens_per_s']:>12.0f} {o['tokens_per_s']:>13.0f} "
-              f"{o['tokens_per_s'] / n['tokens_per_s']:>6.2f} | {n['step_ms']:>6.2f} {o['step_ms']:>6.2f} | "
-              f"{n['sched_cpu_ms']:>7.3f} {o['sched_cpu_ms']:>8.3f} | {n['device_idle']:>5.1%} {o['device_idle']:>5.1%}",
-              flush=True)
+        print(
+            f"{model:<8} {bs:>4} | {n['tokens_per_s']:>12.0f} {o['tokens_per_s']:>13.0f} "
+            f"{o['tokens_per_s'] / n['tokens_per_s']:>6.2f} | {n['step_ms']:>6.2f} {o['step_ms']:>6.2f} | "
+            f"{n['sched_cpu_ms']:>7.3f} {o['sched_cpu_ms']:>8.3f} | {n['device_idle']:>5.1%} {o['device_idle']:>5.1%}",
+            flush=True,
+        )
     return results
 
 
@@ -277,11 +345,21 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="runs per loop and batch size; the fastest is kept")
     p.add_argument("--num-threads", type=int, default=None, help="CPU intra-op threads")
-    p.add_argument("--cpu-layout", default="auto", choices=CPU_FORWARD_STREAMS,
-                   help="where the CPU forward runs (the engine's --cpu-forward-stream)")
-    p.add_argument("--timeline-bs", type=int, default=8,
-                   help="batch size whose runs are traced for the plot's timeline (else the smallest)")
-    p.add_argument("--no-finite-check", action="store_true", help="skip the sampler's NaN check (a device sync)")
+    p.add_argument(
+        "--cpu-layout",
+        default="auto",
+        choices=CPU_FORWARD_STREAMS,
+        help="where the CPU forward runs (the engine's --cpu-forward-stream)",
+    )
+    p.add_argument(
+        "--timeline-bs",
+        type=int,
+        default=8,
+        help="batch size whose runs are traced for the plot's timeline (else the smallest)",
+    )
+    p.add_argument(
+        "--no-finite-check", action="store_true", help="skip the sampler's NaN check (a device sync)"
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
@@ -296,16 +374,25 @@ def main() -> None:
         f"threads={args.num_threads or torch.get_num_threads()} cpu_layout={args.cpu_layout} "
         f"load average {' '.join(f'{x:.2f}' for x in load_before)}"
     )
-    print(f"{'model':<8} {'bs':>4} | {'normal tok/s':>12} {'overlap tok/s':>13} {'ratio':>6} | "
-          f"{'step ms n/o':>13} | {'sched cpu ms n/o':>16} | {'idle n/o':>11}")
+    print(
+        f"{'model':<8} {'bs':>4} | {'normal tok/s':>12} {'overlap tok/s':>13} {'ratio':>6} | "
+        f"{'step ms n/o':>13} | {'sched cpu ms n/o':>16} | {'idle n/o':>11}"
+    )
     for model in args.models.split(","):
         results += bench_model(args, model, sizes, traced_bs, tmp)
     load_after = os.getloadavg()
     print(f"load average {' '.join(f'{x:.2f}' for x in load_after)}")
     if args.out:
-        meta = {"load_average_before": load_before, "load_average_after": load_after, "time": time.ctime(),
-                "torch": torch.__version__, "cores": os.cpu_count()}
-        Path(args.out).write_text(json.dumps({"args": vars(args), "meta": meta, "results": results}, indent=2))
+        meta = {
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            "time": time.ctime(),
+            "torch": torch.__version__,
+            "cores": os.cpu_count(),
+        }
+        Path(args.out).write_text(
+            json.dumps({"args": vars(args), "meta": meta, "results": results}, indent=2)
+        )
     if args.plot:
         plot(results, args.plot)
 

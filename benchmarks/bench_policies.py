@@ -41,8 +41,13 @@ def build_tiny_model(folder: Path) -> str:
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=2048,
     )
     config.architectures = ["LlamaForCausalLM"]
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
@@ -59,7 +64,9 @@ def make_workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     for _ in range(args.tenants):
         system = tokens(args.system_len)
         convs = [system + tokens(args.history_len) for _ in range(args.conversations)]
-        per_tenant.append([rng.choice(convs) + tokens(rng.randint(8, 32)) for _ in range(args.requests_per_tenant)])
+        per_tenant.append(
+            [rng.choice(convs) + tokens(rng.randint(8, 32)) for _ in range(args.requests_per_tenant)]
+        )
     # interleave tenants: the arrival order is the worst case for FCFS
     return [per_tenant[t][i] for i in range(args.requests_per_tenant) for t in range(args.tenants)]
 
@@ -181,7 +188,12 @@ def main() -> None:
             )
     if args.out:
         meta = {k: v for k, v in vars(args).items() if k != "out"}
-        Path(args.out).write_text(json.dumps({"args": meta, "ideal_cached": ideal, "prompt_tokens": total_prompt, "results": rows}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {"args": meta, "ideal_cached": ideal, "prompt_tokens": total_prompt, "results": rows},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

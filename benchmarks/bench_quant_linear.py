@@ -246,8 +246,11 @@ def main() -> None:
         help="cpu: process CPU time (all threads summed; with one thread, robust to other processes "
         "taking the core)",
     )
-    parser.add_argument("--without-lm-head", action="store_true",
-                        help="the 30-layer pass without the lm_head (as in a prefill, where the caller's threshold matters)")
+    parser.add_argument(
+        "--without-lm-head",
+        action="store_true",
+        help="the 30-layer pass without the lm_head (as in a prefill, where the caller's threshold matters)",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     global clock
@@ -272,7 +275,9 @@ def main() -> None:
         if not args.skip_single:
             for w in (*layers[0].values(), lm_head):
                 rows.append(bench_single(w, m, args.repeats, args.min_seconds))
-        rows.append(bench_layers(layers, None if args.without_lm_head else lm_head, m, args.repeats, args.min_seconds))
+        rows.append(
+            bench_layers(layers, None if args.without_lm_head else lm_head, m, args.repeats, args.min_seconds)
+        )
         print_table(rows[-1:])
     print()
     print_table(rows)

@@ -49,8 +49,10 @@ def main() -> None:
     cores = os.cpu_count() or 1
     rows = [measure(t, args.read_gb, args.gemm_n, args.repeats) for t in sorted({1, cores})]
     for r in rows:
-        print(f"{r['threads']} thread(s): read {r['read_gb_per_s']:.1f} GB/s, sgemm {args.gemm_n}^3 "
-              f"{r['sgemm_gflop_per_s']:.1f} GFLOP/s")
+        print(
+            f"{r['threads']} thread(s): read {r['read_gb_per_s']:.1f} GB/s, sgemm {args.gemm_n}^3 "
+            f"{r['sgemm_gflop_per_s']:.1f} GFLOP/s"
+        )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -125,7 +125,9 @@ def breakdown(run, timer: PartTimer, repeats: int) -> dict:
     # the first run warms up
     return {
         "step_ms": statistics.median(totals[1:]) * 1e3,
-        "parts_ms": {p: statistics.median(v[1:]) * 1e3 for p, v in sorted(parts.items(), key=lambda kv: -sum(kv[1]))},
+        "parts_ms": {
+            p: statistics.median(v[1:]) * 1e3 for p, v in sorted(parts.items(), key=lambda kv: -sum(kv[1]))
+        },
     }
 
 
@@ -165,7 +167,9 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "attention_backend": type(model.runner.attn_backend).__name__,
         "decode": breakdown(DecodeSteps(model, args.batch_size, args.cached_len, timer), timer, args.repeats),
-        "prefill": breakdown(lambda: prefill_step(model, args.prefill_reqs, args.prefill_len), timer, args.repeats),
+        "prefill": breakdown(
+            lambda: prefill_step(model, args.prefill_reqs, args.prefill_len), timer, args.repeats
+        ),
     }
     for case in ("decode", "prefill"):
         r = results[case]
@@ -174,8 +178,10 @@ def main() -> None:
             if case == "decode"
             else f"prefill {args.prefill_reqs} x {args.prefill_len} tokens"
         )
-        print(f"{label}: {r['step_ms']:.1f} ms ({results['attention_backend']}, quantization {args.quantization}, "
-              f"KV cache {args.kv_cache_dtype})")
+        print(
+            f"{label}: {r['step_ms']:.1f} ms ({results['attention_backend']}, quantization {args.quantization}, "
+            f"KV cache {args.kv_cache_dtype})"
+        )
         for part, ms in r["parts_ms"].items():
             print(f"  {part:<24} {ms:8.1f} ms  {100 * ms / r['step_ms']:5.1f}%")
     if args.out:

@@ -130,7 +130,9 @@ def summarize(results: list[dict], elapsed: float, num_bad: int) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, ServerArgs]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--input", default=str(SAMPLE_INPUT), help="JSONL of prompts (default: the sample)")
     parser.add_argument("--output", default="offline_batch_output.jsonl", help="JSONL of results")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default for lines without one")
@@ -145,7 +147,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Serve
 
 def main(argv: list[str] | None = None) -> int:
     args, server_args = parse_args(argv)
-    defaults = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature)) if v is not None}
+    defaults = {
+        k: v
+        for k, v in (("max_new_tokens", args.max_new_tokens), ("temperature", args.temperature))
+        if v is not None
+    }
     items, bad = read_items(args.input, defaults)
     for n, why in bad:
         print(f"{args.input}:{n}: skipped malformed line: {why}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Talk to a running server with the official OpenAI client.
 
-    make serve                          # or: python -m radixengine.launch_server
-    python examples/openai_client.py    # --base-url http://127.0.0.1:30000/v1 [--api-key KEY]
+make serve                          # or: python -m radixengine.launch_server
+python examples/openai_client.py    # --base-url http://127.0.0.1:30000/v1 [--api-key KEY]
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import openai
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:30000/v1")
     parser.add_argument("--api-key", default="EMPTY")
     args = parser.parse_args()

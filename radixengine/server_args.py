@@ -117,9 +117,7 @@ class ServerArgs:
                 f"--min-new-token-ratio-factor must be in [0, 1], got {self.min_new_token_ratio_factor}"
             )
         if self.schedule_conservativeness <= 0:
-            raise ValueError(
-                f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}"
-            )
+            raise ValueError(f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}")
         if self.retract_decode_steps < 0:
             raise ValueError(f"--retract-decode-steps must be >= 0, got {self.retract_decode_steps}")
         if not 0 < self.port < 65536:

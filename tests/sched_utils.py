@@ -216,7 +216,9 @@ def assert_matches_oracle(reqs: list, results: dict[str, ReqResult]) -> None:
         assert results[r.rid].output_ids == expected, f"{r.rid}: tokens differ from transformers"
 
 
-def oracle_greedy_min_new_tokens(prompt: list[int], max_new: int, min_new: int, stop_ids: list[int]) -> list[int]:
+def oracle_greedy_min_new_tokens(
+    prompt: list[int], max_new: int, min_new: int, stop_ids: list[int]
+) -> list[int]:
     """transformers' greedy continuation with `stop_ids` as its EOS set and min_new_tokens (its
     MinNewTokensLengthLogitsProcessor keeps them from being sampled before the minimum)."""
     with torch.no_grad():

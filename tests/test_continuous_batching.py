@@ -53,7 +53,9 @@ def test_over_admission_retracts_without_losing_tokens(overlap, page_size):
     """~450 tokens of demand through a 160-token pool: once the short requests finish, the next
     round over-admits (reserving only new_token_ratio of the running requests' remaining tokens)
     and decode retracts; every request still gets transformers' greedy tokens."""
-    sched = make_scheduler(max_total_tokens=160, page_size=page_size, overlap=overlap, init_new_token_ratio=0.5)
+    sched = make_scheduler(
+        max_total_tokens=160, page_size=page_size, overlap=overlap, init_new_token_ratio=0.5
+    )
     prompts = random_prompts(701, 12, 8, 8)
     reqs = [gen_req(f"q{i}", p, 4 if i % 2 == 0 else 44, ignore_eos=True) for i, p in enumerate(prompts)]
     results = run_to_completion(sched, reqs)
@@ -128,7 +130,10 @@ def test_preemption_that_evicts_the_matched_prefix_does_not_kill_the_scheduler(o
     shared = random_prompts(703, 1, 40, 40)[0]
     run_to_completion(sched, [gen_req("warm", shared + [3], 1)])
     assert sched.tree_cache.evictable_size() >= 40
-    low = [gen_req(f"low{i}", p, 40, priority=0, ignore_eos=True) for i, p in enumerate(random_prompts(704, 2, 20, 20))]
+    low = [
+        gen_req(f"low{i}", p, 40, priority=0, ignore_eos=True)
+        for i, p in enumerate(random_prompts(704, 2, 20, 20))
+    ]
     sched.io.put(*low)
     for _ in range(3):
         sched.process_input_requests(sched.recv_requests())

@@ -50,7 +50,9 @@ def test_sixteen_chat_prompts_equal_transformers(default_model):
         eos = set(engine.get_server_info()["eos_token_ids"])
         tok = engine.tokenizer
     ids = [
-        tok.encode(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+        tok.encode(
+            tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )
         for c in conversations
     ]
     hf = load_hf_model(default_model, dtype=torch.float32)

@@ -73,7 +73,9 @@ def build_tiny_model(path: str, seed: int = 0, max_position_embeddings: int = 10
     return path
 
 
-def hf_greedy(model, input_ids: list[list[int]], max_new_tokens: int, eos_id: int | None = None) -> list[list[int]]:
+def hf_greedy(
+    model, input_ids: list[list[int]], max_new_tokens: int, eos_id: int | None = None
+) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one at a time (no padding effects);
     stops after `eos_id` when given, otherwise runs `max_new_tokens` (EOS not masked)."""
     import torch

@@ -72,7 +72,9 @@ def test_block_rows_follow_shards_and_mixed_types_fall_back(tmp_path):
     keep blocks, with llama's q/k row permutation undone like the float weights'."""
     import gguf
 
-    config = tiny_config("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    config = tiny_config(
+        "llama", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2
+    )
     torch.set_default_dtype(torch.float32)
     model = LlamaForCausalLM(config)
     rng = np.random.default_rng(0)
@@ -80,8 +82,15 @@ def test_block_rows_follow_shards_and_mixed_types_fall_back(tmp_path):
     writer = gguf.GGUFWriter(str(path), "llama")
     raw: dict[str, tuple[np.ndarray, int]] = {}
     kv = config.num_key_value_heads * 16
-    shapes = {"attn_q": (64, 64), "attn_k": (kv, 64), "attn_v": (kv, 64), "attn_output": (64, 64),
-              "ffn_gate": (96, 64), "ffn_up": (96, 64), "ffn_down": (64, 96)}
+    shapes = {
+        "attn_q": (64, 64),
+        "attn_k": (kv, 64),
+        "attn_v": (kv, 64),
+        "attn_output": (64, 64),
+        "ffn_gate": (96, 64),
+        "ffn_up": (96, 64),
+        "ffn_down": (64, 96),
+    }
     types = {"attn_v": None, "ffn_gate": GGML_Q8_0, "ffn_up": GGML_Q8_0}
     for layer in range(config.num_hidden_layers):
         for short, shape in shapes.items():

@@ -13,7 +13,9 @@ from radixengine.layers.gguf_quant_ops import GGML_Q4_1, GGML_Q8_0
 
 gguf = pytest.importorskip("gguf")
 QTYPES = (GGML_Q4_1, GGML_Q8_0)
-needs_native = pytest.mark.skipif(not ops.quant_native_available(), reason="the native CPU kernels are not built")
+needs_native = pytest.mark.skipif(
+    not ops.quant_native_available(), reason="the native CPU kernels are not built"
+)
 
 
 def _blocks(rows: int, cols: int, qtype: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -22,7 +24,9 @@ def _blocks(rows: int, cols: int, qtype: int, seed: int = 0, scale: float = 1.0)
 
 
 def _gguf_dequantize(q: torch.Tensor, qtype: int) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(q.numpy(), gguf.GGMLQuantizationType(qtype))))
+    return torch.from_numpy(
+        np.ascontiguousarray(gguf.quants.dequantize(q.numpy(), gguf.GGMLQuantizationType(qtype)))
+    )
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -74,12 +74,16 @@ def client_plan(seed: int) -> list[dict]:
     shared = [rng.randrange(3, 200) for _ in range(40)]
     plan = []
     for i in range(NUM_CLIENTS):
-        prompt = (shared if rng.random() < 0.6 else []) + [rng.randrange(3, 200) for _ in range(rng.randint(4, 60))]
+        prompt = (shared if rng.random() < 0.6 else []) + [
+            rng.randrange(3, 200) for _ in range(rng.randint(4, 60))
+        ]
         params = {"max_new_tokens": rng.randint(8, 64), "temperature": 0, "ignore_eos": True}
         kind = ("greedy", "stream", "disconnect", "stops", "timeout", "greedy")[i % 6]
         if kind == "stops":
             params.update(ignore_eos=False, stop=["e", "th"], min_new_tokens=rng.randint(1, 4))
-        plan.append(dict(rid=f"soak-{seed}-{i}", kind=kind, ids=prompt, params=params, priority=rng.randint(0, 40)))
+        plan.append(
+            dict(rid=f"soak-{seed}-{i}", kind=kind, ids=prompt, params=params, priority=rng.randint(0, 40))
+        )
     return plan
 
 
@@ -119,7 +123,11 @@ def wait_idle_without_leaks(base_url: str, timeout: float = 60.0) -> dict:
     while True:
         info = httpx.get(base_url + "/get_server_info", timeout=10).json()
         total = info["available_tokens"] + info["evictable_tokens"] + info["protected_tokens"]
-        if info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0 and total == info["max_total_tokens"]:
+        if (
+            info["num_running_reqs"] == 0
+            and info["num_queue_reqs"] == 0
+            and total == info["max_total_tokens"]
+        ):
             return info
         assert time.monotonic() < deadline, f"not idle, or tokens leaked: {info}"
         time.sleep(0.2)
@@ -145,4 +153,6 @@ def test_soak_of_concurrent_clients(server, hf_model):
     # Still serving, and correctly.
     last = client_plan(seed=12)[0]
     res = asyncio.run(soak(server.base_url, [last]))[0]
-    assert res["body"]["output_ids"] == hf_greedy(hf_model, [last["ids"]], last["params"]["max_new_tokens"])[0]
+    assert (
+        res["body"]["output_ids"] == hf_greedy(hf_model, [last["ids"]], last["params"]["max_new_tokens"])[0]
+    )

@@ -124,7 +124,9 @@ def test_rotary_equals_torch_path_in_place(dtype, head_size, rotary_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(7, 3072), (1, 20), (0, 64), (2, 3, 64)], ids=["rows", "tail", "empty", "3d"])
+@pytest.mark.parametrize(
+    "shape", [(7, 3072), (1, 20), (0, 64), (2, 3, 64)], ids=["rows", "tail", "empty", "3d"]
+)
 @torch.no_grad()
 def test_silu_and_mul_equals_torch_path(dtype, shape, native_calls):
     x = (3 * torch.randn(*shape)).to(dtype)
@@ -171,7 +173,9 @@ def tiny(request, tmp_path_factory):
 @pytest.fixture
 def native_calls(monkeypatch) -> dict[str, int]:
     """Counts the calls into the native small ops (which still run)."""
-    calls = dict.fromkeys(["rms_norm", "fused_add_rms_norm", "rotary_embedding", "set_kv_buffer", "silu_and_mul"], 0)
+    calls = dict.fromkeys(
+        ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "set_kv_buffer", "silu_and_mul"], 0
+    )
     for name in calls:
         real = getattr(native_cpu_ops, name)
 

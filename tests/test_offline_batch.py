@@ -11,8 +11,16 @@ import sys
 from test_engine_utils import REPO_ROOT, build_tiny_model, subprocess_env
 
 LINES = [
-    {"id": "a", "text": "hello world", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}},
-    {"id": "b", "messages": [{"role": "user", "content": "hi there"}], "sampling_params": {"max_new_tokens": 3}},
+    {
+        "id": "a",
+        "text": "hello world",
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+    },
+    {
+        "id": "b",
+        "messages": [{"role": "user", "content": "hi there"}],
+        "sampling_params": {"max_new_tokens": 3},
+    },
     "{this is not json",
     {"id": "c", "input_ids": [5, 6, 7]},
     {"id": "d", "text": "x", "sampling_params": {"temperature": -1}},

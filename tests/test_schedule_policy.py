@@ -27,7 +27,9 @@ _arrival = iter(range(1, 1_000_000))
 
 
 def make_req(rid: str, ids: list[int], max_new_tokens: int = 16, priority: int | None = None) -> Req:
-    req = Req(rid, None, ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), priority=priority)
+    req = Req(
+        rid, None, ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0), priority=priority
+    )
     req.time_stats.wait_queue_entry_time = float(next(_arrival))
     return req
 
@@ -97,9 +99,10 @@ def test_lpm_in_batch_prefix_caching_deprioritizes_sharers():
 
 def test_fcfs_lof_random_and_priorities():
     tree = make_tree()
-    queue = [make_req(f"r{i}", [i + 2], max_new_tokens=m, priority=p) for i, (m, p) in enumerate(
-        [(8, 0), (32, 5), (16, 5), (64, -1)]
-    )]
+    queue = [
+        make_req(f"r{i}", [i + 2], max_new_tokens=m, priority=p)
+        for i, (m, p) in enumerate([(8, 0), (32, 5), (16, 5), (64, -1)])
+    ]
     q = list(queue)
     SchedulePolicy("fcfs", tree).calc_priority(q)
     assert rids(q) == ["r0", "r1", "r2", "r3"]
@@ -120,7 +123,9 @@ def test_unknown_policy_raises_and_cache_aware_degrades_without_tree():
         SchedulePolicy("sjf", make_tree())
     chunk = ChunkCache(None, None)
     assert SchedulePolicy("lpm", chunk).policy == CacheAgnosticPolicy.FCFS
-    assert SchedulePolicy("dfs-weight", RadixCache(None, None, disable=True)).policy == CacheAgnosticPolicy.FCFS
+    assert (
+        SchedulePolicy("dfs-weight", RadixCache(None, None, disable=True)).policy == CacheAgnosticPolicy.FCFS
+    )
 
 
 def test_prefix_trie():
@@ -158,7 +163,9 @@ class FakeRunningBatch:
 
 
 def make_adder(tree, running=None, ratio=0.5, rem_input=1000, rem_chunk=None, page_size=1) -> PrefillAdder:
-    return PrefillAdder(page_size, tree, tree.token_to_kv_pool_allocator, running, ratio, rem_input, rem_chunk)
+    return PrefillAdder(
+        page_size, tree, tree.token_to_kv_pool_allocator, running, ratio, rem_input, rem_chunk
+    )
 
 
 def ready(req: Req, tree) -> Req:

@@ -61,7 +61,10 @@ def test_shared_system_prompt_is_computed_once(policy, chunk, overlap):
     assert sorted(results[r.rid].cached_tokens for r in reqs) == [0] + [64] * 31
 
     off = make_scheduler(
-        schedule_policy=policy, chunked_prefill_size=chunk, disable_in_batch_prefix_caching=True, overlap=overlap
+        schedule_policy=policy,
+        chunked_prefill_size=chunk,
+        disable_in_batch_prefix_caching=True,
+        overlap=overlap,
     )
     run_to_completion(off, reqs)
     if chunk == -1:  # one batch, each request computes the prompt itself
@@ -145,7 +148,10 @@ def test_bad_requests_finish_at_once_while_others_finish(overlap):
         SamplingParams.from_dict({"max_new_tokens": -1})
     # the front end turns those into a request with `error` set
     front_end_error = TokenizedGenerateReqInput(
-        rid="unknown-field", input_text=None, input_ids=[5, 6], sampling_params=SamplingParams(),
+        rid="unknown-field",
+        input_text=None,
+        input_ids=[5, 6],
+        sampling_params=SamplingParams(),
         error="unknown sampling parameter(s): temprature",
     )
     bad = [
@@ -340,9 +346,19 @@ def test_flush_cache_and_internal_state_messages():
     replies = [m for m in sched.io.take_outputs() if not hasattr(m, "rids")]
     state = next(m for m in replies if isinstance(m, GetInternalStateReqOutput)).state
     for key in (
-        "num_running_reqs", "num_queue_reqs", "num_retracted_reqs", "num_preempted_reqs",
-        "num_prefill_tokens", "num_cached_tokens", "num_generated_tokens", "max_total_tokens",
-        "available_tokens", "evictable_tokens", "protected_tokens", "token_usage", "cache_hit_rate",
+        "num_running_reqs",
+        "num_queue_reqs",
+        "num_retracted_reqs",
+        "num_preempted_reqs",
+        "num_prefill_tokens",
+        "num_cached_tokens",
+        "num_generated_tokens",
+        "max_total_tokens",
+        "available_tokens",
+        "evictable_tokens",
+        "protected_tokens",
+        "token_usage",
+        "cache_hit_rate",
         "new_token_ratio",
     ):
         assert key in state

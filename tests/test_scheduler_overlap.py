@@ -157,8 +157,13 @@ def test_overlap_loop_on_cuda_matches_transformers():
     outputs = {}
     for overlap in (False, True):
         args = ServerArgs(
-            model_path=tiny_model_dir(), device="cuda", dtype="float32", max_total_tokens=4096,
-            chunked_prefill_size=32, disable_overlap_schedule=not overlap, test_mode=True,
+            model_path=tiny_model_dir(),
+            device="cuda",
+            dtype="float32",
+            max_total_tokens=4096,
+            chunked_prefill_size=32,
+            disable_overlap_schedule=not overlap,
+            test_mode=True,
             disable_cuda_graph=True,
         )
         sched = Scheduler(args, io=InProcessIO())
@@ -261,7 +266,9 @@ def test_trace_file_and_step_timer(tmp_path):
     for overlap in (False, True):
         path = tmp_path / f"trace-{overlap}.json"
         sched = make_scheduler(overlap=overlap, trace_file=str(path))
-        run_to_completion(sched, [gen_req(f"t{i}", p, 8) for i, p in enumerate(random_prompts(740, 4, 5, 30))])
+        run_to_completion(
+            sched, [gen_req(f"t{i}", p, 8) for i, p in enumerate(random_prompts(740, 4, 5, 30))]
+        )
         sched.write_trace()
         events = json.loads(path.read_text())["traceEvents"]
         lanes = {e.get("tid") for e in events if e.get("ph") == "X"}
@@ -283,7 +290,10 @@ def test_trace_file_and_step_timer(tmp_path):
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 def test_seeded_sampling_identical_in_both_loops(policy):
     prompts = random_prompts(750, 10, 5, 40)
-    reqs = [gen_req(f"s{i}", p, 20, temperature=0.9, top_p=0.95, sampling_seed=1000 + i) for i, p in enumerate(prompts)]
+    reqs = [
+        gen_req(f"s{i}", p, 20, temperature=0.9, top_p=0.95, sampling_seed=1000 + i)
+        for i, p in enumerate(prompts)
+    ]
     outs = []
     for overlap in (False, True):
         sched = make_scheduler(overlap=overlap, schedule_policy=policy, chunked_prefill_size=16)

@@ -53,7 +53,9 @@ def soak_requests() -> tuple:
         prefix = rng.choice(systems) if rng.random() < 0.8 else []
         max_new = rng.randint(1, 24)
         params = stop_conditions(rng, max_new)
-        reqs.append(gen_req(f"k{i}", prefix + tail, max_new_tokens=max_new, priority=rng.randint(0, 30), **params))
+        reqs.append(
+            gen_req(f"k{i}", prefix + tail, max_new_tokens=max_new, priority=rng.randint(0, 30), **params)
+        )
     return tuple(reqs)
 
 

@@ -46,7 +46,15 @@ def test_cli_round_trip():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(
-        ["--schedule-policy", "lpm", "--disable-radix-cache", "--page-size", "16", "--max-total-tokens", "4096"]
+        [
+            "--schedule-policy",
+            "lpm",
+            "--disable-radix-cache",
+            "--page-size",
+            "16",
+            "--max-total-tokens",
+            "4096",
+        ]
     )
     args = ServerArgs.from_cli_args(ns)
     assert (args.schedule_policy, args.disable_radix_cache, args.page_size) == ("lpm", True, 16)
@@ -59,13 +67,18 @@ def test_cpu_forward_stream_flag(capsys):
     ServerArgs.add_cli_args(parser)
     assert ServerArgs.from_cli_args(parser.parse_args([])).cpu_forward_stream == "auto"
     for layout in ("thread", "inline"):
-        assert ServerArgs.from_cli_args(parser.parse_args(["--cpu-forward-stream", layout])).cpu_forward_stream == layout
+        assert (
+            ServerArgs.from_cli_args(parser.parse_args(["--cpu-forward-stream", layout])).cpu_forward_stream
+            == layout
+        )
     with pytest.raises(SystemExit):
         parser.parse_args(["--cpu-forward-stream", "fibers"])
     assert "invalid choice: 'fibers'" in capsys.readouterr().err
     help_text = " ".join(parser.format_help().split())
     assert "--cpu-forward-stream {auto,thread,inline}" in help_text and "worker thread" in help_text
-    with pytest.raises(ValueError, match="--cpu-forward-stream must be one of auto, thread, inline; got 'Thread'"):
+    with pytest.raises(
+        ValueError, match="--cpu-forward-stream must be one of auto, thread, inline; got 'Thread'"
+    ):
         ServerArgs(cpu_forward_stream="Thread")
 
 

@@ -24,7 +24,9 @@ class BlockWeight:
     max_tokens: int  # the block kernel runs for inputs of at most this many rows
 
     def applies_to(self, x: torch.Tensor) -> bool:
-        return x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= self.max_tokens * x.shape[-1]
+        return (
+            x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() <= self.max_tokens * x.shape[-1]
+        )
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         from radixengine.layers.gguf_quant_ops import quant_linear
@@ -69,7 +71,9 @@ class Linear(nn.Module):
             empty = torch.zeros(self.output_size, rows.shape[1], dtype=torch.uint8)
             block = self.block_weight = BlockWeight(empty, qtype, max_tokens)
         if block.qtype != qtype or block.rows.shape[1] != rows.shape[1]:
-            raise ValueError(f"shard {shard_id!r} is stored as GGUF type {qtype}, the others as {block.qtype}")
+            raise ValueError(
+                f"shard {shard_id!r} is stored as GGUF type {qtype}, the others as {block.qtype}"
+            )
         start, size = self.shard_range(shard_id)
         _copy(block.rows.narrow(0, start, size), rows)
 

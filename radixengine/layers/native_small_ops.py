@@ -70,7 +70,9 @@ def runs_native(*tensors: torch.Tensor) -> bool:
 @functools.cache
 def log_native_small_ops_state() -> None:
     if _active:
-        logger.info("native small ops (RMSNorm, rotary, SiLU-and-mul, KV write): on for CPU float32/bfloat16 tensors")
+        logger.info(
+            "native small ops (RMSNorm, rotary, SiLU-and-mul, KV write): on for CPU float32/bfloat16 tensors"
+        )
     elif not _switched_on:
         logger.info("native small ops: off (%s=0)", ENV_VAR)
     else:

@@ -80,19 +80,37 @@ class TokenizerMetricsCollector:
         self.labels = labels
         names = list(labels)
         r = self.registry
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests", names, registry=r)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests", names, registry=r
+        )
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", names, registry=r)
-        self.cached_tokens = Counter(PREFIX + "cached_tokens", "Prompt tokens served from cache", names, registry=r)
+        self.cached_tokens = Counter(
+            PREFIX + "cached_tokens", "Prompt tokens served from cache", names, registry=r
+        )
         self.num_requests = Counter(PREFIX + "num_requests", "Finished requests", names, registry=r)
-        self.num_aborted = Counter(PREFIX + "num_aborted_requests", "Aborted or rejected requests", names, registry=r)
+        self.num_aborted = Counter(
+            PREFIX + "num_aborted_requests", "Aborted or rejected requests", names, registry=r
+        )
         self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time to first token", names, buckets=_LATENCY_BUCKETS, registry=r
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token",
+            names,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between tokens", names, buckets=_LATENCY_BUCKETS, registry=r
+            PREFIX + "inter_token_latency_seconds",
+            "Time between tokens",
+            names,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "End-to-end latency", names, buckets=_LATENCY_BUCKETS, registry=r
+            PREFIX + "e2e_request_latency_seconds",
+            "End-to-end latency",
+            names,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.queue_time = Histogram(
             PREFIX + "queue_time_seconds",
@@ -115,7 +133,9 @@ class TokenizerMetricsCollector:
             for _ in range(num_new):
                 hist.observe(per_token)
 
-    def observe_finished(self, meta: dict, first_token_time: float | None, created: float, now: float) -> None:
+    def observe_finished(
+        self, meta: dict, first_token_time: float | None, created: float, now: float
+    ) -> None:
         reason = meta.get("finish_reason") or {}
         if reason.get("type") == "abort":
             self.num_aborted.labels(**self.labels).inc()

@@ -171,9 +171,7 @@ class Req:
         if self.finished_reason is not None:
             return
         if self.to_abort:
-            self.finished_reason = finish_abort(
-                self.to_abort_message, self.to_abort_status_code, "Aborted"
-            )
+            self.finished_reason = finish_abort(self.to_abort_message, self.to_abort_status_code, "Aborted")
             return
         params = self.sampling_params
         num_out = len(self.output_ids)
@@ -435,8 +433,7 @@ class ScheduleBatch:
             elif isinstance(exclude, Req):
                 exclude = [exclude]
             keep_indices = [
-                i for i, r in enumerate(self.reqs)
-                if not r.finished() and not any(r is e for e in exclude)
+                i for i, r in enumerate(self.reqs) if not r.finished() and not any(r is e for e in exclude)
             ]
         if len(keep_indices) == len(self.reqs):
             return

@@ -158,7 +158,9 @@ class SchedulePolicy:
         if self.enable_priority_scheduling:
             # Stable: within a priority, the policy's order (FCFS: arrival).
             if policy == CacheAgnosticPolicy.FCFS:
-                waiting_queue.sort(key=lambda r: (r.priority * self.priority_sign, r.time_stats.wait_queue_entry_time))
+                waiting_queue.sort(
+                    key=lambda r: (r.priority * self.priority_sign, r.time_stats.wait_queue_entry_time)
+                )
             else:
                 waiting_queue.sort(key=lambda r: r.priority * self.priority_sign)
         return prefix_computed
@@ -224,7 +226,9 @@ def _calc_weight(root: Any, weight: dict[Any, int]) -> None:
             weight[parent] += weight[node]
 
 
-def _get_dfs_priority(root: Any, weight: dict[Any, int], node_to_reqs: dict[Any, list[Req]], out: list[Req]) -> None:
+def _get_dfs_priority(
+    root: Any, weight: dict[Any, int], node_to_reqs: dict[Any, list[Req]], out: list[Req]
+) -> None:
     stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
         node, expanded = stack.pop()
@@ -268,7 +272,9 @@ class PrefillAdder:
         self.running_batch = running_batch
         self.new_token_ratio = new_token_ratio
         self.rem_input_tokens = rem_input_tokens - mixed_with_decode_tokens
-        self.rem_chunk_tokens = None if rem_chunk_tokens is None else rem_chunk_tokens - mixed_with_decode_tokens
+        self.rem_chunk_tokens = (
+            None if rem_chunk_tokens is None else rem_chunk_tokens - mixed_with_decode_tokens
+        )
         self.rem_total_token_offset = mixed_with_decode_tokens
         self.cur_rem_token_offset = mixed_with_decode_tokens
         self.priority_scheduling_preemption_threshold = priority_scheduling_preemption_threshold
@@ -351,7 +357,9 @@ class PrefillAdder:
         self._update_prefill_budget(0, req.extend_input_len, 0 if truncated else self._max_new_estimate(req))
         return req if truncated else None
 
-    def add_one_req(self, req: Req, has_chunked_req: bool, truncation_align_size: int | None = None) -> AddReqResult:
+    def add_one_req(
+        self, req: Req, has_chunked_req: bool, truncation_align_size: int | None = None
+    ) -> AddReqResult:
         if req.sampling_params.ignore_eos and getattr(self.tree_cache, "disable", False):
             return self.add_one_req_ignore_eos(req, has_chunked_req)
 

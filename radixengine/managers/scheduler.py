@@ -85,7 +85,9 @@ class Scheduler:
         self._init_worker_info()
         self._init_memory_and_cache()
         args = server_args
-        self.enable_in_batch_prefix_caching = not args.disable_in_batch_prefix_caching and not self.tree_cache.disable
+        self.enable_in_batch_prefix_caching = (
+            not args.disable_in_batch_prefix_caching and not self.tree_cache.disable
+        )
         self.policy = SchedulePolicy(
             args.schedule_policy,
             self.tree_cache,
@@ -133,7 +135,9 @@ class Scheduler:
             self.enable_overlap = False
             return
         if isinstance(self.forward_stream, CpuStream):
-            logger.info("overlap schedule: --cpu-forward-stream %s runs the CPU forward on a worker thread", layout)
+            logger.info(
+                "overlap schedule: --cpu-forward-stream %s runs the CPU forward on a worker thread", layout
+            )
             weakref.finalize(self, self.forward_stream.close)
         elif self.server_args.trace_file and isinstance(self.forward_stream, CudaStream):
             self.forward_stream.enable_timing()
@@ -153,7 +157,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(info.eos_token_ids) | _tokenizer_eos(self.tokenizer)
         self.device = torch.device(info.device)
         if info.page_size != self.page_size:
-            raise ValueError(f"--page-size {self.page_size} differs from the worker's pools ({info.page_size})")
+            raise ValueError(
+                f"--page-size {self.page_size} differs from the worker's pools ({info.page_size})"
+            )
 
     def _init_memory_and_cache(self) -> None:
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self.tp_worker.get_memory_pool()
@@ -275,7 +281,11 @@ class Scheduler:
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         last = self.last_batch
-        if self.chunked_req is not None and last is not None and any(r is self.chunked_req for r in last.reqs):
+        if (
+            self.chunked_req is not None
+            and last is not None
+            and any(r is self.chunked_req for r in last.reqs)
+        ):
             if self.chunked_req.to_abort:
                 self._release_aborted_chunked_req(in_last_batch=True)
             else:
@@ -315,7 +325,11 @@ class Scheduler:
             running.batch_is_full = False
         if (running.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
             return None
-        if self._num_allocatable_reqs(len(running.reqs)) <= 0 and self.chunked_req is None and not self.try_preemption:
+        if (
+            self._num_allocatable_reqs(len(running.reqs)) <= 0
+            and self.chunked_req is None
+            and not self.try_preemption
+        ):
             running.batch_is_full = True
             return None
 
@@ -348,7 +362,11 @@ class Scheduler:
             if running.batch_is_full and not self._preempt_for(adder, req):
                 break
             res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
-            if res == AddReqResult.NO_TOKEN and req not in adder.can_run_list and self._preempt_for(adder, req):
+            if (
+                res == AddReqResult.NO_TOKEN
+                and req not in adder.can_run_list
+                and self._preempt_for(adder, req)
+            ):
                 res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
             if trie is not None and adder.can_run_list and adder.can_run_list[-1] is req:
                 trie.insert(req.fill_ids)
@@ -455,7 +473,9 @@ class Scheduler:
             )
             self._requeue(retracted)
         else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            self.new_token_ratio = max(
+                self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio
+            )
         if batch.batch_size() < initial_bs:
             batch.batch_is_full = False
         if not batch.is_empty():
@@ -478,7 +498,11 @@ class Scheduler:
         self.batch_record_buf.append(mwb)
         self.forward_stream.wait_stream(self.default_stream)
         self.forward_stream.submit(
-            self._forward_on_stream, mwb, batch.req_pool_indices, result, label=batch.forward_mode.name.lower()
+            self._forward_on_stream,
+            mwb,
+            batch.req_pool_indices,
+            result,
+            label=batch.forward_mode.name.lower(),
         )
         result.copy_done = self.forward_stream.record_event()
         batch.output_ids = self.future_map.placeholders(batch.req_pool_indices)

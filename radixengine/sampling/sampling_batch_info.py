@@ -111,7 +111,9 @@ def _min_new_tokens_pairs(
     if not rows:
         return {}
     return dict(
-        min_tokens_rows=_int64(rows, device), min_tokens_ids=_int64(ids, device), min_tokens_limit=_int64(limits, device)
+        min_tokens_rows=_int64(rows, device),
+        min_tokens_ids=_int64(ids, device),
+        min_tokens_limit=_int64(limits, device),
     )
 
 

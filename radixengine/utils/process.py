@@ -12,6 +12,7 @@ import time
 
 logger = logging.getLogger(__name__)
 
+
 def make_ipc_dir() -> str:
     """A private (0700) temporary directory for the ipc:// sockets of one engine."""
     return tempfile.mkdtemp(prefix="radixengine-ipc-")

@@ -186,7 +186,9 @@ class CudaEvent:
 
 
 class CudaStream:
-    def __init__(self, device: torch.device | str | None = None, stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, stream: torch.cuda.Stream | None = None
+    ) -> None:
         self.stream = stream if stream is not None else torch.cuda.Stream(device=device)
         # (start event, end event, label) per piece of work, once `enable_timing()`; bounded.
         self.busy_events: deque[tuple[torch.cuda.Event, torch.cuda.Event, str]] = deque(maxlen=100_000)
