@@ -134,6 +134,7 @@ def breakdown(run, timer: PartTimer, repeats: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None)
+    p.add_argument("--dtype", default="float32", help="the model's dtype (float32, bfloat16)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--cached-len", type=int, default=512)
     p.add_argument("--prefill-reqs", type=int, default=8)
@@ -151,7 +152,7 @@ def main() -> None:
     model.runner = ModelRunner(
         ServerArgs(
             model_path=args.model_path,
-            dtype="float32",
+            dtype=args.dtype,
             max_total_tokens=tokens,
             max_running_requests=args.batch_size + args.prefill_reqs + 1,
             attention_backend=args.attention_backend,
@@ -179,7 +180,7 @@ def main() -> None:
             else f"prefill {args.prefill_reqs} x {args.prefill_len} tokens"
         )
         print(
-            f"{label}: {r['step_ms']:.1f} ms ({results['attention_backend']}, quantization {args.quantization}, "
+            f"{label}: {r['step_ms']:.1f} ms ({args.dtype}, {results['attention_backend']}, quantization {args.quantization}, "
             f"KV cache {args.kv_cache_dtype})"
         )
         for part, ms in r["parts_ms"].items():
