@@ -159,7 +159,7 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=default)
+                parser.add_argument(flag, action="store_true", default=default, help=_HELP.get(f.name))
                 continue
             kind = _cli_type(f.type)
             kwargs: dict = {"type": kind, "default": default}
