@@ -61,6 +61,7 @@ class ServerArgs:
     new_token_ratio_decay_steps: int = 600
     retract_decode_steps: int = 20
     disable_overlap_schedule: bool = False
+    stream_interval: int = 1  # see _HELP
     cpu_forward_stream: str = "auto"  # see _HELP
 
     # Runtime
@@ -118,6 +119,7 @@ class ServerArgs:
             )
         if self.schedule_conservativeness <= 0:
             raise ValueError(f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}")
+        _check_positive("--stream-interval", self.stream_interval)
         if self.retract_decode_steps < 0:
             raise ValueError(f"--retract-decode-steps must be >= 0, got {self.retract_decode_steps}")
         if not 0 < self.port < 65536:
@@ -197,6 +199,10 @@ _CHOICES = {
 }
 
 _HELP = {
+    "stream_interval": (
+        "Stream a request's tokens every N tokens (the first one at once, and the rest when it "
+        "finishes): fewer messages through the detokenizer and the HTTP front end per step."
+    ),
     "enable_mixed_chunk": (
         "Run a prefill chunk and the running requests' decode step in one forward, under one token "
         "budget, so decode does not stall while a long prompt is prefilled (not with logprobs)."

@@ -4,7 +4,7 @@ first message of a request also carries the prompt's tail (the detokenizer's dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from sched_utils import gen_req, make_scheduler, oracle_greedy, random_prompts
@@ -92,3 +92,21 @@ def test_retracted_requests_send_each_id_once(overlap):
         expected = oracle_greedy(r.input_ids, 32)
         assert [t for m in msgs for t in m.ids] == expected
         assert all(len(m.ids) <= 1 for m in msgs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_stream_interval_sends_the_first_token_at_once_then_every_n(overlap):
+    """--stream-interval 4: a streaming request gets its first token at once, then 4 at a time,
+    the rest when it finishes; a non-streaming one is unaffected; nothing is lost."""
+    sched = make_scheduler(overlap=overlap, stream_interval=4)
+    prompts = random_prompts(502, 2, 5, 20)
+    streaming = replace(gen_req("st", prompts[0], max_new_tokens=10, ignore_eos=True), stream=True)
+    plain = gen_req("pl", prompts[1], max_new_tokens=10, ignore_eos=True)
+    sched.io.put(streaming, plain)
+    sched.run_until_idle()
+    by_rid = messages_by_rid(sched.io.take_outputs())
+    assert [len(m.ids) for m in by_rid["st"]] == [1, 4, 4, 1]
+    assert [m.finished for m in by_rid["st"]] == [False, False, False, True]
+    assert [len(m.ids) for m in by_rid["pl"]] == [1] * 10
+    for r in (streaming, plain):
+        assert [t for m in by_rid[r.rid] for t in m.ids] == oracle_greedy(r.input_ids, 10, True)

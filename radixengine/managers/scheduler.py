@@ -98,6 +98,7 @@ class Scheduler:
         )
         self.try_preemption = args.enable_priority_scheduling
         self.enable_mixed_chunk = args.enable_mixed_chunk
+        self.stream_interval = args.stream_interval
         self.chunked_prefill_size = args.effective_chunked_prefill_size
         self.max_prefill_tokens = args.max_prefill_tokens
 
@@ -628,8 +629,12 @@ class Scheduler:
     def stream_output(self) -> None:
         """One BatchTokenIDOut for every request that got a token, finished or failed this step.
         Per request only what is new since its previous message (ids, logprobs): a long
-        generation costs the same per step. Output ids survive retraction, so the offset does."""
-        reqs = list(dict.fromkeys(self._pending_outputs))  # a request once, in order
+        generation costs the same per step. Output ids survive retraction, so the offset does.
+        A streaming request is sent its first token at once, then every `--stream-interval` tokens
+        (what it was not sent waits in its output ids), and always when it finishes."""
+        reqs = [
+            r for r in dict.fromkeys(self._pending_outputs) if self._should_send(r)
+        ]  # once each, in order
         self._pending_outputs = []
         if not reqs:
             return
@@ -654,6 +659,11 @@ class Scheduler:
                 queue_times=[_queue_time(r) for r in reqs],
             )
         )
+
+    def _should_send(self, req: Req) -> bool:
+        if req.finished() or self.stream_interval == 1 or not req.stream:
+            return True
+        return len(req.output_ids) % self.stream_interval == 1
 
     # Abort, flush, state -----------------------------------------------------------------------
 
