@@ -127,3 +127,45 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def launch_test_server(model_path: str, log_path, args: list[str], timeout: float = 300.0):
+    """`python -m radixengine.launch_server` on a free loopback port with `args`, its output in
+    `log_path`; returns the process (with `base_url` and `log` set) once /health answers 200."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from radixengine.utils.network import get_free_port
+
+    port = get_free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "radixengine.launch_server",
+        "--model-path",
+        model_path,
+        "--port",
+        str(port),
+        *args,
+    ]
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=subprocess_env())
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited:\n{log_path.read_text()}"
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.base_url, proc.log = base, log_path
+    return proc
+
+
+def stop_test_server(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

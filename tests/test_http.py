@@ -9,8 +9,6 @@ import asyncio
 import json
 import signal
 import socket
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 
@@ -20,9 +18,14 @@ import psutil
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from test_engine_utils import build_tiny_model, hf_greedy, load_hf_model, subprocess_env, wait_gone
-
-from radixengine.utils.network import get_free_port
+from test_engine_utils import (
+    build_tiny_model,
+    hf_greedy,
+    launch_test_server,
+    load_hf_model,
+    stop_test_server,
+    wait_gone,
+)
 
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -37,28 +40,11 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    port = get_free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [
-        sys.executable, "-m", "radixengine.launch_server", "--model-path", model_path, "--port", str(port),
-        "--dtype", "float32", "--max-total-tokens", "16384", "--num-threads", "1", "--api-key", API_KEY,
-    ]  # fmt: skip
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=subprocess_env())
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.base_url, proc.log = base, log
+    args = ["--dtype", "float32", "--max-total-tokens", "16384", "--num-threads", "1", "--api-key", API_KEY]
+    proc = launch_test_server(model_path, log, args)
     yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    stop_test_server(proc)
 
 
 @pytest.fixture(scope="module")

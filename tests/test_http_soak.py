@@ -10,16 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 import torch
-from test_engine_utils import build_tiny_model, hf_greedy, load_hf_model, subprocess_env
-
-from radixengine.utils.network import get_free_port
+from test_engine_utils import build_tiny_model, hf_greedy, launch_test_server, load_hf_model, stop_test_server
 
 NUM_CLIENTS = 72
 SERVER_VARIANTS = {
@@ -41,31 +37,16 @@ def hf_model(model_path):
 
 @pytest.fixture(scope="module", params=list(SERVER_VARIANTS))
 def server(request, model_path, tmp_path_factory):
-    port = get_free_port()
     log = tmp_path_factory.mktemp("soak_server") / "server.log"
-    cmd = [
-        sys.executable, "-m", "radixengine.launch_server", "--model-path", model_path, "--port", str(port),
+    args = [
         "--dtype", "float32", "--num-threads", "1", "--test-mode",
         "--max-total-tokens", "640", "--chunked-prefill-size", "64", "--max-prefill-tokens", "256",
         "--enable-priority-scheduling", "--init-new-token-ratio", "0.05",
         *SERVER_VARIANTS[request.param],
     ]  # fmt: skip
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=subprocess_env())
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.base_url, proc.log = base, log
+    proc = launch_test_server(model_path, log, args)
     yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    stop_test_server(proc)
 
 
 def client_plan(seed: int) -> list[dict]:
