@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from test_engine_utils import save_tiny_llama
+
 SPM_CORPUS = [
     "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid.",
     "hello world this is a test of the tokenizer and of the engine that serves it",
@@ -37,27 +39,7 @@ def build_spm_tokenizer(path: str, vocab_size: int = 320):
 
 def build_tiny_spm_model(path: str, seed: int = 0) -> str:
     """A random-weight 2-layer Llama with the tokenizer above, saved as an HF folder (fp32)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     os.makedirs(path, exist_ok=True)
     tokenizer = build_spm_tokenizer(path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger logits: greedy choices far from ties
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return save_tiny_llama(path, len(tokenizer), seed, 512, **special)

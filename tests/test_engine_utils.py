@@ -46,24 +46,32 @@ def build_tokenizer(path: str, vocab_size: int = 400):
 
 def build_tiny_model(path: str, seed: int = 0, max_position_embeddings: int = 1024) -> str:
     """A random-weight 2-layer Llama with the tokenizer above, saved as an HF folder (fp32)."""
+    os.makedirs(path, exist_ok=True)
+    tokenizer = build_tokenizer(path)
+    special = dict(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
+    return save_tiny_llama(path, len(tokenizer), seed, max_position_embeddings, **special)
+
+
+def save_tiny_llama(
+    path: str, vocab_size: int, seed: int, max_position_embeddings: int, **special_ids
+) -> str:
+    """A random-weight 2-layer Llama (fp32, untied, scaled-up LM head) saved into `path`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    os.makedirs(path, exist_ok=True)
-    tokenizer = build_tokenizer(path)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
         tie_word_embeddings=False,
         torch_dtype="float32",
+        **special_ids,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
