@@ -19,8 +19,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixengine.managers.schedule_batch import ModelWorkerBatch  # noqa: E402
-from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from radixengine.model_executor.forward_batch_info import (  # noqa: E402
+    ForwardBatch,
+    ForwardMode,
+    ModelWorkerBatch,
+)
 from radixengine.model_executor.model_runner import ModelRunner  # noqa: E402
 from radixengine.server_args import ServerArgs  # noqa: E402
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from radixengine.managers.schedule_batch import ModelWorkerBatch
-from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
 from radixengine.server_args import ServerArgs
 

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixengine.managers.schedule_batch import ModelWorkerBatch
-from radixengine.model_executor.forward_batch_info import ForwardBatch
+from radixengine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
 from radixengine.server_args import ServerArgs
 

@@ -1,4 +1,5 @@
-"""ForwardMode and ForwardBatch: what one forward pass of the model needs."""
+"""ForwardMode, ModelWorkerBatch (what the scheduler hands the model worker) and ForwardBatch (what
+one forward pass of the model needs)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 
 if TYPE_CHECKING:
     from radixengine.layers.attention.base_attn_backend import AttentionBackend
-    from radixengine.managers.schedule_batch import ModelWorkerBatch
     from radixengine.model_executor.model_runner import ModelRunner
+    from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
 
 
 class ForwardMode(IntEnum):
@@ -32,6 +33,28 @@ class ForwardMode(IntEnum):
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
+
+
+@dataclass
+class ModelWorkerBatch:
+    """What the scheduler hands the model worker: tensors on the model's device, and the few CPU
+    lists the forward needs. Under the overlap loop `input_ids` may hold negative placeholders
+    `-i` into the FutureMap, resolved on the forward stream before the forward."""
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    req_pool_indices: torch.Tensor  # int64 [bs]: rows of ReqToTokenPool
+    seq_lens: torch.Tensor  # int64 [bs]: tokens with KV after this forward
+    seq_lens_cpu: list[int]
+    out_cache_loc: torch.Tensor  # int64 [num_tokens]: KV slots the new tokens are written to
+    extend_prefix_lens: list[int] | None  # EXTEND only: cached tokens per request
+    extend_seq_lens: list[int] | None  # EXTEND only: new tokens per request
+    sampling_info: SamplingBatchInfo
+    return_logprob: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
 
 
 @dataclass
