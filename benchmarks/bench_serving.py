@@ -105,6 +105,16 @@ class Result:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    last_chunk: float = 0.0  # when the previous content chunk arrived
+
+    def content_chunk(self, start: float) -> None:
+        """A chunk with content arrived now: the first sets TTFT, the rest add an ITL."""
+        now = time.perf_counter()
+        if self.ttft == 0.0:
+            self.ttft = now - start
+        else:
+            self.itls.append(now - self.last_chunk)
+        self.last_chunk = now
 
 
 # Prompts --------------------------------------------------------------------------------------
@@ -147,7 +157,7 @@ def generate_prompts(kind: str, n: int, input_len: int, output_len: int, prefix_
 async def send(client: httpx.AsyncClient, req: Request, headers: dict) -> Result:
     body = {**req.body, "stream": True, "stream_options": {"include_usage": True}}
     res = Result()
-    start = last = time.perf_counter()
+    start = time.perf_counter()
     try:
         async with client.stream("POST", req.route, json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -165,14 +175,8 @@ async def send(client: httpx.AsyncClient, req: Request, headers: dict) -> Result
                     res.prompt_tokens = usage["prompt_tokens"]
                     res.output_tokens = usage["completion_tokens"]
                     res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                if not _has_content(chunk):
-                    continue
-                now = time.perf_counter()
-                if res.ttft == 0.0:
-                    res.ttft = now - start
-                else:
-                    res.itls.append(now - last)
-                last = now
+                if _has_content(chunk):
+                    res.content_chunk(start)
         res.e2e = time.perf_counter() - start
         res.ok = True
     except httpx.HTTPError as e:
@@ -237,21 +241,15 @@ def engine_call(req: Request) -> dict:
 async def engine_send(engine, req: Request) -> Result:
     """One streamed request through the Engine, timed like `send` (first output ids, not text)."""
     res = Result()
-    start = last = time.perf_counter()
+    start = time.perf_counter()
     try:
         stream = await engine.async_generate(**engine_call(req), stream=True)
         async for chunk in stream:
             meta = chunk["meta_info"]
             res.prompt_tokens, res.output_tokens = meta["prompt_tokens"], meta["completion_tokens"]
             res.cached_tokens = meta.get("cached_tokens") or 0
-            if not chunk["output_ids"]:
-                continue
-            now = time.perf_counter()
-            if res.ttft == 0.0:
-                res.ttft = now - start
-            else:
-                res.itls.append(now - last)
-            last = now
+            if chunk["output_ids"]:
+                res.content_chunk(start)
         res.e2e = time.perf_counter() - start
         res.ok = True
     except Exception as e:  # a refused or aborted request fails alone, as over HTTP

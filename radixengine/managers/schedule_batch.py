@@ -486,8 +486,7 @@ class ScheduleBatch:
         """How much of the remaining requests' max_new_tokens to reserve from now on."""
         decoded = sum(len(r.output_ids) for r in self.reqs)
         max_new = sum(r.sampling_params.max_new_tokens for r in self.reqs)
-        new_ratio = min(1.0, (decoded + server_args.retract_decode_steps * len(self.reqs)) / (max_new + 1))
-        return new_ratio if self.reqs else 0.0
+        return min(1.0, (decoded + server_args.retract_decode_steps * len(self.reqs)) / (max_new + 1))
 
     # Worker batch ------------------------------------------------------------------------------
 

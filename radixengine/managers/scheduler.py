@@ -407,7 +407,10 @@ class Scheduler:
         running = self.running_batch
         if running.is_empty() or batch.return_logprob or running.return_logprob:
             return
+        launched_bs = running.batch_size()
         running.filter_batch()
+        if running.batch_size() < launched_bs:
+            running.batch_is_full = False  # finished requests freed rows, as in update_running_batch
         if running.is_empty() or not running.check_decode_mem():
             return
         running.prepare_for_decode()
