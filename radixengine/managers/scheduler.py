@@ -219,7 +219,7 @@ class Scheduler:
 
     def _validate_request(self, req: Req) -> str | None:
         try:
-            req.sampling_params.verify()
+            req.sampling_params.verify(self.vocab_size)
         except ValueError as e:
             return f"Invalid sampling parameters: {e}"
         ids = req.origin_input_ids

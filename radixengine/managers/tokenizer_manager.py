@@ -246,7 +246,7 @@ class TokenizerManager:
     def make_sampling_params(self, params: dict | SamplingParams | None, prompt_len: int) -> SamplingParams:
         """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default)."""
         if isinstance(params, SamplingParams):
-            return params
+            return self._with_vocab_checked(params)
         if params is not None and not isinstance(params, dict):
             raise RequestError("sampling_params must be an object", param="sampling_params")
         if params is not None and "max_new_tokens" in params and params["max_new_tokens"] is None:
@@ -260,6 +260,14 @@ class TokenizerManager:
             raise RequestError(
                 "n > 1 is expanded by the front end; the tokenizer manager takes n == 1", param="n"
             )
+        return self._with_vocab_checked(sampling_params)
+
+    def _with_vocab_checked(self, sampling_params: SamplingParams) -> SamplingParams:
+        """The one check that needs the vocabulary: logit_bias's token ids."""
+        try:
+            sampling_params.verify(self.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), param="logit_bias") from None
         return sampling_params
 
     def tokenize_prompt(self, obj: GenerateReqInput) -> tuple[str | None, list[int], str]:

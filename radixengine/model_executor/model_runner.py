@@ -246,6 +246,7 @@ class ModelRunner:
         next_ids, logprobs, invalid_rows = self.sampler(
             logits, forward_batch.sampling_info, forward_batch.return_logprob
         )
+        forward_batch.sampling_info.cumulate_output_tokens(next_ids)
         logits_output.next_token_logprobs = logprobs
         logits_output.invalid_rows = invalid_rows
         return next_ids
