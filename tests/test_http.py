@@ -403,9 +403,20 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "temperature": -0.5}, "temperature"),
     (
         "/v1/chat/completions",
-        {"model": "MODEL", "messages": MESSAGES, "frequency_penalty": 0.5},
+        {"model": "MODEL", "messages": MESSAGES, "frequency_penalty": 2.5},
         "frequency_penalty",
     ),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "logit_bias": {"x": 1}}, "logit_bias"),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": MESSAGES, "logit_bias": {"5": 150}},
+        "logit_bias",
+    ),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"99999": 1}}}, "logit_bias"),
+    ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": 2.5}}, "repetition_penalty"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "bogus": 1}, "bogus"),
     (
         "/v1/chat/completions",
@@ -441,6 +452,39 @@ def test_bad_input_gets_400_naming_the_field(server, model_name, route, body, pa
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["code"] == 400 and err["type"]
+
+
+def test_penalties_and_logit_bias(server, client, model_name, model_path, oracle):
+    """The OpenAI routes and /generate take the penalties and logit_bias: greedy tokens equal a
+    transformers loop that applies them by hand."""
+    from test_penalties import penalised_greedy
+
+    hf = load_hf_model(model_path, dtype=torch.float32)
+    tok = oracle.tok
+    ids = oracle.chat_ids(MESSAGES)
+    plain, _ = oracle(ids)
+    openai_params = dict(frequency_penalty=0.8, presence_penalty=0.4, logit_bias={str(plain[0]): -100.0})
+    params = dict(openai_params, repetition_penalty=1.4)
+    expected = penalised_greedy(hf, ids, MAX_NEW, **params)
+    assert expected != plain
+    text = tok.decode(expected, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    extra = {"repetition_penalty": 1.4, "ignore_eos": True}
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=MAX_NEW,
+        temperature=0,
+        extra_body=extra,
+        **openai_params,
+    )
+    assert r.choices[0].message.content == text
+    r = client.completions.create(
+        model=model_name, prompt=ids, max_tokens=MAX_NEW, temperature=0, extra_body=extra, **openai_params
+    )
+    assert r.choices[0].text == text
+    sampling = dict(params, max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    r = post(server, "/generate", {"input_ids": ids, "sampling_params": sampling})
+    assert r.status_code == 200 and r.json()["output_ids"] == expected
 
 
 def test_unknown_route_and_the_server_still_answers(server, client, model_name):
