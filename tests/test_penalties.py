@@ -149,6 +149,30 @@ def test_retracted_requests_keep_their_counts(page_size, overlap):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_preempted_requests_keep_their_counts(overlap):
+    """Priority preemption releases running penalised requests mid-decode; they come back with
+    their counts rebuilt from their output ids."""
+    params = CASES["all"]
+    sched = make_scheduler(
+        enable_priority_scheduling=True, max_total_tokens=160, init_new_token_ratio=1.0, overlap=overlap
+    )
+    prompts = random_prompts(704, 3, 20, 20)
+    low = [
+        gen_req(f"low{i}", p, 40, priority=0, ignore_eos=True, **params) for i, p in enumerate(prompts[:2])
+    ]
+    sched.io.put(*low)
+    for _ in range(6):
+        sched.process_input_requests(sched.recv_requests())
+        sched.run_step()
+    vip = gen_req("vip", prompts[2], 60, priority=100, ignore_eos=True, **params)
+    sched.io.put(vip)
+    sched.run_until_idle()
+    assert sched.stats.num_preempted_reqs >= 1
+    assert_no_leak(sched)
+    assert_matches_reference([*low, vip], collect(sched.io.take_outputs()), params)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_mixed_chunk_with_penalties(page_size, overlap):
     """--enable-mixed-chunk: decode steps ride in prefill chunks (counts merged into the chunk's
