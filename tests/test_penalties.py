@@ -387,3 +387,9 @@ def test_output_token_counts_filter_merge_gather():
     counts = expected.clone()
     cumulate(counts, torch.tensor([2, 4, 0]))
     assert counts[:, [2, 4, 0]].diagonal().tolist() == [3.0, 1.0, 4.0]
+
+
+def test_penalties_without_counts_fail_clearly():
+    info = SamplingBatchInfo.from_sampling_params([SamplingParams(presence_penalty=1.0)], [0], "cpu", 5)
+    with pytest.raises(ValueError, match="output token counts"):
+        apply_penalties(torch.zeros(1, 5), info)

@@ -115,6 +115,10 @@ class SamplingBatchInfo:
 
     def load_output_token_counts(self) -> torch.Tensor:
         """This step's output token counts (gathered into `output_token_counts_out`)."""
+        if self.output_token_counts is None or self.output_token_counts_out is None:
+            raise ValueError(
+                "a batch with penalties needs its output token counts (set per step by ScheduleBatch)"
+            )
         return self.output_token_counts.gather_into(self.output_token_counts_out)
 
     def cumulate_output_tokens(self, next_token_ids: torch.Tensor) -> None:
