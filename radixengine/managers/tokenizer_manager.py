@@ -103,12 +103,11 @@ class TokenizerManager:
         if server_args.chat_template:
             self.tokenizer.chat_template = load_chat_template(server_args.chat_template)
         self.model_path = server_args.model_path or _default_model_path()
-        self.tokenizer_path = server_args.tokenizer_path or _hf_dir(self.model_path)
+        hf_dir = _hf_dir(self.model_path)  # a GGUF's converted cache
+        self.tokenizer_path = server_args.tokenizer_path or hf_dir
         self.served_model_name = server_args.served_model_name or _model_name(server_args.model_path)
         self.default_sampling_params = (
-            model_sampling_defaults(_hf_dir(self.model_path))
-            if server_args.sampling_defaults == "model"
-            else {}
+            model_sampling_defaults(hf_dir) if server_args.sampling_defaults == "model" else {}
         )
         self.context_len: int | None = self.scheduler_info.get("context_len")
         self.max_req_input_len: int | None = self.scheduler_info.get("max_req_input_len")
@@ -266,11 +265,14 @@ class TokenizerManager:
         return rid
 
     def make_sampling_params(self, params: dict | SamplingParams | None, prompt_len: int) -> SamplingParams:
-        """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default)."""
+        """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default); any
+        other None is the field's default."""
         if isinstance(params, SamplingParams):
             return params
         if params is not None and not isinstance(params, dict):
             raise RequestError("sampling_params must be an object", param="sampling_params")
+        if params is not None:
+            params = {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
         if params is not None and "max_new_tokens" in params and params["max_new_tokens"] is None:
             room = (self.max_req_len or prompt_len + 128) - prompt_len
             params = dict(params, max_new_tokens=max(room, 1))
