@@ -7,6 +7,7 @@ machine cannot run refused at start, and `--watchdog-timeout` ending a forward t
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_engine_utils import build_tiny_model, launch_test_server, stop_test_server, subprocess_env
 
 from radixengine.launch_server import parse_args
+from radixengine.managers.io_struct import GenerateReqInput
+from radixengine.managers.request_logger import RequestLogger
 from radixengine.managers.tp_worker import TEST_FORWARD_STALL_ENV
 from radixengine.model_executor.runtime_support import runtime_support_error
 from radixengine.server_args import ServerArgs
@@ -287,3 +290,25 @@ def _wait_healthy(proc, base: str, log) -> None:
         except subprocess.TimeoutExpired:
             pass
     raise AssertionError("the server did not become healthy:\n" + log.read_text())
+
+
+def test_log_requests_levels(caplog):
+    """SGLang's --log-requests-level: 0 metadata, 1 + sampling parameters, 2 + input / output cut
+    to 2048 items, 3 everything."""
+    obj = GenerateReqInput(input_ids=list(range(5000)), sampling_params={"max_new_tokens": 3}, rid="r1")
+    out = {"text": "abc", "output_ids": [1, 2, 3], "meta_info": {"id": "r1", "completion_tokens": 3}}
+    lines = {}
+    for level in range(4):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="radixengine.managers.request_logger"):
+            RequestLogger(True, level).log_finished(obj, out)
+        lines[level] = caplog.records[0].getMessage()
+    for level in (0, 1):
+        assert "rid='r1'" in lines[level] and "'completion_tokens': 3" in lines[level]
+        assert "input_ids" not in lines[level] and "output_ids" not in lines[level]
+    assert "sampling_params" not in lines[0] and "sampling_params={'max_new_tokens': 3}" in lines[1]
+    assert "input_ids=[0, 1, 2" in lines[2] and " ... [3976, " in lines[2] and "1500," not in lines[2]
+    assert str(list(range(5000))) in lines[3] and "'output_ids': [1, 2, 3]" in lines[3]
+    caplog.clear()
+    RequestLogger(False, 3).log_finished(obj, out)
+    assert not caplog.records
