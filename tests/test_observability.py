@@ -119,10 +119,12 @@ def test_prefill_and_decode_log_lines(server, first_request):
     log = server.log.read_text()
     prefill = re.findall(r"Prefill batch, (.*)", log)
     assert prefill, log
-    assert prefill[0] == (
+    fields, throughput = prefill[0].rsplit(", input throughput (token/s): ", 1)
+    assert fields == (
         f"#new-seq: 1, #new-token: {len(PROMPT_IDS)}, #cached-token: 0, token usage: 0.00, "
         "#running-req: 0, #queue-req: 0, #pending-token: 0, cpu graph: False"
     )
+    assert re.fullmatch(r"\d+\.\d\d", throughput) and float(throughput) > 0
     decode = re.findall(
         r"Decode batch, #running-req: (\d+), #token: (\d+), token usage: (\d+\.\d\d), cpu graph: False, "
         r"gen throughput \(token/s\): (\d+\.\d\d), #queue-req: (\d+)",

@@ -119,7 +119,7 @@ class Scheduler:
         self.timer = StepTimer(trace=args.trace_file is not None)
         self.step_ct = 0  # event-loop steps run (the watchdog's progress counter)
         self.forward_ct_decode = 0
-        self.last_decode_stats_tic = time.perf_counter()
+        self.last_prefill_stats_tic = self.last_decode_stats_tic = time.perf_counter()
         self.generated_at_last_decode_log = 0
         self.last_gen_throughput = 0.0
         self._trace_written_at = time.perf_counter()
@@ -427,12 +427,16 @@ class Scheduler:
         return f"{'cpu' if self.device.type == 'cpu' else 'cuda'} graph: {can_run}"
 
     def log_prefill_stats(self, adder: PrefillAdder, running_bs: int) -> None:
+        """Every prefill batch; its input throughput is its new tokens over the time since the
+        previous prefill batch."""
         if not logger.isEnabledFor(logging.INFO):
             return
+        now = time.perf_counter()
+        gap, self.last_prefill_stats_tic = now - self.last_prefill_stats_tic, now
         _, usage = self._token_usage()
         logger.info(
             "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-            "#running-req: %d, #queue-req: %d, #pending-token: %d, %s",
+            "#running-req: %d, #queue-req: %d, #pending-token: %d, %s, input throughput (token/s): %.2f",
             len(adder.can_run_list),
             adder.log_input_tokens,
             adder.log_hit_tokens,
@@ -441,6 +445,7 @@ class Scheduler:
             len(self.waiting_queue),
             sum(len(r.origin_input_ids) + len(r.output_ids) for r in self.waiting_queue),
             self._graph_label(None),
+            adder.log_input_tokens / gap if gap > 0 else 0.0,
         )
 
     def log_decode_stats(self, batch: ScheduleBatch) -> None:
