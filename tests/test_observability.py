@@ -208,7 +208,7 @@ def test_every_flag_has_help():
 
 def test_device_auto():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert ServerArgs().device == expected
+    assert ServerArgs().device == expected and ServerArgs(device="auto").device == expected
     assert parse_args([]).device == expected
     assert ServerArgs(device="cpu").device == "cpu"
 
