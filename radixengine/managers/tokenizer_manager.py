@@ -29,6 +29,8 @@ from radixengine.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
 )
+from radixengine.managers.request_logger import RequestLogger
+from radixengine.managers.scheduler_process import WATCHDOG_EXIT_CODE
 from radixengine.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -123,6 +125,7 @@ class TokenizerManager:
             from radixengine.managers.metrics import TokenizerMetricsCollector
 
             self.metrics = TokenizerMetricsCollector(self.served_model_name)
+        self.request_logger = RequestLogger(server_args.log_requests, server_args.log_requests_level)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._pending_replies: dict[type, deque] = {
@@ -174,6 +177,7 @@ class TokenizerManager:
         self.ensure_started()
         self.check_alive()
         tokenized = self.tokenize_request(obj)
+        self.request_logger.log_received(obj)
         state = ReqState(obj, tokenized.sampling_params, len(tokenized.input_ids))
         self.rid_to_state[tokenized.rid] = state
         self.send_to_scheduler.send_pyobj(tokenized)
@@ -396,9 +400,8 @@ class TokenizerManager:
                 state.finished = True
                 del self.rid_to_state[rid]
                 if self.metrics is not None and state.obj.log_metrics:
-                    self.metrics.observe_finished(
-                        out["meta_info"], state.first_token_time, state.created_time, now
-                    )
+                    self.metrics.observe_finished(out["meta_info"], state.created_time, now)
+                self.request_logger.log_finished(state.obj, out)
             state.event.set()
 
     def _add_output(self, state: ReqState, recv: BatchStrOut, i: int, now: float) -> None:
@@ -449,7 +452,7 @@ class TokenizerManager:
             return
         state.queue_time_seen = True
         if self.metrics is not None and state.obj.log_metrics:
-            self.metrics.observe_queue_time(state.obj.priority, queue_time)
+            self.metrics.observe_queue_time(queue_time)
 
     @staticmethod
     def _visible_text(text: str, state: ReqState) -> str:
@@ -482,10 +485,17 @@ class TokenizerManager:
                 return
             for name, proc in self.processes:
                 if not proc.is_alive():
-                    self.fail_all(
-                        f"the {name} process (pid {proc.pid}) died unexpectedly (exit code {proc.exitcode})"
-                    )
+                    self.fail_all(self._death_message(name, proc))
                     break
+
+    def _death_message(self, name: str, proc) -> str:
+        if name == "scheduler" and proc.exitcode == WATCHDOG_EXIT_CODE:
+            timeout = self.server_args.watchdog_timeout
+            return (
+                f"the scheduler process (pid {proc.pid}) was ended by its watchdog: a forward batch ran "
+                f"longer than --watchdog-timeout {timeout:g} s"
+            )
+        return f"the {name} process (pid {proc.pid}) died unexpectedly (exit code {proc.exitcode})"
 
     def fail_all(self, message: str) -> None:
         logger.error("%s; failing every request", message)

@@ -15,6 +15,7 @@ from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardBatch
 from radixengine.model_loader import ModelConfig, get_model
 from radixengine.server_args import ServerArgs
+from radixengine.utils.random_seed import set_random_seed
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class ModelRunner:
         self.page_size = server_args.page_size
         if server_args.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(server_args.num_threads)
-        torch.manual_seed(server_args.random_seed)
+        set_random_seed(server_args.random_seed)
         self.model_config = ModelConfig(
             server_args.model_path, server_args.context_length, server_args.dtype, server_args.device
         )
