@@ -105,9 +105,11 @@ def test_ready_line_health_and_api_key(server):
     while "ready to roll" not in server.log.read_text():
         assert time.monotonic() < deadline, server.log.read_text()
         time.sleep(0.2)
-    # The probes are outside the key (as in SGLang); everything else needs it.
-    for path in ("/health", "/health_generate", "/metrics"):
+    # The probes are outside the key (as in SGLang); everything else needs it. Metrics are off
+    # here: /metrics answers its 404, not the key's 401.
+    for path in ("/health", "/health_generate"):
         assert httpx.get(server.base_url + path).status_code == 200, path
+    assert httpx.get(server.base_url + "/metrics").status_code == 404
     for path in ("/v1/models", "/get_server_info", "/server_info", "/model_info", "/v1/loads"):
         r = httpx.get(server.base_url + path)
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
