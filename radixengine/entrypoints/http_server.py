@@ -369,14 +369,18 @@ def check_model(tm: TokenizerManager, model: str) -> None:
 
 
 NATIVE_FIELDS = {
-    "text", "input_ids", "sampling_params", "stream", "rid", "priority", "return_logprob", "top_logprobs_num"
+    "text", "input_ids", "sampling_params", "stream", "rid", "priority", "return_logprob", "top_logprobs_num",
+    "logprob_start_len", "return_text_in_logprobs",
 }  # fmt: skip
+# Given once for every prompt, or as a list with one per prompt (SGLang's batch form).
+NATIVE_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len")
 
 
 def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
     """SGLang's /generate body: text or input_ids (one prompt or a batch), sampling_params (one,
     or one per prompt), rid (a string, or one per prompt), stream, priority, return_logprob,
-    top_logprobs_num. `sampling_params.n` > 1 asks for n samples of each prompt (seed + j for the
+    top_logprobs_num, logprob_start_len (each one, or one per prompt), return_text_in_logprobs.
+    `sampling_params.n` > 1 asks for n samples of each prompt (seed + j for the
     j-th when a seed is given): the answer is then a list, prompt by prompt, n samples each, as
     for a batch. Returns the requests and whether the answer is a single object."""
     if not isinstance(body, dict):
@@ -387,9 +391,9 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
     prompts, kind, single = _native_prompts(body)
     params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
     priorities = _per_prompt(body.get("priority"), len(prompts), "priority")
-    for name in ("stream", "return_logprob"):
-        if not isinstance(body.get(name, False), bool):
-            raise RequestError(f"{name} must be a boolean", param=name)
+    logprob_fields = {name: _per_prompt(body.get(name), len(prompts), name) for name in NATIVE_LOGPROB_FIELDS}
+    if not isinstance(body.get("stream", False), bool):
+        raise RequestError("stream must be a boolean", param="stream")
     n = _num_samples(params)
     rids = _native_rids(body.get("rid"), len(prompts), n, single)
     objs = []
@@ -400,8 +404,8 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
                 rid=rids[i * n + j],
                 priority=priorities[i],
                 stream=body.get("stream", False),
-                return_logprob=body.get("return_logprob", False),
-                top_logprobs_num=body.get("top_logprobs_num", 0),
+                return_text_in_logprobs=body.get("return_text_in_logprobs", False),
+                **{name: values[i] for name, values in logprob_fields.items()},
             )
             setattr(obj, kind, prompt)
             objs.append(obj)
