@@ -47,9 +47,9 @@ def _engine(model_path, **kw) -> Engine:
 @pytest.fixture(scope="module")
 def engines(model_path):
     """The overlap loop on a worker thread with 16-token prefill chunks, and the normal loop
-    with whole prefills."""
+    with whole prefills and 4-token pages."""
     overlap = _engine(model_path, cpu_forward_stream="thread", chunked_prefill_size=16)
-    normal = _engine(model_path, disable_overlap_schedule=True)
+    normal = _engine(model_path, disable_overlap_schedule=True, page_size=4)
     yield {"overlap": overlap, "normal": normal}
     overlap.shutdown()
     normal.shutdown()
@@ -167,6 +167,21 @@ def test_prompt_logprobs_after_a_cache_hit(engine, prompts, ref):
     assert again["meta_info"]["cached_tokens"] == 0 and len(
         again["meta_info"]["input_token_logprobs"]
     ) == len(prompt)
+
+
+def test_prompt_scoring_without_output(engine, prompts, ref):
+    """max_new_tokens 0: only the prompt's logprobs (SGLang's scoring use)."""
+    params = {**GREEDY, "max_new_tokens": 0}
+    out = engine.generate(
+        input_ids=prompts[1], sampling_params=params, return_logprob=True, logprob_start_len=0
+    )
+    assert out["output_ids"] == [] and out["meta_info"]["output_token_logprobs"] == []
+    ref_lp, prompt = ref(prompts[1]), prompts[1]
+    got = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]]
+    assert got[0] is None
+    assert got[1:] == pytest.approx(
+        [float(ref_lp[j - 1, prompt[j]]) for j in range(1, len(prompt))], abs=ATOL
+    )
 
 
 def test_overlap_and_normal_loops_agree(engines, prompts):

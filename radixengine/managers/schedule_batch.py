@@ -147,10 +147,12 @@ class Req:
         and its logits exist; while its prompt logprobs are due, none past logprob_start_len (the
         positions they come from must be computed, as in SGLang)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
-        max_prefix_len = len(self.fill_ids) - 1
-        if self.needs_input_logprobs():
-            max_prefix_len = min(max_prefix_len, self.logprob_start_len)
-        return self.fill_ids[:max_prefix_len]
+        return self.fill_ids[: self.max_prefix_len()]
+
+    def max_prefix_len(self) -> int:
+        """How many of origin + output ids a prefix match may cover (see adjust_max_prefix_ids)."""
+        limit = len(self.origin_input_ids) + len(self.output_ids) - 1
+        return min(limit, self.logprob_start_len) if self.needs_input_logprobs() else limit
 
     def init_next_round_input(self, tree_cache: Any = None) -> None:
         """Set fill_ids and extend_input_len for this round; with a tree cache, (re)match the

@@ -453,7 +453,7 @@ class Scheduler:
         ]
 
     def _prefix_being_computed(self, req: Req, trie: PrefixTrie) -> bool:
-        shared = trie.match(req.adjust_max_prefix_ids())
+        shared = trie.match(req.fill_ids[: req.max_prefix_len()])
         shared = shared // self.page_size * self.page_size
         return shared - len(req.prefix_indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
 
