@@ -201,7 +201,12 @@ class Engine:
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict back; raises `RequestError` if refused) or a batch (a list
         of dicts in input order, one per prompt and per choice when n > 1; a refused one carries
-        `"error"`). `stream=True` (one prompt) yields chunks with the new text and ids."""
+        `"error"`). `stream=True` (one prompt) yields chunks with the new text and ids.
+        Logprobs as SGLang's: `return_logprob` puts `output_token_logprobs` (`(logprob, id, text)`
+        per output token; text only with `return_text_in_logprobs`) and `input_token_logprobs`
+        (the prompt's from `logprob_start_len`, -1 for none; the first one's logprob is None) in
+        `meta_info`; `top_logprobs_num` N adds `output_top_logprobs` / `input_top_logprobs`, the N
+        most likely tokens at each position."""
         objs, single = self._make_requests(
             prompt,
             sampling_params,
