@@ -13,9 +13,11 @@ import httpx
 import openai
 import pytest
 import torch
+from sched_utils import gen_req, make_scheduler, oracle_greedy, random_prompts
 from test_engine_utils import build_tiny_model, launch_test_server, load_hf_model, stop_test_server
 
 from radixengine import Engine
+from radixengine.managers.io_struct import BatchTokenIDOut
 
 MAX_NEW = 8
 TOP = 5
@@ -240,6 +242,53 @@ def test_batch_mixing_logprobs_gives_the_same_tokens(engines, prompts):
         assert a["output_ids"] == b["output_ids"]
         assert ("output_token_logprobs" in b["meta_info"]) == bool(ask)
         assert ("output_top_logprobs" in b["meta_info"]) == bool(ask.get("top_logprobs_num"))
+
+
+# Scheduler: chunks, a shared prefix and retraction ---------------------------------------------
+
+
+def _scheduler_logprobs(overlap: bool, tight: bool) -> dict[str, dict]:
+    """Every request's logprob messages joined: prompts sharing a prefix, half asking for
+    prompt logprobs from 0 or 10, top 2 throughout; `tight` forces chunks and retraction."""
+    pool = dict(max_total_tokens=256, chunked_prefill_size=64, init_new_token_ratio=0.05) if tight else {}
+    sched = make_scheduler(overlap=overlap, **pool)
+    shared = random_prompts(100, 1, 40, 40)[0][:24]
+    prompts = random_prompts(11, 8, 20, 50, shared=[shared])
+    reqs = [gen_req(f"lp{i}", p, max_new_tokens=24, ignore_eos=True) for i, p in enumerate(prompts)]
+    for i, r in enumerate(reqs):
+        r.return_logprob, r.top_logprobs_num, r.logprob_start_len = True, 2, (-1, 0, 10)[i % 3]
+    sched.io.put(*reqs)
+    sched.run_until_idle()
+    assert (sched.stats.num_retracted_reqs > 0) == tight
+    joined = {r.rid: {"ids": [], "lps": [], "tops": [], "inputs": [], "prompt": r.input_ids} for r in reqs}
+    for msg in sched.io.take_outputs():
+        if not isinstance(msg, BatchTokenIDOut):
+            continue
+        for i, rid in enumerate(msg.rids):
+            j = joined[rid]
+            j["ids"] += msg.output_ids[i]
+            j["lps"] += msg.output_token_logprobs[i]
+            j["tops"] += msg.output_top_logprobs_idx[i]
+            if msg.input_token_logprobs_val[i] is not None:
+                j["inputs"].append((msg.input_token_logprobs_val[i], msg.input_token_logprobs_idx[i]))
+    return joined
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_scheduler_logprobs_survive_chunks_and_retraction(overlap):
+    tight, roomy = _scheduler_logprobs(overlap, tight=True), _scheduler_logprobs(overlap, tight=False)
+    for i, (rid, j) in enumerate(tight.items()):
+        start = (-1, 0, 10)[i % 3]
+        assert j["ids"] == oracle_greedy(j["prompt"], 24, True) == roomy[rid]["ids"]
+        assert len(j["lps"]) == len(j["tops"]) == 24 and all(len(t) == 2 for t in j["tops"])
+        assert j["lps"] == pytest.approx(roomy[rid]["lps"], abs=1e-4) and j["tops"] == roomy[rid]["tops"]
+        assert len(j["inputs"]) == 1, "the prompt's logprobs come once"
+        values, ids = j["inputs"][0]
+        if start == -1:
+            assert values == [] and ids == []
+            continue
+        assert ids == j["prompt"][start:] and values[0] is None
+        assert values[1:] == pytest.approx(roomy[rid]["inputs"][0][0][1:], abs=1e-4)
 
 
 # HTTP: /generate and the official openai client ------------------------------------------------
