@@ -454,8 +454,20 @@ BAD_INPUTS = [
     ("/generate", {"text": ["a", "b"], "rid": ["x"]}, "rid"),
     ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, "n"),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 1}]}, "n"),
-    ("/generate", {"text": "hi", "top_logprobs_num": 3}, "top_logprobs_num"),
     ("/generate", {"text": "hi", "top_logprobs_num": -1}, "top_logprobs_num"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
+    ("/generate", {"text": ["a", "b"], "top_logprobs_num": [1]}, "top_logprobs_num"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "logprobs": 21}, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "MODEL",
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 21,
+        },
+        "top_logprobs",
+    ),  # fmt: skip
     ("/v1/completions", {"model": "MODEL", "prompt": "hi", "rid": {"a": 1}}, "rid"),
 ]
 
