@@ -226,7 +226,11 @@ def test_router_generate_body(server, prompt):
         ("/generate", {"text": "hi", "background": True}, "background"),
         ("/generate", {"text": "hi", "return_bytes": True}, "return_bytes"),
         ("/generate", {"text": "hi", "lora_path": "a"}, "lora_path"),
-        ("/generate", {"text": "hi", "logprob_start_len": 0}, "logprob_start_len"),
+        (
+            "/generate",
+            {"text": "hi", "return_logprob": True, "logprob_start_len": 10000},
+            "logprob_start_len",
+        ),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "bogus": 1}}, "bogus"),
         ("/v1/completions", {"prompt": "hi", "return_hidden_states": True}, "return_hidden_states"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
