@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -14,6 +15,7 @@ QUANTIZATIONS = ("auto", "gguf", "none")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer", "triton")
 CPU_FORWARD_STREAMS = ("auto", "thread", "inline")
+SAMPLING_DEFAULTS = ("openai", "model")
 
 
 @dataclass
@@ -29,6 +31,8 @@ class ServerArgs:
     random_seed: int = 0
     attention_backend: str = "auto"
     quantization: str = "auto"  # see _HELP
+    chat_template: str | None = None  # see _HELP
+    sampling_defaults: str = "model"  # see _HELP
 
     # HTTP
     host: str = "127.0.0.1"
@@ -87,6 +91,11 @@ class ServerArgs:
         _check_choice("--cpu-forward-stream", self.cpu_forward_stream, CPU_FORWARD_STREAMS)
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
         _check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("--sampling-defaults", self.sampling_defaults, SAMPLING_DEFAULTS)
+        if self.chat_template is not None and not (
+            os.path.isfile(self.chat_template) or "{{" in self.chat_template or "{%" in self.chat_template
+        ):
+            raise ValueError(f"--chat-template {self.chat_template!r} is neither a file nor a Jinja template")
         if self.kv_cache_dtype != "auto" and self.device != "cpu":
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} runs on a CPU only; use auto (the model's dtype) "
@@ -195,10 +204,20 @@ _CHOICES = {
     "quantization": QUANTIZATIONS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "cpu_forward_stream": CPU_FORWARD_STREAMS,
+    "sampling_defaults": SAMPLING_DEFAULTS,
     "log_level": ("debug", "info", "warning", "error"),
 }
 
 _HELP = {
+    "chat_template": (
+        "The chat template for /v1/chat/completions: a file holding a Jinja template, or the template "
+        "itself. Default: the tokenizer's own."
+    ),
+    "sampling_defaults": (
+        "Where the chat API's defaults for temperature, top_p, top_k, min_p and repetition_penalty come "
+        "from when a request leaves them unset. model (default): the model's generation_config.json, "
+        "where it sets them; openai: the OpenAI / SGLang defaults (temperature 1, top_p 1, ...)."
+    ),
     "stream_interval": (
         "Stream a request's tokens every N tokens (the first one at once, and the rest when it "
         "finishes): fewer messages through the detokenizer and the HTTP front end per step."

@@ -20,6 +20,7 @@ class StubTokenizerManager:
     dead_error = None
     metrics = None
     scheduler_info: dict = {}
+    default_sampling_params: dict = {}
 
     def __init__(self, outcome: str) -> None:
         self.outcome = outcome

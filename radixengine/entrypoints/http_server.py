@@ -1,14 +1,15 @@
 """The HTTP server: SGLang's native API and the OpenAI-compatible one over the TokenizerManager.
 
 FastAPI + uvicorn, one worker; the TokenizerManager lives in uvicorn's event loop, the scheduler
-and detokenizer in child processes. Errors are OpenAI-style JSON, `{"error": {"message", "type",
-"param", "code"}}`, with the HTTP status: 400 bad input, 401 missing API key, 404 unknown route,
-503 queue full or engine down."""
+and detokenizer in child processes. This module holds the generation routes (/generate, chat,
+completions) and the app; info_routes, control_routes and tokenize_routes the rest (docs/api.md
+lists them all). Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`,
+with the HTTP status: 400 bad input, 401 missing API key, 404 unknown route, 503 queue full or
+engine down."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import signal
@@ -16,17 +17,16 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixengine.entrypoints import control_routes, info_routes, tokenize_routes
 from radixengine.entrypoints import openai_serving as oai
-from radixengine.entrypoints.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-)
+from radixengine.entrypoints.auth import APIKeyMiddleware
+from radixengine.entrypoints.http_errors import error_response
+from radixengine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixengine.entrypoints.request_fields import parse_json, read_fields
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.tokenizer_manager import (
     EngineDeadError,
@@ -42,17 +42,6 @@ READY_MESSAGE = "The server is fired up and ready to roll! Ready on http://{host
 
 
 # Errors ---------------------------------------------------------------------------------------
-
-
-def error_response(
-    message: str, status_code: int = 400, param: str | None = None, err_type: str | None = None
-):
-    if err_type is None:
-        err_type = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
-            status_code, "ServiceUnavailableError" if status_code == 503 else "InternalServerError"
-        )
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status_code}}
-    return JSONResponse(body, status_code=status_code)
 
 
 def validation_error_to_request_error(e: ValidationError) -> RequestError:
@@ -73,14 +62,6 @@ def _loc_to_param(loc: tuple) -> str:
         else:
             parts.append(("." if parts else "") + item)
     return "".join(parts) or "body"
-
-
-async def parse_json(request: Request) -> object:
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"invalid JSON body: {e}", param="body") from None
 
 
 def parse_model(model: type[BaseModel], body: object) -> BaseModel:
@@ -248,6 +229,8 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     _install_error_handlers(app)
     if server_args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
+    for module in (info_routes, control_routes, tokenize_routes):
+        app.include_router(module.router)
 
     @app.get("/health")
     async def health() -> Response:
@@ -257,7 +240,9 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        obj = GenerateReqInput(
+            input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, log_metrics=False
+        )
         try:
             await asyncio.wait_for(collect(tm, obj), timeout=60)
         except (RequestError, EngineDeadError, asyncio.TimeoutError) as e:
@@ -282,7 +267,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             return await _completions(request, req)
 
     async def _completions(request: Request, req: CompletionRequest) -> Response:
-        check_model(tm, req.model)
+        req.model = req.model or tm.served_model_name
         objs, prompts = oai.completion_requests(tm, req)
         if req.stream:
             return await sse_response(
@@ -301,7 +286,8 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             return await _chat_completions(request, req)
 
     async def _chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
-        check_model(tm, req.model)
+        req.model = req.model or tm.served_model_name
+        oai.apply_sampling_defaults(req, tm.default_sampling_params)
         objs = oai.chat_requests(tm, req)
         if req.stream:
             return await sse_response(request, oai.chat_stream(tm, req, merged_stream(tm, objs)), objs)
@@ -309,25 +295,6 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         if isinstance(outs, Response):
             return outs
         return JSONResponse(oai.chat_response(tm, req, outs))
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = ModelCard(id=tm.served_model_name, root=tm.served_model_name, max_model_len=tm.context_len)
-        return ModelList(data=[card]).model_dump()
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        result = await tm.flush_cache()
-        if not result.success:
-            return error_response(result.message or "cannot flush the cache while requests run", 400)
-        return PlainTextResponse("Cache flushed.\n")
-
-    @app.get("/get_server_info")
-    async def get_server_info() -> dict:
-        info = dataclasses.asdict(server_args)
-        info.update({k: v for k, v in tm.scheduler_info.items() if k != "status"})
-        info.update(await tm.get_internal_state())
-        return info
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -360,17 +327,13 @@ def openai_params(prompt_param: str, max_tokens_param: str):
         raise
 
 
-def check_model(tm: TokenizerManager, model: str) -> None:
-    if model not in (tm.served_model_name, tm.model_path):
-        raise RequestError(
-            f"the model {model!r} does not exist; this server serves {tm.served_model_name!r}",
-            param="model",
-        )
-
-
 NATIVE_FIELDS = {
     "text", "input_ids", "sampling_params", "stream", "rid", "priority", "return_logprob", "top_logprobs_num"
 }  # fmt: skip
+# Accepted for SGLang's clients (sglang-router adds them): `model` names the one model,
+# `return_text_in_logprobs` and `no_logs` change nothing here, `log_metrics: false` keeps the
+# request out of the metrics, `logprob_start_len` -1 (no prompt logprobs) is the only value.
+NATIVE_COMPAT_FIELDS = {"model", "return_text_in_logprobs", "no_logs", "log_metrics", "logprob_start_len"}
 
 
 def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
@@ -378,18 +341,19 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
     or one per prompt), rid (a string, or one per prompt), stream, priority, return_logprob,
     top_logprobs_num. `sampling_params.n` > 1 asks for n samples of each prompt (seed + j for the
     j-th when a seed is given): the answer is then a list, prompt by prompt, n samples each, as
-    for a batch. Returns the requests and whether the answer is a single object."""
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object", param="body")
-    unknown = sorted(set(body) - NATIVE_FIELDS)
-    if unknown:
-        raise RequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
+    for a batch. A null field is unset; an unknown top-level field is ignored (one inside
+    sampling_params is an error). Returns the requests and whether the answer is a single object."""
+    body = read_fields(body, NATIVE_FIELDS | NATIVE_COMPAT_FIELDS, "/generate")
     prompts, kind, single = _native_prompts(body)
     params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
     priorities = _per_prompt(body.get("priority"), len(prompts), "priority")
-    for name in ("stream", "return_logprob"):
+    for name in ("stream", "return_logprob", "log_metrics", "return_text_in_logprobs", "no_logs"):
         if not isinstance(body.get(name, False), bool):
             raise RequestError(f"{name} must be a boolean", param=name)
+    if body.get("logprob_start_len", -1) != -1:
+        raise RequestError(
+            "logprob_start_len: prompt logprobs are not supported (only -1)", param="logprob_start_len"
+        )
     n = _num_samples(params)
     rids = _native_rids(body.get("rid"), len(prompts), n, single)
     objs = []
@@ -402,6 +366,7 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
                 stream=body.get("stream", False),
                 return_logprob=body.get("return_logprob", False),
                 top_logprobs_num=body.get("top_logprobs_num", 0),
+                log_metrics=body.get("log_metrics", True),
             )
             setattr(obj, kind, prompt)
             objs.append(obj)
@@ -511,23 +476,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def internal_error(_: Request, e: Exception):
         logger.exception("internal error")
         return error_response(f"internal error: {type(e).__name__}: {e}", 500)
-
-
-class APIKeyMiddleware:
-    """Every route but /health needs `Authorization: Bearer <key>` (a plain ASGI middleware, so
-    that disconnect detection and streaming pass through untouched)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
-                response = error_response("invalid or missing API key (Authorization: Bearer ...)", 401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 # Launch ---------------------------------------------------------------------------------------

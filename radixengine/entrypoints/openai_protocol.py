@@ -1,5 +1,6 @@
-"""Pydantic models of the OpenAI-compatible API (requests validated strictly: a wrong type or an
-unknown field is an error naming the field) and the response builders' shapes."""
+"""Pydantic models of the OpenAI-compatible API and the response builders' shapes. A request is
+read the way SGLang reads it (`request_fields.read_fields`: nulls are unset, unknown fields are
+ignored), then validated strictly: a wrong type or value is an error naming the field."""
 
 from __future__ import annotations
 
@@ -7,9 +8,24 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from radixengine.entrypoints.request_fields import read_fields
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class LenientModel(BaseModel):
+    """Strict types; `null` is the field's default, an unknown field is ignored (logged once)."""
+
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_fields(cls, data):
+        if not isinstance(data, dict):
+            return data
+        return read_fields(data, cls.model_fields, cls.__name__)
 
 
 class ErrorResponse(BaseModel):
@@ -19,17 +35,17 @@ class ErrorResponse(BaseModel):
     code: int
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
+class StreamOptions(LenientModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints, OpenAI's and SGLang's extra ones (extra_body)."""
+class _SamplingFields(LenientModel):
+    """Fields shared by both endpoints, OpenAI's and SGLang's extra ones (extra_body). `model`
+    may name anything: this server has one model (SGLang's rule). The fields the model's
+    generation_config.json may give a default for (chat) are tracked through `model_fields_set`."""
 
-    model_config = _STRICT
-    model: str
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -56,6 +72,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     priority: int | None = None
     rid: str | None = None
+    return_hidden_states: bool = False  # refused when true (request_fields.UNHONOURED)
 
 
 class CompletionRequest(_SamplingFields):
@@ -68,14 +85,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(strict=True, extra="allow")
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -89,6 +106,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # SGLang's extras
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # no reasoning parser here: the text is not split either way
+    stream_reasoning: bool = True
 
 
 class UsageInfo(BaseModel):

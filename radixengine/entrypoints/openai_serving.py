@@ -3,6 +3,7 @@ outputs → OpenAI response objects and stream chunks."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from radixengine.entrypoints.openai_protocol import (
@@ -77,17 +78,8 @@ def expand_choices(base: GenerateReqInput, params: dict, n: int, rid: str | None
         p = dict(params)
         if p["sampling_seed"] is not None:
             p["sampling_seed"] += j
-        obj = GenerateReqInput(
-            text=base.text,
-            input_ids=base.input_ids,
-            messages=base.messages,
-            sampling_params=p,
-            stream=base.stream,
-            return_logprob=base.return_logprob,
-            priority=base.priority,
-            rid=None if rid is None else (rid if n == 1 else f"{rid}-{j}"),
-        )
-        objs.append(obj)
+        sample_rid = None if rid is None else (rid if n == 1 else f"{rid}-{j}")
+        objs.append(dataclasses.replace(base, sampling_params=p, rid=sample_rid))
     return objs
 
 
@@ -128,11 +120,24 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise RequestError("only text content parts are supported", param=f"messages[{i}].content")
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise RequestError(
+                        f"content parts of type {part.type!r} are not supported: this server takes text "
+                        'only ({"type": "text", "text": ...})',
+                        param=f"messages[{i}].content[{j}].type",
+                    )
             content = "".join(part.text or "" for part in content)
         messages.append({"role": m.role, "content": content or ""})
     return messages
+
+
+def apply_sampling_defaults(req: ChatCompletionRequest, defaults: dict) -> None:
+    """The model's generation_config.json values for the sampling fields the request left unset
+    (SGLang's `--sampling-defaults model`, chat only as in SGLang)."""
+    for name, value in defaults.items():
+        if name not in req.model_fields_set:
+            setattr(req, name, value)
 
 
 def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[GenerateReqInput]:
@@ -145,7 +150,12 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
         max_tokens, param = req.max_tokens, "max_tokens"
     params = sampling_params_of(req, max_tokens, param)
     base = GenerateReqInput(
-        messages=chat_messages(req), stream=req.stream, return_logprob=req.logprobs, priority=req.priority
+        messages=chat_messages(req),
+        stream=req.stream,
+        return_logprob=req.logprobs,
+        priority=req.priority,
+        chat_template_kwargs=req.chat_template_kwargs,
+        continue_final_message=req.continue_final_message,
     )
     return expand_choices(base, params, req.n, req.rid)
 

@@ -13,7 +13,10 @@ from radixengine.sampling.sampling_params import SamplingParams
 @dataclass
 class GenerateReqInput:
     """One request as the front end hands it to the tokenizer manager: exactly one of `text`,
-    `input_ids` or `messages` (chat, rendered with the tokenizer's chat template)."""
+    `input_ids` or `messages` (chat, rendered with the tokenizer's chat template, given
+    `chat_template_kwargs`; `continue_final_message` continues the last assistant message
+    instead of opening a new one). `log_metrics=False` keeps it out of the metrics (SGLang's
+    health checks)."""
 
     text: str | None = None
     input_ids: list[int] | None = None
@@ -24,6 +27,9 @@ class GenerateReqInput:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     priority: int | None = None
+    chat_template_kwargs: dict | None = None
+    continue_final_message: bool = False
+    log_metrics: bool = True
 
 
 # Tokenizer manager -> scheduler ---------------------------------------------------------------

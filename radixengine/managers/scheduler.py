@@ -729,6 +729,7 @@ class Scheduler:
         return {
             "num_running_reqs": len({id(r) for r in self._active_reqs() if not r.finished()}),
             "num_queue_reqs": len(self.waiting_queue),
+            "num_queue_tokens": sum(r.seqlen for r in self.waiting_queue),  # /v1/loads
             "num_retracted_reqs": s.num_retracted_reqs,
             "num_preempted_reqs": s.num_preempted_reqs,
             "num_prefill_tokens": s.num_prefill_tokens,

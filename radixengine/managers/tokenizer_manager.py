@@ -9,7 +9,9 @@ the manager (`aclose`, on shutdown) fails the pending requests the same way."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -98,8 +100,16 @@ class TokenizerManager:
         self.port_args = port_args
         self.scheduler_info = dict(scheduler_info or {})
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(server_args)
-        self.model_path = server_args.model_path
+        if server_args.chat_template:
+            self.tokenizer.chat_template = load_chat_template(server_args.chat_template)
+        self.model_path = server_args.model_path or _default_model_path()
+        self.tokenizer_path = server_args.tokenizer_path or _hf_dir(self.model_path)
         self.served_model_name = server_args.served_model_name or _model_name(server_args.model_path)
+        self.default_sampling_params = (
+            model_sampling_defaults(_hf_dir(self.model_path))
+            if server_args.sampling_defaults == "model"
+            else {}
+        )
         self.context_len: int | None = self.scheduler_info.get("context_len")
         self.max_req_input_len: int | None = self.scheduler_info.get("max_req_input_len")
         self.max_req_len: int | None = self.scheduler_info.get("max_req_len") or self.context_len
@@ -193,6 +203,18 @@ class TokenizerManager:
         state.aborted = True
         self.send_to_scheduler.send_pyobj(AbortReq(rid))
 
+    def abort_for_client(self, rid: str = "", abort_all: bool = False) -> list[str]:
+        """SGLang's /abort_request: end the request `rid` (or every one) for the client still
+        waiting on it, which gets the abort as its answer (status 499). Returns the rids."""
+        self.ensure_started()
+        rids = [
+            r for r, state in self.rid_to_state.items()
+            if (abort_all or r == rid) and not state.finished and not state.aborted
+        ]  # fmt: skip
+        for r in rids:
+            self.send_to_scheduler.send_pyobj(AbortReq(r))
+        return rids
+
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._request_reply(FlushCacheReqInput(), FlushCacheReqOutput)
 
@@ -267,7 +289,9 @@ class TokenizerManager:
         if len(given) != 1:
             raise RequestError("give exactly one of text, input_ids or messages", param="text")
         if obj.messages is not None:
-            text = self.apply_chat_template(obj.messages)
+            text = self.apply_chat_template(
+                obj.messages, obj.chat_template_kwargs, obj.continue_final_message
+            )
             return text, self.tokenizer.encode(text, add_special_tokens=False), "messages"
         if obj.text is not None:
             if not isinstance(obj.text, str):
@@ -283,14 +307,29 @@ class TokenizerManager:
             )
         return None, list(ids), "input_ids"
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], kwargs: dict | None = None, continue_final_message: bool = False
+    ) -> str:
+        """The conversation rendered by the chat template; `kwargs` go to the template (e.g.
+        Qwen3's enable_thinking); `continue_final_message` leaves the last (assistant) message
+        open for the model to continue instead of starting a new turn."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", param="messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        if continue_final_message and messages[-1]["role"] != "assistant":
+            raise RequestError(
+                "continue_final_message needs an assistant message last", param="continue_final_message"
+            )
+        options = dict(kwargs or {})
+        options.update(add_generation_prompt=not continue_final_message, tokenize=False)
+        if continue_final_message:
+            options["continue_final_message"] = True
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, **options)
         except Exception as e:  # a template that rejects the conversation
             raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -346,7 +385,7 @@ class TokenizerManager:
             if reason is not None:
                 state.finished = True
                 del self.rid_to_state[rid]
-                if self.metrics is not None:
+                if self.metrics is not None and state.obj.log_metrics:
                     self.metrics.observe_finished(
                         out["meta_info"], state.first_token_time, state.created_time, now
                     )
@@ -389,7 +428,7 @@ class TokenizerManager:
     def _record_tokens(self, state: ReqState, num_new: int, now: float) -> None:
         if num_new <= 0:
             return
-        if self.metrics is not None:
+        if self.metrics is not None and state.obj.log_metrics:
             self.metrics.observe_tokens(state, num_new, now)
         if state.first_token_time is None:
             state.first_token_time = now
@@ -399,7 +438,7 @@ class TokenizerManager:
         if queue_time is None or state.queue_time_seen:
             return
         state.queue_time_seen = True
-        if self.metrics is not None:
+        if self.metrics is not None and state.obj.log_metrics:
             self.metrics.observe_queue_time(state.obj.priority, queue_time)
 
     @staticmethod
@@ -476,6 +515,52 @@ def check_top_logprobs_num(value: object) -> None:
         "(return_logprob)",
         param="top_logprobs_num",
     )
+
+
+def load_chat_template(value: str) -> str:
+    """`--chat-template`: a file holding a Jinja template, or the template itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(hf_dir: str | None) -> dict:
+    """The sampling fields the model's generation_config.json sets (SGLang's
+    `--sampling-defaults model`); {} when it has none."""
+    path = os.path.join(hf_dir, "generation_config.json") if hf_dir else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    defaults = {k: config[k] for k in SAMPLING_DEFAULT_FIELDS if config.get(k) is not None}
+    if defaults.get("top_k") == 0:  # transformers' "no top-k"
+        defaults["top_k"] = -1
+    return defaults
+
+
+def _default_model_path() -> str | None:
+    from radixengine.model_loader import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        return None
+
+
+def _hf_dir(model_path: str | None) -> str | None:
+    """The HF folder of the model (a GGUF's converted cache), None if there is none."""
+    from radixengine.model_loader import resolve_model_path
+
+    try:
+        return resolve_model_path(model_path) if model_path else None
+    except (FileNotFoundError, ValueError, OSError):
+        return None
 
 
 def _model_name(model_path: str | None) -> str:

@@ -1,0 +1,73 @@
+"""How a request body's top-level fields are read, as SGLang reads them: `null` means "unset", an
+unknown field is ignored (logged once per route and name, at debug), and a known field whose
+value would change the answer in a way this engine cannot give is refused with a 400 naming it
+(its unset / false / empty value passes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+
+from starlette.requests import Request
+
+from radixengine.managers.tokenizer_manager import RequestError
+
+logger = logging.getLogger(__name__)
+
+_logged_unknown: set[tuple[str, str]] = set()
+
+# Field -> why a set value cannot be honoured. Shared by the OpenAI routes and /generate.
+UNHONOURED = {
+    "return_hidden_states": "hidden states are not returned by this engine",
+    "return_bytes": "output bytes are not returned by this engine",
+    "return_entropy": "entropies are not returned by this engine",
+    "return_routed_experts": "this engine serves no mixture-of-experts routing data",
+    "background": "background requests are not supported",
+    "lora_path": "LoRA adapters are not supported",
+    "image_data": "image inputs are not supported (text-only model)",
+    "video_data": "video inputs are not supported (text-only model)",
+    "audio_data": "audio inputs are not supported (text-only model)",
+    "input_embeds": "input embeddings are not supported",
+    "custom_logit_processor": "custom logit processors are not supported",
+    "session_params": "sessions are not supported",
+    "token_ids_logprob": "logprobs of chosen token ids are not supported",
+    "regex": "constrained decoding (regex) is not supported",
+    "json_schema": "constrained decoding (json_schema) is not supported",
+    "ebnf": "constrained decoding (ebnf) is not supported",
+}
+
+
+async def parse_json(request: Request) -> object:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"invalid JSON body: {e}", param="body") from None
+
+
+def read_fields(
+    body: object, known: Iterable[str], route: str, unhonoured: Iterable[str] = UNHONOURED
+) -> dict:
+    """The body without its nulls and unknown fields; a set field of `unhonoured` is a 400."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object", param="body")
+    known = set(known)
+    for name in unhonoured:
+        if body.get(name) not in (None, False, "", [], {}):
+            raise RequestError(f"{name} is not supported: {UNHONOURED[name]}", param=name)
+    fields = {}
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name in known:
+            fields[name] = value
+        elif name not in UNHONOURED:
+            log_unknown(route, name)
+    return fields
+
+
+def log_unknown(route: str, name: str) -> None:
+    if (route, name) not in _logged_unknown:
+        _logged_unknown.add((route, name))
+        logger.debug("%s: ignoring the unknown field %r", route, name)
