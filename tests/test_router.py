@@ -92,7 +92,7 @@ def start_router(worker_urls: list[str], log_path) -> subprocess.Popen:
         "--policy", "cache_aware", "--api-key", API_KEY,
         "--health-check-interval-secs", "1", "--health-check-timeout-secs", "2",
         "--health-failure-threshold", "2", "--health-success-threshold", "1",
-        "--log-level", "warn",
+        "--disable-circuit-breaker", "--log-level", "warn",
     ]  # fmt: skip
     with open(log_path, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -236,46 +236,90 @@ def test_each_tenant_sticks_to_one_replica_and_hits_its_cache(cluster, model_pat
         assert all(hit >= shared[tenant] for hit in cached[tenant][1:]), (cached, shared)
 
 
-def test_4xx_only_where_a_direct_request_gets_one(cluster):
-    """Bodies as clients send them: accepted through the router exactly when accepted directly
-    (same output), and a bad value refused by both. (Few bad ones: the router counts every non-2xx
-    answer against the worker's circuit breaker.)"""
+USER = [{"role": "user", "content": "hello world"}]
+CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
+# Bodies as clients send them (any model name, nulls, SGLang's extra fields, content parts).
+CLIENT_BODIES = [
+    (CHAT, {"model": "default", "messages": USER, "max_tokens": 4, "temperature": 0}),
+    (CHAT, {
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        "max_tokens": 4, "temperature": 0, "top_p": None, "top_k": None, "n": None, "stop": None, "seed": None,
+        "presence_penalty": None, "frequency_penalty": None, "user": "u-1", "stream": False,
+    }),
+    (CHAT, {
+        "model": "anything", "messages": USER, "max_completion_tokens": 4, "temperature": 0,
+        "stop": ["\n\n"], "n": 2, "top_k": 1, "min_p": 0.0, "ignore_eos": True, "skip_special_tokens": True,
+    }),
+    (COMPLETIONS, {"model": "default", "prompt": ["hello", "world"], "max_tokens": 4, "temperature": 0}),
+    (COMPLETIONS, {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                   "stop": None, "logprobs": None, "suffix": None, "echo": False}),
+    (GENERATE, {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}),
+    (GENERATE, {"text": "hello", "rid": "client-rid-1", "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "stop": ["\n"], "ignore_eos": False, "n": 2}}),
+]  # fmt: skip
+LONG_PROMPT = "hello world " * 700  # past the 1024-token context
+BAD_BODIES = [
+    (CHAT, {"model": SERVED_NAME, "messages": USER, "max_tokens": -1}),
+    (CHAT, {"model": SERVED_NAME, "messages": USER, "max_tokens": 4, "top_k": 0}),
+    (COMPLETIONS, {"model": SERVED_NAME, "prompt": LONG_PROMPT, "max_tokens": 4}),
+    (GENERATE, {"text": LONG_PROMPT, "sampling_params": {"max_new_tokens": 4}}),
+    (GENERATE, {"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": -1}}),
+]
+# Accepted by a replica, refused by sglang-router 0.3.2 itself (its typed request parsing and
+# validation) before any replica sees them; listed in the README.
+ROUTER_REFUSES = [
+    (CHAT, {"model": SERVED_NAME, "messages": USER, "max_tokens": 4, "temperature": 2.5}),
+    (CHAT, {"model": SERVED_NAME, "messages": USER, "max_tokens": 4, "n": 11}),
+    (CHAT, {"model": SERVED_NAME, "messages": USER, "max_tokens": 4, "stop": ["a", "b", "c", "d", "e"]}),
+    (CHAT, {"model": SERVED_NAME, "messages": USER, "max_tokens": 4, "min_tokens": 0}),
+    (
+        CHAT,
+        {"model": SERVED_NAME, "messages": USER, "max_tokens": 4, "stream_options": {"include_usage": True}},
+    ),
+    (COMPLETIONS, {"model": SERVED_NAME, "prompt": [5, 6, 7], "max_tokens": 4}),
+    (GENERATE, {"text": ["hello", "world"], "sampling_params": {"max_new_tokens": 4}}),
+    (GENERATE, {"text": "hello", "sampling_params": [{"max_new_tokens": 4}]}),
+]
+
+
+@pytest.mark.parametrize(
+    "path,body", CLIENT_BODIES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CLIENT_BODIES)]
+)
+def test_client_bodies_work_through_the_router(cluster, path, body):
     router, replicas = cluster
-    user = [{"role": "user", "content": "hello world"}]
-    good = [
-        ("/v1/chat/completions", {"model": "default", "messages": user, "max_tokens": 4, "temperature": 0}),
-        ("/v1/chat/completions", {
-            "model": SERVED_NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
-            "max_tokens": 4, "temperature": None, "top_p": None, "n": None, "stop": None, "seed": None,
-            "presence_penalty": None, "frequency_penalty": None, "user": "u-1", "stream": False,
-        }),
-        ("/v1/chat/completions", {
-            "model": "anything", "messages": user, "max_completion_tokens": 4, "temperature": 0,
-            "stop": ["\n\n"], "n": 2, "top_k": 1, "min_p": 0.0, "ignore_eos": True, "skip_special_tokens": True,
-        }),
-        ("/v1/completions", {"model": "default", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "echo": False}),
-        ("/v1/completions", {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0,
-                             "stop": None, "logprobs": None, "suffix": None}),
-        ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}),
-        ("/generate", {"text": ["hello", "world"], "sampling_params": {"max_new_tokens": 4, "temperature": 0,
-                                                                      "stop": ["\n"], "ignore_eos": False}}),
-    ]  # fmt: skip
-    for path, body in good:
+    direct, routed = post(replicas[0].base_url, path, body), post(router.base_url, path, body)
+    assert direct.status_code == 200, direct.text
+    assert routed.status_code == 200, routed.text
+    assert answers(routed.json()) == answers(direct.json())
+
+
+def test_bad_values_get_the_replicas_400_through_the_router(cluster):
+    """The replica's own 400 (message, field) comes through unchanged, and many in a row do not
+    take the replicas out (the router runs with --disable-circuit-breaker: its breaker counts a
+    client's 400 as a worker failure)."""
+    router, replicas = cluster
+    for path, body in BAD_BODIES:
+        direct, routed = post(replicas[0].base_url, path, body), post(router.base_url, path, body)
+        assert direct.status_code == 400, direct.text
+        assert 400 <= routed.status_code < 500, routed.text
+    path, body = BAD_BODIES[2]
+    for _ in range(25):
+        routed = post(router.base_url, path, body)
+        assert routed.status_code == 400 and routed.json()["error"]["param"] == "prompt", routed.text
+    assert post(router.base_url, *CLIENT_BODIES[0]).status_code == 200
+    assert healthy_workers(router) == {r.base_url for r in replicas}
+
+
+def test_what_the_router_itself_refuses(cluster):
+    """The only 4xx through the router that a direct request does not get: the router's own
+    refusals (its error shapes, no replica involved)."""
+    router, replicas = cluster
+    for path, body in ROUTER_REFUSES:
         direct, routed = post(replicas[0].base_url, path, body), post(router.base_url, path, body)
         assert direct.status_code == 200, (path, body, direct.text)
-        assert routed.status_code == 200, (path, body, routed.text)
-        assert answers(routed.json()) == answers(direct.json()), (path, body)
-    long_prompt = "hello world " * 700  # past the 1024-token context
-    bad = [
-        ("/v1/chat/completions", {"model": SERVED_NAME, "messages": user, "max_tokens": -1}),
-        ("/v1/completions", {"model": SERVED_NAME, "prompt": long_prompt, "max_tokens": 4}),
-        ("/generate", {"text": long_prompt, "sampling_params": {"max_new_tokens": 4}}),
-    ]
-    for path, body in bad:
-        direct, routed = post(replicas[0].base_url, path, body), post(router.base_url, path, body)
-        assert 400 <= direct.status_code < 500, (path, direct.text)
-        assert 400 <= routed.status_code < 500, (path, routed.text)
-    assert post(router.base_url, *good[0]).status_code == 200  # still served
+        assert routed.status_code in (400, 422), (path, body, routed.text)
+        router_own = routed.status_code == 422 or routed.json()["error"]["type"] == "invalid_request_error"
+        assert router_own, (path, body, routed.text)
 
 
 def answers(out) -> list:
