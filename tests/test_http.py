@@ -106,8 +106,10 @@ def test_ready_line_health_and_api_key(server):
     while "ready to roll" not in server.log.read_text():
         assert time.monotonic() < deadline, server.log.read_text()
         time.sleep(0.2)
-    assert httpx.get(server.base_url + "/health").status_code == 200
-    for path in ("/v1/models", "/get_server_info", "/metrics", "/health_generate"):
+    # The probes are outside the key (as in SGLang); everything else needs it.
+    for path in ("/health", "/health_generate", "/metrics"):
+        assert httpx.get(server.base_url + path).status_code == 200, path
+    for path in ("/v1/models", "/get_server_info", "/server_info", "/model_info", "/v1/loads"):
         r = httpx.get(server.base_url + path)
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
         r = httpx.get(server.base_url + path, headers={"Authorization": "Bearer wrong"})
@@ -389,7 +391,7 @@ BAD_INPUTS = [
     ("/v1/chat/completions", b'{"model": ', "body"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "max_tokens": "5"}, "max_tokens"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "temperature": "hot"}, "temperature"),
-    ("/v1/chat/completions", {"model": "no-such-model", "messages": MESSAGES}, "model"),
+    ("/v1/chat/completions", {"model": 5, "messages": MESSAGES}, "model"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": "MODEL", "messages": "hi"}, "messages"),
     (
@@ -406,7 +408,21 @@ BAD_INPUTS = [
         {"model": "MODEL", "messages": MESSAGES, "frequency_penalty": 0.5},
         "frequency_penalty",
     ),
-    ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "bogus": 1}, "bogus"),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": MESSAGES, "return_hidden_states": True},
+        "return_hidden_states",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "MODEL",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        },
+        "messages[0].content[0].type",
+    ),
+    ("/generate", {"text": "hi", "return_entropy": True}, "return_entropy"),
+    ("/generate", {"text": "hi", "log_metrics": "no"}, "log_metrics"),
     (
         "/v1/chat/completions",
         {"model": "MODEL", "messages": MESSAGES, "stream": True, "max_tokens": 0},

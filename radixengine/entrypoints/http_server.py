@@ -267,7 +267,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             return await _completions(request, req)
 
     async def _completions(request: Request, req: CompletionRequest) -> Response:
-        req.model = req.model or tm.served_model_name
+        _fill_defaults(tm, req)
         objs, prompts = oai.completion_requests(tm, req)
         if req.stream:
             return await sse_response(
@@ -286,7 +286,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
             return await _chat_completions(request, req)
 
     async def _chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
-        req.model = req.model or tm.served_model_name
+        _fill_defaults(tm, req)
         oai.apply_sampling_defaults(req, tm.default_sampling_params)
         objs = oai.chat_requests(tm, req)
         if req.stream:
@@ -307,6 +307,13 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         return Response(tm.metrics.render(state), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _fill_defaults(tm: TokenizerManager, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """The answer names the model the request named (SGLang's rule), else the served name."""
+    req.model = req.model or tm.served_model_name
+    if req.seed is None:
+        req.seed = req.sampling_seed
 
 
 @contextmanager

@@ -56,6 +56,7 @@ class _SamplingFields(LenientModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's name for seed (seed wins when both are given)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0

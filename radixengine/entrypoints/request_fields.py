@@ -35,6 +35,7 @@ UNHONOURED = {
     "regex": "constrained decoding (regex) is not supported",
     "json_schema": "constrained decoding (json_schema) is not supported",
     "ebnf": "constrained decoding (ebnf) is not supported",
+    "functions": "function calling is not supported",
 }
 
 
