@@ -433,6 +433,16 @@ def render(tokenizer, messages, **kwargs) -> list[int]:
 def test_chat_template_flag_kwargs_and_continue_final_message(server, tokenizer):
     tokens = post(server, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
     assert tokens == render(tokenizer, MESSAGES, add_generation_prompt=True)
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello world "}, {"type": "text", "text": "this is a test"}],
+        }
+    ]
+    assert post(server, "/tokenize", {"messages": parts}).json()["tokens"] == tokens
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    bad = post(server, "/tokenize", {"messages": image})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content[0].type"
     body = {"messages": MESSAGES, "chat_template_kwargs": {"flavour": "Sure"}}
     assert post(server, "/tokenize", body).json()["tokens"] == render(
         tokenizer, MESSAGES, add_generation_prompt=True, flavour="Sure"

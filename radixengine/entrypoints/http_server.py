@@ -18,7 +18,6 @@ from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixengine.entrypoints import control_routes, info_routes, tokenize_routes
@@ -26,7 +25,7 @@ from radixengine.entrypoints import openai_serving as oai
 from radixengine.entrypoints.auth import APIKeyMiddleware
 from radixengine.entrypoints.http_errors import error_response
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from radixengine.entrypoints.request_fields import parse_json, read_fields
+from radixengine.entrypoints.request_fields import parse_json, parse_model, read_fields
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.tokenizer_manager import (
     EngineDeadError,
@@ -42,35 +41,6 @@ READY_MESSAGE = "The server is fired up and ready to roll! Ready on http://{host
 
 
 # Errors ---------------------------------------------------------------------------------------
-
-
-def validation_error_to_request_error(e: ValidationError) -> RequestError:
-    err = e.errors()[0]
-    param = _loc_to_param(err.get("loc", ()))
-    if err.get("type") == "extra_forbidden":
-        return RequestError(f"unknown field {param!r}", param=param)
-    return RequestError(f"{param}: {err.get('msg', 'invalid value')}", param=param)
-
-
-def _loc_to_param(loc: tuple) -> str:
-    parts: list[str] = []
-    for item in loc:
-        if isinstance(item, int):
-            parts.append(f"[{item}]")
-        elif "[" in item or item in ("str", "int", "float", "bool", "dict", "list", "none") or "-" in item:
-            continue  # pydantic's union-member tags
-        else:
-            parts.append(("." if parts else "") + item)
-    return "".join(parts) or "body"
-
-
-def parse_model(model: type[BaseModel], body: object) -> BaseModel:
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object", param="body")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise validation_error_to_request_error(e) from None
 
 
 # Running requests -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import json
 import logging
 from collections.abc import Iterable
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from radixengine.managers.tokenizer_manager import RequestError
@@ -72,3 +73,30 @@ def log_unknown(route: str, name: str) -> None:
     if (route, name) not in _logged_unknown:
         _logged_unknown.add((route, name))
         logger.debug("%s: ignoring the unknown field %r", route, name)
+
+
+def validation_error_to_request_error(e: ValidationError) -> RequestError:
+    err = e.errors()[0]
+    param = _loc_to_param(err.get("loc", ()))
+    return RequestError(f"{param}: {err.get('msg', 'invalid value')}", param=param)
+
+
+def _loc_to_param(loc: tuple) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif "[" in item or item in ("str", "int", "float", "bool", "dict", "list", "none") or "-" in item:
+            continue  # pydantic's union-member tags
+        else:
+            parts.append(("." if parts else "") + item)
+    return "".join(parts) or "body"
+
+
+def parse_model(model: type[BaseModel], body: object) -> BaseModel:
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object", param="body")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error_to_request_error(e) from None

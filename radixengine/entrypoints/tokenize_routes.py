@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from radixengine.entrypoints.request_fields import parse_json, read_fields
+from radixengine.entrypoints.openai_protocol import ChatCompletionRequest
+from radixengine.entrypoints.openai_serving import chat_messages
+from radixengine.entrypoints.request_fields import parse_json, parse_model, read_fields
 from radixengine.managers.tokenizer_manager import RequestError, TokenizerManager
 
 router = APIRouter()
@@ -17,7 +19,8 @@ TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "chat_te
 @router.post("/tokenize")
 @router.post("/v1/tokenize")
 async def tokenize(request: Request) -> dict:
-    """`{"prompt": str | [str]}` or `{"messages": [...]}` -> `{"tokens", "count", "max_model_len"}`."""
+    """`{"prompt": str | [str]}` or `{"messages": [...]}` (read as chat reads them: text parts
+    joined) -> `{"tokens", "count", "max_model_len"}`."""
     tm: TokenizerManager = request.app.state.tokenizer_manager
     body = read_fields(await parse_json(request), TOKENIZE_FIELDS, "/tokenize")
     prompt, messages = body.get("prompt"), body.get("messages")
@@ -25,8 +28,11 @@ async def tokenize(request: Request) -> dict:
         raise RequestError("give exactly one of prompt or messages", param="prompt")
     add_special = _bool(body, "add_special_tokens", True)
     if messages is not None:
+        chat = parse_model(ChatCompletionRequest, {"messages": messages})
         text = tm.apply_chat_template(
-            messages, body.get("chat_template_kwargs"), _bool(body, "continue_final_message", False)
+            chat_messages(chat),
+            body.get("chat_template_kwargs"),
+            _bool(body, "continue_final_message", False),
         )
         tokens = tm.tokenizer.encode(text, add_special_tokens=False)
         count = len(tokens)
