@@ -192,6 +192,20 @@ def test_router_models_names_the_served_model(cluster):
     assert [m.id for m in openai_client(replicas[1].base_url).models.list().data] == [SERVED_NAME]
 
 
+def test_router_reads_the_replicas_info_and_load(cluster):
+    """What the router read at registration (/server_info, /model_info) and reads for load
+    (/get_load: a list with `num_tokens`; -1 when it cannot)."""
+    router, replicas = cluster
+    workers = httpx.get(router.base_url + "/workers", headers=AUTH, timeout=10).json()["workers"]
+    assert {w["url"] for w in workers} == {r.base_url for r in replicas}
+    for w in workers:
+        assert w["model_id"] == SERVED_NAME
+        assert w["metadata"]["served_model_name"] == SERVED_NAME and w["metadata"]["model_type"] == "llama"
+    loads = httpx.get(router.base_url + "/get_loads", headers=AUTH, timeout=10).json()["workers"]
+    assert {w["worker"] for w in loads} == {r.base_url for r in replicas}
+    assert all(w["load"] >= 0 for w in loads), loads
+
+
 def counters(replica) -> tuple[int, int]:
     """(prompt tokens seen, prompt tokens served from the radix cache) since the replica started."""
     info = httpx.get(replica.base_url + "/get_server_info", headers=AUTH, timeout=10).json()
