@@ -217,11 +217,14 @@ def tenant_chat(router, replicas, tenant: str, question: str) -> tuple[int, int,
     read from that replica's cache, the answer)."""
     before = [counters(r) for r in replicas]
     messages = [{"role": "system", "content": SYSTEM[tenant]}, {"role": "user", "content": question}]
-    text, _ = chat(router.base_url, messages)
+    out = openai_client(router.base_url).chat.completions.create(
+        model=SERVED_NAME, messages=messages, max_tokens=MAX_NEW, temperature=0
+    )
     after = [counters(r) for r in replicas]
-    served = [i for i in range(len(replicas)) if after[i][0] > before[i][0]]
-    assert len(served) == 1, (before, after)
-    return served[0], after[served[0]][1] - before[served[0]][1], text
+    # The replica whose prompt tokens grew by this prompt (robust to a probe's few tokens).
+    served = [i for i in range(len(replicas)) if after[i][0] - before[i][0] >= out.usage.prompt_tokens]
+    assert len(served) == 1, (before, after, out.usage)
+    return served[0], after[served[0]][1] - before[served[0]][1], out.choices[0].message.content
 
 
 def system_prefix_len(model_path: str, tenant: str) -> int:
