@@ -68,7 +68,7 @@ REPO = Path(__file__).resolve().parent.parent
 INF = float("inf")
 ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
-QUEUE_METRIC = "radixengine:queue_time_seconds"
+QUEUE_METRIC = "sglang:queue_time_seconds"
 COUNTERS = ("num_retracted_reqs", "num_preempted_reqs", "num_prefill_tokens", "num_cached_tokens",
             "num_generated_tokens", "num_forward_steps")  # fmt: skip
 DEFINITIONS = {
@@ -76,7 +76,7 @@ DEFINITIONS = {
     "tpot_s": "(e2e - TTFT) / (output tokens - 1), per request",
     "itl_s": "time between content chunks (several tokens in one chunk count once)",
     "queue_time_s": "scheduler queue wait (arrival to first admission into a prefill batch), from the "
-    "radixengine:queue_time_seconds histogram of /metrics diffed over the run: count and mean are exact, "
+    "sglang:queue_time_seconds histogram of /metrics diffed over the run: count and mean are exact, "
     "percentiles are interpolated inside the histogram's buckets; not exposed per request over HTTP",
     "counters": "the scheduler's cumulative counters (get_server_info) after the run minus before it",
     "accounting": "get_server_info once the server is idle: ok when available + evictable + protected "
@@ -771,7 +771,10 @@ def machine_meta(args) -> dict:
 
 
 def launch(server_flags: list[str], port: int, log_path: Path | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "radixengine.launch_server", "--port", str(port), "--log-level", "warning"]
+    cmd = [
+        sys.executable, "-m", "radixengine.launch_server", "--port", str(port), "--log-level", "warning",
+        "--enable-metrics",
+    ]  # fmt: skip
     out = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -1037,7 +1040,7 @@ def run_offline(args, cfg: dict, labels: dict, todo: list[tuple[dict, list[Reque
         return []
     from radixengine import Engine
 
-    engine_args = dataclasses.replace(cfg["engine_args"], log_level="warning")
+    engine_args = dataclasses.replace(cfg["engine_args"], log_level="warning", enable_metrics=True)
     print(f"offline Engine ({shlex.join(cfg['server_flags'])}) ...", file=sys.stderr, flush=True)
     rows = []
     with Engine(server_args=engine_args) as engine:

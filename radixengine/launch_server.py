@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from radixengine.model_executor.runtime_support import check_runtime_support
 from radixengine.server_args import ServerArgs
 
 
@@ -15,9 +16,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     try:
-        return ServerArgs.from_cli_args(args)
+        server_args = ServerArgs.from_cli_args(args)
+        check_runtime_support(server_args)  # a choice this machine cannot run: refused here, with the reason
     except ValueError as e:
         parser.error(str(e))
+    return server_args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,17 +5,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 from dataclasses import dataclass, field
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer", "triton")
 CPU_FORWARD_STREAMS = ("auto", "thread", "inline")
 SAMPLING_DEFAULTS = ("openai", "model")
+LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
 
 
 @dataclass
@@ -26,9 +28,9 @@ class ServerArgs:
     served_model_name: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # resolved in __post_init__: cuda when available, else cpu
     context_length: int | None = None
-    random_seed: int = 0
+    random_seed: int | None = None  # None: a random seed, drawn in __post_init__ (as SGLang)
     attention_backend: str = "auto"
     quantization: str = "auto"  # see _HELP
     chat_template: str | None = None  # see _HELP
@@ -39,6 +41,8 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     log_level: str = "info"
+    log_requests: bool = False
+    log_requests_level: int = 2
 
     # Memory
     max_total_tokens: int | None = None
@@ -73,13 +77,18 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 160
     trace_file: str | None = None
-    enable_metrics: bool = True
+    enable_metrics: bool = False
+    decode_log_interval: int = 40
     test_mode: bool = False  # the idle self-check raises instead of logging
     watchdog_timeout: float = 300.0
 
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = _auto_device()
+        if self.random_seed is None:
+            self.random_seed = random.randint(0, 1 << 30)
         self.validate()
 
     def validate(self) -> None:
@@ -129,6 +138,10 @@ class ServerArgs:
         if self.schedule_conservativeness <= 0:
             raise ValueError(f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}")
         _check_positive("--stream-interval", self.stream_interval)
+        _check_positive("--decode-log-interval", self.decode_log_interval)
+        _check_choice("--log-requests-level", self.log_requests_level, LOG_REQUESTS_LEVELS)
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.retract_decode_steps < 0:
             raise ValueError(f"--retract-decode-steps must be >= 0, got {self.retract_decode_steps}")
         if not 0 < self.port < 65536:
@@ -206,6 +219,7 @@ _CHOICES = {
     "cpu_forward_stream": CPU_FORWARD_STREAMS,
     "sampling_defaults": SAMPLING_DEFAULTS,
     "log_level": ("debug", "info", "warning", "error"),
+    "log_requests_level": LOG_REQUESTS_LEVELS,
 }
 
 _HELP = {
@@ -217,6 +231,109 @@ _HELP = {
         "Where the chat API's defaults for temperature, top_p, top_k, min_p and repetition_penalty come "
         "from when a request leaves them unset. model (default): the model's generation_config.json, "
         "where it sets them; openai: the OpenAI / SGLang defaults (temperature 1, top_p 1, ...)."
+    ),
+    "model_path": (
+        "A Hugging Face model folder (config.json + safetensors) or a .gguf file. Default: the bundled "
+        "SmolLM2-135M-Instruct GGUF."
+    ),
+    "tokenizer_path": "The tokenizer's folder or file. Default: --model-path.",
+    "served_model_name": (
+        "The model name /v1/models reports and the metrics' model_name label carry. Default: --model-path. "
+        "Requests may name any model (a single-model server)."
+    ),
+    "load_format": (
+        "auto: safetensors for a folder, gguf for a .gguf file; dummy: random weights of the config's "
+        "shapes (benchmarks)."
+    ),
+    "dtype": (
+        "dtype of the weights and activations. auto: bfloat16 on CUDA and on a CPU that multiplies bf16 "
+        "natively, else float32."
+    ),
+    "device": (
+        "Where the model runs. auto (default): cuda when torch.cuda.is_available(), else cpu. A device "
+        "this machine does not have is refused at start."
+    ),
+    "context_length": "Maximum tokens of one request (prompt + output). Default: the model config's.",
+    "random_seed": (
+        "Seed of Python's random, NumPy and torch (CPU and CUDA) in the engine's processes, as SGLang: "
+        "it fixes the draws of unseeded sampling. Default: a random seed chosen at start (shown by "
+        "/get_server_info)."
+    ),
+    "attention_backend": (
+        "auto: flashinfer, else triton on CUDA; native_cpu (the built C++ kernels), else torch_native on a "
+        "CPU. A backend that is not installed or cannot run on --device is refused at start with the reason."
+    ),
+    "host": "Address the HTTP server listens on.",
+    "port": "Port the HTTP server listens on.",
+    "api_key": (
+        "Require `Authorization: Bearer KEY` on every route but /health and /metrics (as SGLang). "
+        "Default: no key."
+    ),
+    "log_level": "Logging level of the server and its processes.",
+    "log_requests": (
+        "Log every request when it arrives (`Receive: obj=...`) and when it finishes (`Finish: obj=..., "
+        "out=...`: input, output and meta_info), at info level; how much is set by --log-requests-level."
+    ),
+    "log_requests_level": (
+        "0: metadata only (no text, ids or sampling parameters); 1: metadata and sampling parameters; 2 "
+        "(default): also the input and output, strings and lists cut to 2048; 3: everything, uncut."
+    ),
+    "max_total_tokens": "Size of the KV cache pool in tokens. Default: from the memory available.",
+    "mem_fraction_static": "CUDA: fraction of the GPU memory for the weights and the KV pool.",
+    "page_size": "Tokens per KV cache page (the radix cache matches whole pages).",
+    "max_running_requests": "Most requests in the running batch. Default: from the pool size.",
+    "max_queued_requests": "Most requests waiting; a request past it gets 503. Default: no limit.",
+    "max_prefill_tokens": "Most prompt tokens one prefill batch computes.",
+    "chunked_prefill_size": (
+        "Prefill a long prompt in chunks of this many tokens. Default: 8192 on CUDA, 2048 on a CPU; -1: no "
+        "chunking."
+    ),
+    "disable_radix_cache": "Do not reuse the KV of shared prompt prefixes (no radix cache).",
+    "schedule_policy": (
+        "Order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), dfs-weight, lof "
+        "(longest output first), random."
+    ),
+    "schedule_conservativeness": (
+        "Scales how many future tokens the scheduler reserves for running requests: > 1 admits fewer new "
+        "requests (fewer retractions), < 1 more."
+    ),
+    "lpm_fallback_queue_len": "lpm / dfs-weight fall back to fcfs when the queue is longer than this.",
+    "disable_in_batch_prefix_caching": (
+        "Admit requests that share a prefix with one being prefilled in the same round (each computes it) "
+        "instead of holding them one round to hit the cache."
+    ),
+    "enable_priority_scheduling": "Order and preempt by the request's `priority`.",
+    "schedule_low_priority_values_first": "With priority scheduling: a lower value is more important.",
+    "priority_scheduling_preemption_threshold": (
+        "A waiting request preempts a running one only when its priority is better by more than this."
+    ),
+    "init_new_token_ratio": (
+        "Initial fraction of each running request's remaining max_new_tokens reserved when admitting."
+    ),
+    "min_new_token_ratio_factor": "The reserved fraction decays to init ratio x this factor.",
+    "new_token_ratio_decay_steps": "Decode steps over which the reserved fraction decays to its minimum.",
+    "retract_decode_steps": "Decode steps of room a retraction frees for each remaining request.",
+    "disable_overlap_schedule": (
+        "Run schedule, forward and result processing in order, instead of processing batch N-1 while "
+        "batch N computes."
+    ),
+    "num_threads": "CPU: intra-op threads of the forward. Default: all cores.",
+    "disable_cuda_graph": "CUDA: run decode without CUDA graphs.",
+    "cuda_graph_max_bs": "CUDA: largest decode batch captured in a CUDA graph.",
+    "trace_file": "Write a Chrome trace (chrome://tracing) of the scheduler's phases to this file.",
+    "enable_metrics": (
+        "Serve Prometheus metrics on /metrics, with SGLang's names and labels (sglang:num_running_reqs, "
+        "sglang:gen_throughput, sglang:time_to_first_token_seconds, ...), so SGLang's Grafana dashboard "
+        "reads them. Off by default, as in SGLang: /metrics then answers 404."
+    ),
+    "decode_log_interval": (
+        "Log a `Decode batch, #running-req: ..., gen throughput (token/s): ...` line every N decode "
+        "steps (SGLang's default 40); a `Prefill batch, ...` line is logged for every prefill batch."
+    ),
+    "test_mode": "Tests: the idle token-accounting check raises instead of logging.",
+    "watchdog_timeout": (
+        "Seconds one scheduler step (a forward batch) may take. Past it the scheduler process logs the "
+        "timeout and exits, the pending requests fail with that message and the server exits (as SGLang)."
     ),
     "stream_interval": (
         "Stream a request's tokens every N tokens (the first one at once, and the rest when it "
@@ -248,6 +365,12 @@ _HELP = {
 }
 
 
+def _auto_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _cli_type(annotation: str):
     text = str(annotation)
     if "int" in text:
@@ -259,7 +382,7 @@ def _cli_type(annotation: str):
 
 def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+        raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
 def _check_positive(flag: str, value: int | None, optional: bool = False) -> None:

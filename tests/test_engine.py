@@ -169,6 +169,29 @@ def test_n_choices_and_logprobs(engine, oracle):
     assert len(lps) == MAX_NEW and all(lp <= 0 for lp in lps)
 
 
+def test_penalties_and_logit_bias(engine, hf_model, oracle):
+    """Through the Engine, greedy tokens equal a transformers loop that applies them by hand; an
+    out-of-range value is refused naming the field."""
+    from test_penalties import penalised_greedy
+
+    ids = oracle.encode(PROMPTS[1])
+    plain = oracle([ids])[0]
+    params = dict(
+        frequency_penalty=1.2, presence_penalty=-0.3, repetition_penalty=1.5, logit_bias={str(plain[1]): -100}
+    )
+    expected = penalised_greedy(hf_model, ids, MAX_NEW, **params)
+    assert expected != plain
+    outs = engine.generate(input_ids=[ids, ids], sampling_params=[{**GREEDY, **params}, GREEDY])
+    assert [o["output_ids"] for o in outs] == [expected, plain]
+    for bad, field in (
+        ({"presence_penalty": 2.1}, "presence_penalty"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias"),
+    ):
+        with pytest.raises(RequestError, match=field) as e:
+            engine.generate(input_ids=ids, sampling_params={**GREEDY, **bad})
+        assert e.value.status_code == 400 and e.value.param == field
+
+
 def test_bad_request_fails_alone(engine, oracle):
     expected = oracle([oracle.encode(PROMPTS[0])])[0]
     with pytest.raises(RequestError, match="temperature"):

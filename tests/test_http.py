@@ -17,7 +17,6 @@ import openai
 import psutil
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from test_engine_utils import (
     build_tiny_model,
     hf_greedy,
@@ -405,9 +404,20 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "temperature": -0.5}, "temperature"),
     (
         "/v1/chat/completions",
-        {"model": "MODEL", "messages": MESSAGES, "frequency_penalty": 0.5},
+        {"model": "MODEL", "messages": MESSAGES, "frequency_penalty": 2.5},
         "frequency_penalty",
     ),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "presence_penalty": -3}, "presence_penalty"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "logit_bias": {"x": 1}}, "logit_bias"),
+    (
+        "/v1/chat/completions",
+        {"model": "MODEL", "messages": MESSAGES, "logit_bias": {"5": 150}},
+        "logit_bias",
+    ),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"99999": 1}}}, "logit_bias"),
+    ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": 2.5}}, "repetition_penalty"),
     (
         "/v1/chat/completions",
         {"model": "MODEL", "messages": MESSAGES, "return_hidden_states": True},
@@ -459,6 +469,39 @@ def test_bad_input_gets_400_naming_the_field(server, model_name, route, body, pa
     assert err["param"] == param and err["message"] and err["code"] == 400 and err["type"]
 
 
+def test_penalties_and_logit_bias(server, client, model_name, model_path, oracle):
+    """The OpenAI routes and /generate take the penalties and logit_bias: greedy tokens equal a
+    transformers loop that applies them by hand."""
+    from test_penalties import penalised_greedy
+
+    hf = load_hf_model(model_path, dtype=torch.float32)
+    tok = oracle.tok
+    ids = oracle.chat_ids(MESSAGES)
+    plain, _ = oracle(ids)
+    openai_params = dict(frequency_penalty=0.8, presence_penalty=0.4, logit_bias={str(plain[0]): -100.0})
+    params = dict(openai_params, repetition_penalty=1.4)
+    expected = penalised_greedy(hf, ids, MAX_NEW, **params)
+    assert expected != plain
+    text = tok.decode(expected, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    extra = {"repetition_penalty": 1.4, "ignore_eos": True}
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=MAX_NEW,
+        temperature=0,
+        extra_body=extra,
+        **openai_params,
+    )
+    assert r.choices[0].message.content == text
+    r = client.completions.create(
+        model=model_name, prompt=ids, max_tokens=MAX_NEW, temperature=0, extra_body=extra, **openai_params
+    )
+    assert r.choices[0].text == text
+    sampling = dict(params, max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    r = post(server, "/generate", {"input_ids": ids, "sampling_params": sampling})
+    assert r.status_code == 200 and r.json()["output_ids"] == expected
+
+
 def test_unknown_route_and_the_server_still_answers(server, client, model_name):
     r = get(server, "/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
@@ -467,34 +510,14 @@ def test_unknown_route_and_the_server_still_answers(server, client, model_name):
     assert_idle_accounting(server)
 
 
-def _metrics(server) -> dict[str, float]:
-    text = get(server, "/metrics").text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
-def test_metrics_parse_and_move(server, client, model_name):
-    before = _metrics(server)
-    client.chat.completions.create(
-        model=model_name, messages=MESSAGES, max_tokens=5, extra_body={"ignore_eos": True}, stream=False
-    )
-    after = _metrics(server)
-    p = "radixengine:"
-    assert after[p + "generation_tokens_total"] - before.get(p + "generation_tokens_total", 0) == 5
-    assert after[p + "num_requests_total"] == before.get(p + "num_requests_total", 0) + 1
-    assert after[p + "prompt_tokens_total"] > before.get(p + "prompt_tokens_total", 0)
-    assert after[p + "time_to_first_token_seconds_count"] > before.get(
-        p + "time_to_first_token_seconds_count", 0
-    )
-    assert after[p + "e2e_request_latency_seconds_count"] > before.get(
-        p + "e2e_request_latency_seconds_count", 0
-    )
-    for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "num_retracted_reqs_total",
-                 "num_preempted_reqs_total", "inter_token_latency_seconds_count"):  # fmt: skip
-        assert p + name in after, name
+def test_metrics_off_by_default_and_device_auto(server):
+    """As SGLang: no --enable-metrics, no /metrics (a 404 that says why; the metrics themselves are
+    checked in test_observability.py). No --device: auto."""
+    r = get(server, "/metrics")
+    assert r.status_code == 404 and "--enable-metrics" in r.json()["error"]["message"]
+    info = get(server, "/get_server_info").json()
+    assert info["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert isinstance(info["random_seed"], int)
 
 
 def test_server_info_models_and_flush(server, model_name):

@@ -260,7 +260,7 @@ def test_generate_nulls_are_unset(server):
     )
     body = {"text": "hello", "input_ids": None, "rid": None, "stream": None, "priority": None,
             "return_logprob": None, "top_logprobs_num": None, "logprob_start_len": None,
-            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}  # fmt: skip
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "top_p": None, "n": None, "stop": None}}  # fmt: skip
     r = post(server, "/generate", body)
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == plain.json()["output_ids"]

@@ -54,6 +54,8 @@ def test_cli_round_trip():
             "16",
             "--max-total-tokens",
             "4096",
+            "--device",
+            "cpu",
         ]
     )
     args = ServerArgs.from_cli_args(ns)

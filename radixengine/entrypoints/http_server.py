@@ -40,9 +40,6 @@ logger = logging.getLogger(__name__)
 READY_MESSAGE = "The server is fired up and ready to roll! Ready on http://{host}:{port}"
 
 
-# Errors ---------------------------------------------------------------------------------------
-
-
 # Running requests -----------------------------------------------------------------------------
 
 

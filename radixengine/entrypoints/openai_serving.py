@@ -24,12 +24,6 @@ MAX_LOGPROBS = 20
 
 def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Parameters we do not implement are refused unless they have their default value."""
-    defaults = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
-    for name, default in defaults.items():
-        if getattr(req, name) != default:
-            raise RequestError(f"{name} is not supported (only {default})", param=name)
-    if req.logit_bias:
-        raise RequestError("logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1):
             raise RequestError("best_of is not supported (only 1)", param="best_of")
@@ -69,6 +63,9 @@ def sampling_params_of(
         "no_stop_trim": req.no_stop_trim,
         "sampling_seed": req.seed,
     }
+    for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"):
+        if getattr(req, name, None) is not None:
+            params[name] = getattr(req, name)
     return params
 
 

@@ -40,7 +40,7 @@ class Sampler(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(next token ids, their logprobs or None, the rows with nothing to sample or None).
         A row whose logits are all NaN or -inf still gets a valid id (its result is void)."""
-        logits = sampling_info.apply_min_new_tokens(logits.float())
+        logits = sampling_info.apply_min_new_tokens(apply_penalties(logits.float(), sampling_info))
         invalid_rows = None
         if self.check_finite:
             logits, invalid_rows = sanitize_logits(logits)
@@ -61,6 +61,24 @@ class Sampler(nn.Module):
         if info.has_greedy:
             next_ids = torch.where(info.top_ks == 1, torch.argmax(logits, dim=-1), next_ids)
         return next_ids, _chosen_logprobs(scaled, next_ids) if return_logprob else None
+
+
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """SGLang's penalties on each row's output token counts, then logit_bias (out of place; the
+    logits themselves when no row has either): logits - frequency_penalty * count -
+    presence_penalty * (count > 0); then, for tokens with count > 0, a negative logit is multiplied
+    by repetition_penalty and any other divided by it; then logit_bias is added."""
+    if info.need_penalties:
+        counts = info.load_output_token_counts()
+        present = counts > 0
+        logits = logits - info.frequency_penalties * counts - info.presence_penalties * present
+        if info.repetition_penalties is not None:
+            scale = torch.where(present, info.repetition_penalties, 1.0)
+            logits = torch.where(logits < 0, logits * scale, logits / scale)
+    if info.logit_bias_rows is not None:
+        index = (info.logit_bias_rows, info.logit_bias_ids)
+        logits = logits.index_put(index, info.logit_bias_values, accumulate=True)
+    return logits
 
 
 def sanitize_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,37 +1,92 @@
-"""Prometheus metrics: request-level ones measured by the tokenizer manager, and the scheduler's
-live state (running / queued requests, token usage, cache hit rate, retractions, preemptions),
-read from `get_internal_state()` when /metrics is scraped. Each engine has its own registry."""
+"""Prometheus metrics with SGLang's names, types, labels and buckets (its
+`observability/metrics_collector.py`), so dashboards written for SGLang read them unchanged.
+
+Request-level ones are measured by the tokenizer manager (labels `model_name`, `engine_type`, as
+SGLang's TokenizerMetricsCollector); the scheduler's live state (running / queued requests, token
+usage, cache hit rate, gen throughput, ...) is read from `get_internal_state()` when /metrics is
+scraped and carries the scheduler's labels (`model_name`, `engine_type`, `tp_rank`, `pp_rank`,
+`moe_ep_rank`). Each engine has its own registry."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-PREFIX = "radixengine:"
-_LATENCY_BUCKETS = (
-    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+PREFIX = "sglang:"
+ENGINE_TYPE = "unified"  # SGLang's label for a server that is neither a PD prefill nor decode node
+
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+E2E_BUCKETS = (*TTFT_BUCKETS, 600, 1200, 1800, 2400)
+ITL_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
+    0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0,
+)  # fmt: skip
+QUEUE_TIME_BUCKETS = (
+    0.0, 0.001, 0.005, 0.010, 0.050, 0.100, 0.200, 0.500, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60,
+    70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800, 2000,
+    2500, 3000,
+)  # fmt: skip
+TOKENS_BUCKETS = (
+    100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 12500,
+    15000, 17500, 20000, 22500, 25000, 27500, 30000, 35000, 40000, 60000, 80000, 100000, 200000,
+    300000, 400000, 600000, 800000, 1000000, 1100000,
 )  # fmt: skip
 
 
-class SchedulerStatsCollector:
-    """Exposes the last scheduler state snapshot (set by `update`) as gauges and counters."""
+def tokenizer_labels(model_name: str) -> dict[str, str]:
+    return {"model_name": model_name, "engine_type": ENGINE_TYPE}
 
-    GAUGES = {
-        "num_running_reqs": "Requests in the running batch",
-        "num_queue_reqs": "Requests waiting in the queue",
-        "token_usage": "Fraction of the KV pool in use by running requests",
-        "cache_hit_rate": "Cached prompt tokens / prompt tokens, since start",
-        "max_total_tokens": "KV pool size in tokens",
-        "available_tokens": "Free KV slots",
-        "evictable_tokens": "KV slots held by the radix cache, evictable",
-        "protected_tokens": "KV slots held by the radix cache, locked by running requests",
+
+def scheduler_labels(model_name: str) -> dict[str, str]:
+    return {**tokenizer_labels(model_name), "tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
+
+
+class SchedulerStatsCollector:
+    """Exposes the last scheduler state snapshot (set by `update`) as SGLang's scheduler gauges
+    and counters. `sglang:kv_protected_tokens` and `sglang:num_preempted_requests_total` are ours
+    (SGLang has no such series)."""
+
+    GAUGES = {  # metric name: (state key, help)
+        "num_running_reqs": ("num_running_reqs", "The number of running requests."),
+        "num_queue_reqs": ("num_queue_reqs", "The number of requests in the waiting queue."),
+        "gen_throughput": (
+            "gen_throughput",
+            "The generation throughput (token/s), over the last --decode-log-interval decode steps; 0 idle.",
+        ),
+        "cache_hit_rate": (
+            "cache_hit_rate",
+            "The prefix cache hit rate: cached / (cached + computed) prompt tokens, since start.",
+        ),
+        "token_usage": (
+            "token_usage",
+            "The token usage: KV slots in use (not free or evictable) / pool size.",
+        ),
+        "num_used_tokens": ("num_used_tokens", "The number of used tokens."),
+        "kv_used_tokens": ("num_used_tokens", "Number of actively used token slots in the KV cache pool."),
+        "kv_available_tokens": ("available_tokens", "Number of free token slots in the KV cache pool."),
+        "kv_evictable_tokens": (
+            "evictable_tokens",
+            "Number of evictable (radix-cached) token slots in the KV cache pool.",
+        ),
+        "kv_protected_tokens": (
+            "protected_tokens",
+            "Radix-cached token slots locked by running requests (not evictable).",
+        ),
+        "new_token_ratio": ("new_token_ratio", "The new token ratio of the scheduler's admission estimate."),
+        "max_total_num_tokens": ("max_total_tokens", "Maximum total number of tokens in the KV cache pool."),
     }
     COUNTERS = {
-        "num_retracted_reqs": "Requests retracted because decode ran out of KV memory",
-        "num_preempted_reqs": "Requests preempted by higher-priority ones",
-        "num_prefill_tokens": "Prompt tokens computed by prefill",
-        "num_cached_tokens": "Prompt tokens served from the radix cache",
+        "num_retracted_requests_total": (
+            "num_retracted_reqs",
+            "Requests retracted because decode ran out of KV memory.",
+        ),
+        "num_preempted_requests_total": ("num_preempted_reqs", "Requests preempted by higher-priority ones."),
+    }
+    # sglang:realtime_tokens_total{mode}: state key per mode.
+    REALTIME_TOKENS = {
+        "prefill_compute": "num_prefill_tokens",
+        "prefill_cache": "num_cached_tokens",
+        "decode": "num_generated_tokens",
     }
 
     def __init__(self, labels: dict[str, str]) -> None:
@@ -44,86 +99,91 @@ class SchedulerStatsCollector:
     def collect(self):
         names, values = list(self.labels), list(self.labels.values())
         state = _with_derived(self.state)
-        for key, doc in self.GAUGES.items():
+        for name, (key, doc) in self.GAUGES.items():
             if key in state:
-                g = GaugeMetricFamily(PREFIX + key, doc, labels=names)
+                g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
                 g.add_metric(values, float(state[key]))
                 yield g
-        for key, doc in self.COUNTERS.items():
+        for name, (key, doc) in self.COUNTERS.items():
             if key in state:
-                c = CounterMetricFamily(PREFIX + key, doc, labels=names)
+                c = CounterMetricFamily(PREFIX + name, doc, labels=names)
                 c.add_metric(values, float(state[key]))
                 yield c
+        if all(key in state for key in self.REALTIME_TOKENS.values()):
+            c = CounterMetricFamily(
+                PREFIX + "realtime_tokens_total",
+                "Total number of tokens processed. mode: prefill_compute, prefill_cache, decode.",
+                labels=[*names, "mode"],
+            )
+            for mode, key in self.REALTIME_TOKENS.items():
+                c.add_metric([*values, mode], float(state[key]))
+            yield c
 
 
 def _with_derived(state: dict) -> dict:
     state = dict(state)
     total = state.get("max_total_tokens")
-    if "token_usage" not in state and total:
-        used = total - state.get("available_tokens", total) - state.get("evictable_tokens", 0)
-        state["token_usage"] = max(used, 0) / total
-    if "cache_hit_rate" not in state and "num_cached_tokens" in state:
-        computed = state.get("num_prefill_tokens", 0)
-        cached = state["num_cached_tokens"]
-        state["cache_hit_rate"] = cached / (cached + computed) if cached + computed else 0.0
-    for key in ("num_running_reqs", "num_queue_reqs"):
-        alt = {"num_running_reqs": "num_running", "num_queue_reqs": "num_waiting"}[key]
-        if key not in state and alt in state:
-            state[key] = state[alt]
+    if total and "available_tokens" in state:
+        used = total - state["available_tokens"] - state.get("evictable_tokens", 0)
+        state.setdefault("num_used_tokens", max(used, 0))
+        state.setdefault("token_usage", max(used, 0) / total)
     return state
 
 
 class TokenizerMetricsCollector:
     def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
-        self.labels = labels
-        names = list(labels)
-        r = self.registry
+        self.registry = r = CollectorRegistry()
+        self.labels = tokenizer_labels(model_name)
+        self.scheduler_labels = scheduler_labels(model_name)
+        names = list(self.labels)
         self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished requests", names, registry=r
+            PREFIX + "prompt_tokens_total", "Number of prefill tokens processed.", names, registry=r
         )
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", names, registry=r)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens_total", "Number of generation tokens processed.", names, registry=r
+        )
         self.cached_tokens = Counter(
-            PREFIX + "cached_tokens", "Prompt tokens served from cache", names, registry=r
+            PREFIX + "cached_tokens_total",
+            "Number of cached prompt tokens by source (device/host/storage).",
+            [*names, "cache_source"],
+            registry=r,
         )
-        self.num_requests = Counter(PREFIX + "num_requests", "Finished requests", names, registry=r)
+        self.num_requests = Counter(
+            PREFIX + "num_requests_total", "Number of requests processed.", names, registry=r
+        )
         self.num_aborted = Counter(
-            PREFIX + "num_aborted_requests", "Aborted or rejected requests", names, registry=r
+            PREFIX + "num_aborted_requests_total", "Number of requests aborted.", names, registry=r
         )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time to first token",
-            names,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.prompt_tokens_histogram = self._histogram(
+            "prompt_tokens_histogram", "Histogram of prompt token length.", TOKENS_BUCKETS
         )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between tokens",
-            names,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.generation_tokens_histogram = self._histogram(
+            "generation_tokens_histogram", "Histogram of generation token length.", TOKENS_BUCKETS
         )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "End-to-end latency",
-            names,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", E2E_BUCKETS
         )
         self.queue_time = Histogram(
             PREFIX + "queue_time_seconds",
-            "Time a request waited in the scheduler's queue, by priority",
-            names + ["priority"],
-            buckets=_LATENCY_BUCKETS,
+            "Histogram of queueing time in seconds.",
+            list(self.scheduler_labels),
+            buckets=QUEUE_TIME_BUCKETS,
             registry=r,
         )
-        self.scheduler = SchedulerStatsCollector(labels)
+        self.scheduler = SchedulerStatsCollector(self.scheduler_labels)
         r.register(self.scheduler)
 
+    def _histogram(self, name: str, doc: str, buckets: tuple) -> Histogram:
+        return Histogram(PREFIX + name, doc, list(self.labels), buckets=buckets, registry=self.registry)
+
     def observe_tokens(self, state, num_new: int, now: float) -> None:
-        self.generation_tokens.labels(**self.labels).inc(num_new)
+        """Time to first token, and the gap per token since the previous output (ITL)."""
         if state.first_token_time is None:
             self.ttft.labels(**self.labels).observe(now - state.created_time)
             num_new -= 1
@@ -133,20 +193,23 @@ class TokenizerMetricsCollector:
             for _ in range(num_new):
                 hist.observe(per_token)
 
-    def observe_finished(
-        self, meta: dict, first_token_time: float | None, created: float, now: float
-    ) -> None:
+    def observe_finished(self, meta: dict, created: float, now: float) -> None:
         reason = meta.get("finish_reason") or {}
         if reason.get("type") == "abort":
             self.num_aborted.labels(**self.labels).inc()
             return
+        prompt, generated, cached = meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]
         self.num_requests.labels(**self.labels).inc()
-        self.prompt_tokens.labels(**self.labels).inc(meta["prompt_tokens"])
-        self.cached_tokens.labels(**self.labels).inc(meta["cached_tokens"])
+        self.prompt_tokens.labels(**self.labels).inc(prompt)
+        self.generation_tokens.labels(**self.labels).inc(generated)
+        if cached > 0:
+            self.cached_tokens.labels(**self.labels, cache_source="device").inc(cached)
+        self.prompt_tokens_histogram.labels(**self.labels).observe(prompt)
+        self.generation_tokens_histogram.labels(**self.labels).observe(generated)
         self.e2e.labels(**self.labels).observe(now - created)
 
-    def observe_queue_time(self, priority: int | None, seconds: float) -> None:
-        self.queue_time.labels(**self.labels, priority=str(priority)).observe(seconds)
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_time.labels(**self.scheduler_labels).observe(seconds)
 
     def render(self, scheduler_state: dict | None) -> bytes:
         if scheduler_state is not None:

@@ -29,6 +29,7 @@ from radixengine.managers.io_struct import (
     finish_matched_token,
 )
 from radixengine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
+from radixengine.sampling.output_token_counts import OutputTokenCounts
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
 from radixengine.sampling.sampling_params import SamplingParams
 
@@ -232,6 +233,8 @@ class ScheduleBatch:
     return_logprob: bool = False
     # MIXED only: how many of the requests (the last ones) run their decode step in this batch.
     num_decoding_reqs: int = 0
+    # The requests' output token counts (as of the tokens in output_ids), when one has a penalty.
+    output_token_counts: OutputTokenCounts | None = None
     _sampling_base: SamplingBatchInfo | None = field(default=None, repr=False)
 
     @classmethod
@@ -336,6 +339,11 @@ class ScheduleBatch:
         self.origin_lens_cpu = _int64([len(r.origin_input_ids) for r in reqs])
         self.out_cache_loc = out_cache_loc
         self.output_ids = None
+        self.output_token_counts = None
+        if any(r.sampling_params.has_penalties for r in reqs):
+            self.output_token_counts = OutputTokenCounts.from_output_ids(
+                [r.output_ids for r in reqs], self.vocab_size, self.device
+            )
         self._sampling_base = None
 
     # Decode ------------------------------------------------------------------------------------
@@ -425,6 +433,11 @@ class ScheduleBatch:
         self.origin_lens_cpu = self.origin_lens_cpu[idx_cpu]
         if self.output_ids is not None:
             self.output_ids = self.output_ids[idx]
+        if self.output_token_counts is not None:
+            penalised = any(r.sampling_params.has_penalties for r in self.reqs)
+            self.output_token_counts = (
+                self.output_token_counts.filter(keep_indices, self.device) if penalised else None
+            )
         self.return_logprob = any(r.return_logprob for r in self.reqs)
         self._sampling_base = None
 
@@ -439,9 +452,20 @@ class ScheduleBatch:
             self.output_ids = other.output_ids
         else:
             self.output_ids = torch.cat([self.output_ids, other.output_ids])
+        self.output_token_counts = self._merged_counts(other)
         self.reqs = self.reqs + other.reqs
         self.return_logprob = self.return_logprob or other.return_logprob
         self._sampling_base = None
+
+    def _merged_counts(self, other: ScheduleBatch) -> OutputTokenCounts | None:
+        mine, theirs = self.output_token_counts, other.output_token_counts
+        if not self.reqs:
+            return theirs
+        if mine is None and theirs is None:
+            return None
+        vocab = (mine or theirs).vocab_size
+        mine = mine or OutputTokenCounts.zeros(len(self.reqs), vocab)  # unpenalised: counts unused
+        return mine.merge(theirs or OutputTokenCounts.zeros(len(other.reqs), vocab))
 
     # Retraction --------------------------------------------------------------------------------
 
@@ -501,8 +525,17 @@ class ScheduleBatch:
                 self.vocab_size,
                 self.eos_token_ids,
             )
-            return self._sampling_base
-        return dataclasses.replace(self._sampling_base, steps=steps.to(self.device))
+            info = self._sampling_base
+        else:
+            info = dataclasses.replace(self._sampling_base, steps=steps.to(self.device))
+        if self.output_token_counts is None:
+            return info
+        # This step gathers the counts into `out` and adds its sampled tokens to it there: `out`
+        # is where the next step of these requests starts from.
+        counts = self.output_token_counts
+        out = torch.empty((counts.size, counts.vocab_size), dtype=torch.float32, device=self.device)
+        self.output_token_counts = OutputTokenCounts.of(out)
+        return dataclasses.replace(info, output_token_counts=counts, output_token_counts_out=out)
 
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         is_extend = self.forward_mode.is_extend()

@@ -117,6 +117,11 @@ class Scheduler:
         self._deferred_requests: list[object] = []
         self._shutdown = False
         self.timer = StepTimer(trace=args.trace_file is not None)
+        self.step_ct = 0  # event-loop steps run (the watchdog's progress counter)
+        self.forward_ct_decode = 0
+        self.last_prefill_stats_tic = self.last_decode_stats_tic = time.perf_counter()
+        self.generated_at_last_decode_log = 0
+        self.last_gen_throughput = 0.0
         self._trace_written_at = time.perf_counter()
         # Launched batches whose results are not processed yet (at most two, under overlap).
         self.result_queue: deque[tuple[ScheduleBatch, Any]] = deque()
@@ -219,7 +224,7 @@ class Scheduler:
 
     def _validate_request(self, req: Req) -> str | None:
         try:
-            req.sampling_params.verify()
+            req.sampling_params.verify(self.vocab_size)
         except ValueError as e:
             return f"Invalid sampling parameters: {e}"
         ids = req.origin_input_ids
@@ -391,6 +396,7 @@ class Scheduler:
         if self.chunked_req is not None:
             self.chunked_req.is_chunked += 1
 
+        self.log_prefill_stats(adder, len(running.reqs))
         batch = self._new_batch(can_run)
         cached_before = sum(r.cached_tokens for r in can_run)
         batch.prepare_for_extend()
@@ -399,6 +405,81 @@ class Scheduler:
         if self.enable_mixed_chunk:
             self._mix_running_into(batch)
         return batch
+
+    # Log lines (SGLang's wording and fields) ----------------------------------------------------
+
+    def _token_usage(self) -> tuple[int, float]:
+        """KV slots in use (neither free nor evictable cache) and their share of the pool."""
+        free = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        used = self.max_total_num_tokens - free
+        return used, used / self.max_total_num_tokens
+
+    def _graph_label(self, batch: ScheduleBatch | None) -> str:
+        """SGLang's `cuda graph: <bool>` field: whether the model runner replays a graph for it."""
+        runner = getattr(self.tp_worker, "model_runner", None)
+        graph = getattr(runner, "cuda_graph_runner", None)
+        can_run = (
+            graph is not None
+            and batch is not None
+            and batch.forward_mode.is_decode()
+            and 0 < batch.batch_size() <= graph.max_bs
+        )
+        return f"{'cpu' if self.device.type == 'cpu' else 'cuda'} graph: {can_run}"
+
+    def log_prefill_stats(self, adder: PrefillAdder, running_bs: int) -> None:
+        """Every prefill batch; its input throughput is its new tokens over the time since the
+        previous prefill batch."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        now = time.perf_counter()
+        gap, self.last_prefill_stats_tic = now - self.last_prefill_stats_tic, now
+        _, usage = self._token_usage()
+        logger.info(
+            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d, #pending-token: %d, %s, input throughput (token/s): %.2f",
+            len(adder.can_run_list),
+            adder.log_input_tokens,
+            adder.log_hit_tokens,
+            usage,
+            running_bs,
+            len(self.waiting_queue),
+            sum(len(r.origin_input_ids) + len(r.output_ids) for r in self.waiting_queue),
+            self._graph_label(None),
+            adder.log_input_tokens / gap if gap > 0 else 0.0,
+        )
+
+    def log_decode_stats(self, batch: ScheduleBatch) -> None:
+        """Every `--decode-log-interval` decode steps: the line, and `gen_throughput` (the tokens
+        sampled since the previous line over the time since it)."""
+        self.forward_ct_decode += 1
+        if self.forward_ct_decode % self.server_args.decode_log_interval:
+            return
+        now = time.perf_counter()
+        generated = self.stats.num_generated_tokens - self.generated_at_last_decode_log
+        gap = now - self.last_decode_stats_tic
+        self.last_gen_throughput = generated / gap if gap > 0 else 0.0
+        self.last_decode_stats_tic, self.generated_at_last_decode_log = now, self.stats.num_generated_tokens
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        used, usage = self._token_usage()
+        logger.info(
+            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %s, "
+            "gen throughput (token/s): %.2f, #queue-req: %d",
+            batch.batch_size(),
+            used,
+            usage,
+            self._graph_label(batch),
+            self.last_gen_throughput,
+            len(self.waiting_queue),
+        )
+
+    def _reset_decode_stats(self) -> None:
+        """Idle: nothing is generated (SGLang reports gen_throughput 0), and the next interval
+        starts when work does."""
+        self.last_gen_throughput = 0.0
+        self.forward_ct_decode = 0
+        self.last_decode_stats_tic = time.perf_counter()
+        self.generated_at_last_decode_log = self.stats.num_generated_tokens
 
     def _mix_running_into(self, batch: ScheduleBatch) -> None:
         """Mixed chunked prefill: the running requests take their decode step inside this prefill
@@ -611,6 +692,7 @@ class Scheduler:
             self._pending_outputs.append(req)
         self._free_stale_slots(batch, stale)
         allocator.free_group_end()
+        self.log_decode_stats(batch)
 
     def _free_stale_slots(self, batch: ScheduleBatch, stale: list[int]) -> None:
         """Free the one slot this batch allocated for each request that was already released:
@@ -743,6 +825,7 @@ class Scheduler:
             "token_usage": 1.0 - (available + evictable) / self.max_total_num_tokens,
             "cache_hit_rate": s.cache_hit_rate,
             "new_token_ratio": self.new_token_ratio,
+            "gen_throughput": self.last_gen_throughput,
         }
 
     def is_idle(self) -> bool:
@@ -762,6 +845,7 @@ class Scheduler:
                 raise
             logger.error("%s", e)
         self.new_token_ratio = self.init_new_token_ratio
+        self._reset_decode_stats()
 
     # Loops -------------------------------------------------------------------------------------
 
@@ -811,6 +895,7 @@ class Scheduler:
                 self.io.send(GetInternalStateReqOutput(state=self.get_internal_state()))
 
     def _end_step(self) -> None:
+        self.step_ct += 1
         self.stream_output()
         self._answer_deferred_requests()
         self.timer.end_step()

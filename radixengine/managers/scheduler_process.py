@@ -11,6 +11,8 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
+import time
 
 import zmq
 
@@ -19,6 +21,7 @@ from radixengine.managers.io_struct import BatchTokenIDOut
 logger = logging.getLogger(__name__)
 
 RECV_BLOCK_MS = 50
+WATCHDOG_EXIT_CODE = 3  # the tokenizer manager names the watchdog when the scheduler exits with it
 
 
 class ZmqSchedulerIO:
@@ -66,6 +69,41 @@ def build_scheduler(server_args, io: ZmqSchedulerIO):
     return scheduler
 
 
+class SchedulerWatchdog:
+    """SGLang's watchdog: a daemon thread that ends the scheduler process when one step of its
+    event loop (a forward batch, with its result) has run longer than `--watchdog-timeout`. The
+    loop never waits longer than `RECV_BLOCK_MS` when idle, so a step counter that stops moving
+    means a step that hangs. It exits with `WATCHDOG_EXIT_CODE`: the tokenizer manager then fails
+    every pending request with a message naming the timeout (and the server exits)."""
+
+    def __init__(self, scheduler, timeout: float) -> None:
+        self.scheduler = scheduler
+        self.timeout = timeout
+        self.thread = threading.Thread(target=self._run, name="scheduler-watchdog", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        last_ct, last_time = self.scheduler.step_ct, time.monotonic()
+        while True:
+            time.sleep(min(self.timeout / 2, 5.0))
+            ct, now = self.scheduler.step_ct, time.monotonic()
+            if ct != last_ct:
+                last_ct, last_time = ct, now
+            elif now - last_time > self.timeout:
+                self._fire(now - last_time)
+
+    def _fire(self, stalled_s: float) -> None:
+        batch = self.scheduler.cur_batch
+        size = f" of {batch.batch_size()} requests" if batch is not None else ""
+        message = (
+            f"Scheduler watchdog timeout (--watchdog-timeout {self.timeout:g} s): a forward batch{size} "
+            f"ran for {stalled_s:.0f} s without finishing; the scheduler process exits"
+        )
+        logger.error(message)
+        logging.shutdown()  # flush the handlers: os._exit skips it
+        os._exit(WATCHDOG_EXIT_CODE)  # the main thread is stuck in the forward: end the process from here
+
+
 def ready_info(scheduler) -> dict:
     """What the front end needs to validate requests: the worker's limits."""
     info = dataclasses.asdict(scheduler.tp_worker.get_worker_info())
@@ -87,6 +125,7 @@ def run_scheduler_process(server_args, port_args, pipe_writer) -> None:
         pipe_writer.send({"status": "error", "error": f"{type(e).__name__}: {e}"})
         return
     pipe_writer.send(info)
+    SchedulerWatchdog(scheduler, server_args.watchdog_timeout)
     overlap = getattr(scheduler, "event_loop_overlap", None)
     if server_args.disable_overlap_schedule or overlap is None:
         scheduler.event_loop_normal()

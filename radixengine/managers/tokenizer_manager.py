@@ -29,6 +29,8 @@ from radixengine.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
 )
+from radixengine.managers.request_logger import RequestLogger
+from radixengine.managers.scheduler_process import WATCHDOG_EXIT_CODE
 from radixengine.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -103,12 +105,11 @@ class TokenizerManager:
         if server_args.chat_template:
             self.tokenizer.chat_template = load_chat_template(server_args.chat_template)
         self.model_path = server_args.model_path or _default_model_path()
-        self.tokenizer_path = server_args.tokenizer_path or _hf_dir(self.model_path)
+        hf_dir = _hf_dir(self.model_path)  # a GGUF's converted cache
+        self.tokenizer_path = server_args.tokenizer_path or hf_dir
         self.served_model_name = server_args.served_model_name or _model_name(server_args.model_path)
         self.default_sampling_params = (
-            model_sampling_defaults(_hf_dir(self.model_path))
-            if server_args.sampling_defaults == "model"
-            else {}
+            model_sampling_defaults(hf_dir) if server_args.sampling_defaults == "model" else {}
         )
         self.context_len: int | None = self.scheduler_info.get("context_len")
         self.max_req_input_len: int | None = self.scheduler_info.get("max_req_input_len")
@@ -124,6 +125,7 @@ class TokenizerManager:
             from radixengine.managers.metrics import TokenizerMetricsCollector
 
             self.metrics = TokenizerMetricsCollector(self.served_model_name)
+        self.request_logger = RequestLogger(server_args.log_requests, server_args.log_requests_level)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._pending_replies: dict[type, deque] = {
@@ -175,6 +177,7 @@ class TokenizerManager:
         self.ensure_started()
         self.check_alive()
         tokenized = self.tokenize_request(obj)
+        self.request_logger.log_received(obj)
         state = ReqState(obj, tokenized.sampling_params, len(tokenized.input_ids))
         self.rid_to_state[tokenized.rid] = state
         self.send_to_scheduler.send_pyobj(tokenized)
@@ -266,11 +269,14 @@ class TokenizerManager:
         return rid
 
     def make_sampling_params(self, params: dict | SamplingParams | None, prompt_len: int) -> SamplingParams:
-        """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default)."""
+        """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default); any
+        other None is the field's default."""
         if isinstance(params, SamplingParams):
-            return params
+            return self._with_vocab_checked(params)
         if params is not None and not isinstance(params, dict):
             raise RequestError("sampling_params must be an object", param="sampling_params")
+        if params is not None:
+            params = {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
         if params is not None and "max_new_tokens" in params and params["max_new_tokens"] is None:
             room = (self.max_req_len or prompt_len + 128) - prompt_len
             params = dict(params, max_new_tokens=max(room, 1))
@@ -282,6 +288,14 @@ class TokenizerManager:
             raise RequestError(
                 "n > 1 is expanded by the front end; the tokenizer manager takes n == 1", param="n"
             )
+        return self._with_vocab_checked(sampling_params)
+
+    def _with_vocab_checked(self, sampling_params: SamplingParams) -> SamplingParams:
+        """The one check that needs the vocabulary: logit_bias's token ids."""
+        try:
+            sampling_params.verify(self.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), param="logit_bias") from None
         return sampling_params
 
     def tokenize_prompt(self, obj: GenerateReqInput) -> tuple[str | None, list[int], str]:
@@ -386,9 +400,8 @@ class TokenizerManager:
                 state.finished = True
                 del self.rid_to_state[rid]
                 if self.metrics is not None and state.obj.log_metrics:
-                    self.metrics.observe_finished(
-                        out["meta_info"], state.first_token_time, state.created_time, now
-                    )
+                    self.metrics.observe_finished(out["meta_info"], state.created_time, now)
+                self.request_logger.log_finished(state.obj, out)
             state.event.set()
 
     def _add_output(self, state: ReqState, recv: BatchStrOut, i: int, now: float) -> None:
@@ -439,7 +452,7 @@ class TokenizerManager:
             return
         state.queue_time_seen = True
         if self.metrics is not None and state.obj.log_metrics:
-            self.metrics.observe_queue_time(state.obj.priority, queue_time)
+            self.metrics.observe_queue_time(queue_time)
 
     @staticmethod
     def _visible_text(text: str, state: ReqState) -> str:
@@ -472,10 +485,17 @@ class TokenizerManager:
                 return
             for name, proc in self.processes:
                 if not proc.is_alive():
-                    self.fail_all(
-                        f"the {name} process (pid {proc.pid}) died unexpectedly (exit code {proc.exitcode})"
-                    )
+                    self.fail_all(self._death_message(name, proc))
                     break
+
+    def _death_message(self, name: str, proc) -> str:
+        if name == "scheduler" and proc.exitcode == WATCHDOG_EXIT_CODE:
+            timeout = self.server_args.watchdog_timeout
+            return (
+                f"the scheduler process (pid {proc.pid}) was ended by its watchdog: a forward batch ran "
+                f"longer than --watchdog-timeout {timeout:g} s"
+            )
+        return f"the {name} process (pid {proc.pid}) died unexpectedly (exit code {proc.exitcode})"
 
     def fail_all(self, message: str) -> None:
         logger.error("%s; failing every request", message)

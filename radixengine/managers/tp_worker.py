@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import torch
 
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
+from radixengine.model_executor.runtime_support import check_runtime_support
 from radixengine.server_args import ServerArgs
+
+# Tests only (as SGLang's SGLANG_TEST_STUCK_* variables): every forward first sleeps this many
+# seconds, a forward that hangs, for the --watchdog-timeout test.
+TEST_FORWARD_STALL_ENV = "RADIXENGINE_TEST_FORWARD_STALL_S"
 
 
 @dataclass
@@ -34,7 +41,11 @@ class WorkerInfo:
 class TpModelWorker:
     def __init__(self, server_args: ServerArgs, model_runner: ModelRunner | None = None) -> None:
         self.server_args = server_args
-        self.model_runner = model_runner or ModelRunner(server_args)
+        if model_runner is None:
+            check_runtime_support(server_args)
+            model_runner = ModelRunner(server_args)
+        self.model_runner = model_runner
+        self.test_forward_stall_s = float(os.environ.get(TEST_FORWARD_STALL_ENV, "0"))
         runner = self.model_runner
         self.max_total_num_tokens = runner.max_total_num_tokens
         self.max_running_requests = runner.max_running_requests
@@ -61,6 +72,8 @@ class TpModelWorker:
         return self.model_runner.req_to_token_pool, self.model_runner.token_to_kv_pool_allocator
 
     def forward_batch_generation(self, model_worker_batch: ModelWorkerBatch) -> GenerationBatchResult:
+        if self.test_forward_stall_s:
+            time.sleep(self.test_forward_stall_s)
         forward_batch = ForwardBatch.init_new(model_worker_batch, self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
         next_token_ids = self.model_runner.sample(logits_output, forward_batch)

@@ -15,6 +15,7 @@ from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardBatch
 from radixengine.model_loader import ModelConfig, get_model
 from radixengine.server_args import ServerArgs
+from radixengine.utils.random_seed import set_random_seed
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class ModelRunner:
         self.page_size = server_args.page_size
         if server_args.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(server_args.num_threads)
-        torch.manual_seed(server_args.random_seed)
+        set_random_seed(server_args.random_seed)
         self.model_config = ModelConfig(
             server_args.model_path, server_args.context_length, server_args.dtype, server_args.device
         )
@@ -246,6 +247,7 @@ class ModelRunner:
         next_ids, logprobs, invalid_rows = self.sampler(
             logits, forward_batch.sampling_info, forward_batch.return_logprob
         )
+        forward_batch.sampling_info.cumulate_output_tokens(next_ids)
         logits_output.next_token_logprobs = logprobs
         logits_output.invalid_rows = invalid_rows
         return next_ids

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixengine.sampling.output_token_counts import OutputTokenCounts, cumulate
 from radixengine.sampling.sampling_params import SamplingParams
 
 _SEED_MOD = 1 << 63  # seeds are folded into int64
@@ -36,6 +37,18 @@ class SamplingBatchInfo:
     min_tokens_rows: torch.Tensor | None = None  # int64 [n_pairs]
     min_tokens_ids: torch.Tensor | None = None  # int64 [n_pairs]
     min_tokens_limit: torch.Tensor | None = None  # int64 [n_pairs]: the row's min_new_tokens
+    # Penalties on each row's output token counts; None when no row has one.
+    frequency_penalties: torch.Tensor | None = None  # float32 [bs, 1]
+    presence_penalties: torch.Tensor | None = None  # float32 [bs, 1]
+    repetition_penalties: torch.Tensor | None = None  # float32 [bs, 1]; None also when all are 1
+    # Set per step (ScheduleBatch): where the counts come from, and the tensor this step gathers
+    # them into and then adds its sampled token to.
+    output_token_counts: OutputTokenCounts | None = None
+    output_token_counts_out: torch.Tensor | None = None  # float32 [bs, vocab]
+    # logit_bias as (row, token, bias) triples; None when no row has one.
+    logit_bias_rows: torch.Tensor | None = None  # int64 [n]
+    logit_bias_ids: torch.Tensor | None = None  # int64 [n]
+    logit_bias_values: torch.Tensor | None = None  # float32 [n]
 
     @property
     def batch_size(self) -> int:
@@ -82,7 +95,13 @@ class SamplingBatchInfo:
             seeded_rows=torch.tensor(seeded, dtype=torch.int64, device=device) if seeded else None,
             all_seeded=len(seeded) == len(params) > 0,
             **_min_new_tokens_pairs(params, eos_token_ids, device),
+            **_penalties(params, device),
+            **_logit_bias_triples(params, device),
         )
+
+    @property
+    def need_penalties(self) -> bool:
+        return self.frequency_penalties is not None
 
     def apply_min_new_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """EOS and stop tokens at -inf for the rows still short of their min_new_tokens (out of
@@ -93,6 +112,48 @@ class SamplingBatchInfo:
         active = self.steps.index_select(0, rows) < self.min_tokens_limit
         suppressed = torch.where(active, float("-inf"), logits[rows, ids])
         return logits.index_put((rows, ids), suppressed)
+
+    def load_output_token_counts(self) -> torch.Tensor:
+        """This step's output token counts (gathered into `output_token_counts_out`)."""
+        if self.output_token_counts is None or self.output_token_counts_out is None:
+            raise ValueError(
+                "a batch with penalties needs its output token counts (set per step by ScheduleBatch)"
+            )
+        return self.output_token_counts.gather_into(self.output_token_counts_out)
+
+    def cumulate_output_tokens(self, next_token_ids: torch.Tensor) -> None:
+        """Count the tokens this step sampled (after `load_output_token_counts`)."""
+        if self.output_token_counts_out is not None:
+            cumulate(self.output_token_counts_out, next_token_ids)
+
+
+def _penalties(params: list[SamplingParams], device: torch.device | str) -> dict[str, torch.Tensor]:
+    if not any(p.has_penalties for p in params):
+        return {}
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1)
+
+    repetition = [p.repetition_penalty for p in params]
+    return dict(
+        frequency_penalties=column([p.frequency_penalty for p in params]),
+        presence_penalties=column([p.presence_penalty for p in params]),
+        repetition_penalties=column(repetition) if any(r != 1.0 for r in repetition) else None,
+    )
+
+
+def _logit_bias_triples(params: list[SamplingParams], device: torch.device | str) -> dict[str, torch.Tensor]:
+    triples = [
+        (row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias_by_id().items()
+    ]
+    if not triples:
+        return {}
+    rows, ids, values = zip(*triples)
+    return dict(
+        logit_bias_rows=_int64(list(rows), device),
+        logit_bias_ids=_int64(list(ids), device),
+        logit_bias_values=torch.tensor(values, dtype=torch.float32, device=device),
+    )
 
 
 def _min_new_tokens_pairs(

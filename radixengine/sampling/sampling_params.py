@@ -17,6 +17,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's JSON has it) -> bias
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -44,7 +48,16 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.top_k == 1
 
-    def verify(self) -> None:
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler needs this request's output token counts."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def logit_bias_by_id(self) -> dict[int, float]:
+        """logit_bias keyed by int token id (of keys naming the same id, the last wins, as in SGLang)."""
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+    def verify(self, vocab_size: int | None = None) -> None:
         _int("max_new_tokens", self.max_new_tokens, minimum=0)
         _int("min_new_tokens", self.min_new_tokens, minimum=0)
         if self.min_new_tokens > self.max_new_tokens:
@@ -63,6 +76,16 @@ class SamplingParams:
         _number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            _number(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        _number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2] (1 = no penalty), got {self.repetition_penalty}"
+            )
+        _verify_logit_bias(self.logit_bias, vocab_size)
         _int("n", self.n, minimum=1)
         if self.sampling_seed is not None:
             _int("sampling_seed", self.sampling_seed, minimum=0)
@@ -78,6 +101,23 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+
+def _verify_logit_bias(logit_bias, vocab_size: int | None) -> None:
+    if logit_bias is None:
+        return
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {logit_bias!r}")
+    for key, bias in logit_bias.items():
+        is_id = isinstance(key, int) and not isinstance(key, bool) and key >= 0
+        if not (is_id or (isinstance(key, str) and key.isascii() and key.isdigit())):
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if vocab_size is not None and int(key) >= vocab_size:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size - 1}], got {key}")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100.0 <= bias <= 100.0:
+            raise ValueError(
+                f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {key}"
+            )
 
 
 def _int(name: str, value, minimum: int | None = None) -> None:

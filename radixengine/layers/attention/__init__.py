@@ -49,12 +49,32 @@ def resolve_attention_backend(
     return "torch_native"
 
 
-def create_attention_backend(name: str, model_runner) -> AttentionBackend:
-    name = resolve_attention_backend(
-        name, str(model_runner.device.type), model_runner.dtype, model_runner.model_config.head_dim
-    )
+def attention_backend_unavailable(name: str, device: str) -> str | None:
+    """Why backend `name` cannot run on `device` here (not installed, wrong device); None if it can."""
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}")
+        return f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}"
+    if not _available(_module(name)):
+        return f"radixengine has no {name} attention backend ({_module(name)} is missing)"
+    if name in ("flashinfer", "triton"):
+        if device != "cuda":
+            return f"the {name} backend runs on CUDA only (the device is {device})"
+        if not _available(name):
+            return f"the {name} package is not installed"
+    if name == "native_cpu":
+        if device != "cpu":
+            return f"the native_cpu backend runs on a CPU only (the device is {device})"
+        from radixengine.layers.attention import native_cpu_ops
+
+        return native_cpu_ops.native_unavailable_reason()
+    return None
+
+
+def create_attention_backend(name: str, model_runner) -> AttentionBackend:
+    device = str(model_runner.device.type)
+    name = resolve_attention_backend(name, device, model_runner.dtype, model_runner.model_config.head_dim)
+    reason = attention_backend_unavailable(name, device)
+    if reason is not None:
+        raise ValueError(f"--attention-backend {name}: {reason}")
     module_name, cls_name = ATTENTION_BACKENDS[name].split(":")
     try:
         module = importlib.import_module(module_name)
@@ -77,6 +97,7 @@ def _available(module: str) -> bool:
 __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionBackend",
+    "attention_backend_unavailable",
     "create_attention_backend",
     "register_attention_backend",
     "resolve_attention_backend",
