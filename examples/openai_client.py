@@ -48,11 +48,12 @@ def main() -> None:
             print(f"\nusage: {chunk.usage}\n")
 
     completion = client.completions.create(
-        model=model, prompt="Once upon a time", max_tokens=24, temperature=0, stop=["."], logprobs=1
+        model=model, prompt="Once upon a time", max_tokens=24, temperature=0, stop=["."], logprobs=3
     )
     choice = completion.choices[0]
     print("completion:", repr(choice.text), "finish:", choice.finish_reason)
     print("token logprobs:", [round(x, 3) for x in choice.logprobs.token_logprobs[:8]])
+    print("first token's top 3:", {t: round(lp, 3) for t, lp in choice.logprobs.top_logprobs[0].items()})
 
 
 if __name__ == "__main__":

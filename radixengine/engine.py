@@ -195,12 +195,31 @@ class Engine:
         return_logprob: bool = False,
         rid: str | list[str] | None = None,
         messages: list[dict] | list[list[dict]] | None = None,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict back; raises `RequestError` if refused) or a batch (a list
         of dicts in input order, one per prompt and per choice when n > 1; a refused one carries
-        `"error"`). `stream=True` (one prompt) yields chunks with the new text and ids."""
+        `"error"`). `stream=True` (one prompt) yields chunks with the new text and ids.
+        Logprobs as SGLang's: `return_logprob` puts `output_token_logprobs` (`(logprob, id, text)`
+        per output token; text only with `return_text_in_logprobs`) and `input_token_logprobs`
+        (the prompt's from `logprob_start_len`, -1 for none; the first one's logprob is None) in
+        `meta_info`; `top_logprobs_num` N adds `output_top_logprobs` / `input_top_logprobs`, the N
+        most likely tokens at each position."""
         objs, single = self._make_requests(
-            prompt, sampling_params, input_ids, priority, return_logprob, rid, messages
+            prompt,
+            sampling_params,
+            input_ids,
+            priority,
+            rid,
+            messages,
+            dict(
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                return_text_in_logprobs=return_text_in_logprobs,
+            ),
         )
         if stream:
             if not single or len(objs) != 1:
@@ -219,10 +238,24 @@ class Engine:
         return_logprob: bool = False,
         rid: str | list[str] | None = None,
         messages: list[dict] | list[list[dict]] | None = None,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate` for asyncio callers (any event loop); with stream=True, an async iterator."""
         objs, single = self._make_requests(
-            prompt, sampling_params, input_ids, priority, return_logprob, rid, messages
+            prompt,
+            sampling_params,
+            input_ids,
+            priority,
+            rid,
+            messages,
+            dict(
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                return_text_in_logprobs=return_text_in_logprobs,
+            ),
         )
         if stream:
             if not single or len(objs) != 1:
@@ -276,7 +309,7 @@ class Engine:
             future.cancel()
             raise
 
-    def _make_requests(self, prompt, sampling_params, input_ids, priority, return_logprob, rid, messages):
+    def _make_requests(self, prompt, sampling_params, input_ids, priority, rid, messages, logprob_args: dict):
         prompts, single = _as_batch(prompt, input_ids, messages)
         n_items = len(prompts)
         params = _per_item(sampling_params, n_items, "sampling_params")
@@ -286,9 +319,7 @@ class Engine:
         for i, (kind, value) in enumerate(prompts):
             choices = _expand_n(params[i])
             for j, choice_params in enumerate(choices):
-                obj = GenerateReqInput(
-                    sampling_params=choice_params, priority=priorities[i], return_logprob=return_logprob
-                )
+                obj = GenerateReqInput(sampling_params=choice_params, priority=priorities[i], **logprob_args)
                 setattr(obj, kind, value)
                 if rids[i] is not None:
                     obj.rid = rids[i] if len(choices) == 1 else f"{rids[i]}-{j}"

@@ -166,7 +166,7 @@ def test_n_choices_and_logprobs(engine, oracle):
     outs = engine.generate(PROMPTS[0], {**GREEDY, "n": 2}, return_logprob=True)
     assert [o["output_ids"] for o in outs] == [expected, expected]
     lps = outs[0]["meta_info"]["output_token_logprobs"]
-    assert len(lps) == MAX_NEW and all(lp <= 0 for lp in lps)
+    assert len(lps) == MAX_NEW and all(lp <= 0 and t == e for (lp, t, _), e in zip(lps, expected))
 
 
 def test_penalties_and_logit_bias(engine, hf_model, oracle):
@@ -265,19 +265,21 @@ def test_rid_that_is_not_a_string_is_refused(engine, rid):
     assert e.value.param == "rid" and e.value.status_code == 400
 
 
-def test_top_logprobs_num_is_refused_not_dropped(engine):
-    """Only the chosen token's logprob is computed: asking for the top alternatives is a 400."""
+def test_bad_logprob_fields_are_refused(engine):
+    """A wrong top_logprobs_num or logprob_start_len is a 400 naming the field; 0 / -1 are the
+    defaults (no alternatives, no prompt logprobs)."""
     tm = engine.tokenizer_manager
 
-    async def run(num):
-        obj = GenerateReqInput(
-            text=PROMPTS[0], sampling_params=GREEDY, return_logprob=True, top_logprobs_num=num
-        )
+    async def run(**kw):
+        obj = GenerateReqInput(text=PROMPTS[0], sampling_params=GREEDY, return_logprob=True, **kw)
         return [out async for out in tm.generate_request(obj)][-1]
 
-    for num in (2, -1, "3"):
-        with pytest.raises(RequestError, match="top_logprobs_num") as e:
-            asyncio.run_coroutine_threadsafe(run(num), engine.loop).result(60)
-        assert e.value.param == "top_logprobs_num"
-    out = asyncio.run_coroutine_threadsafe(run(0), engine.loop).result(60)
+    bad = [("top_logprobs_num", -1), ("top_logprobs_num", "3"), ("top_logprobs_num", 10**6)]
+    bad += [("logprob_start_len", -2), ("logprob_start_len", 10**4), ("logprob_start_len", 1.5)]
+    for name, value in bad:
+        with pytest.raises(RequestError, match=name) as e:
+            asyncio.run_coroutine_threadsafe(run(**{name: value}), engine.loop).result(60)
+        assert e.value.param == name
+    out = asyncio.run_coroutine_threadsafe(run(top_logprobs_num=0), engine.loop).result(60)
     assert len(out["meta_info"]["output_token_logprobs"]) == MAX_NEW
+    assert out["meta_info"]["input_token_logprobs"] == [] and "output_top_logprobs" not in out["meta_info"]

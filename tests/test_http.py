@@ -105,9 +105,11 @@ def test_ready_line_health_and_api_key(server):
     while "ready to roll" not in server.log.read_text():
         assert time.monotonic() < deadline, server.log.read_text()
         time.sleep(0.2)
-    # The probes are outside the key (as in SGLang); everything else needs it.
-    for path in ("/health", "/health_generate", "/metrics"):
+    # The probes are outside the key (as in SGLang); everything else needs it. Metrics are off
+    # here: /metrics answers its 404, not the key's 401.
+    for path in ("/health", "/health_generate"):
         assert httpx.get(server.base_url + path).status_code == 200, path
+    assert httpx.get(server.base_url + "/metrics").status_code == 404
     for path in ("/v1/models", "/get_server_info", "/server_info", "/model_info", "/v1/loads"):
         r = httpx.get(server.base_url + path)
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
@@ -452,8 +454,20 @@ BAD_INPUTS = [
     ("/generate", {"text": ["a", "b"], "rid": ["x"]}, "rid"),
     ("/generate", {"text": "hi", "sampling_params": {"n": 0}}, "n"),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 1}]}, "n"),
-    ("/generate", {"text": "hi", "top_logprobs_num": 3}, "top_logprobs_num"),
     ("/generate", {"text": "hi", "top_logprobs_num": -1}, "top_logprobs_num"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
+    ("/generate", {"text": ["a", "b"], "top_logprobs_num": [1]}, "top_logprobs_num"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "logprobs": 21}, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "MODEL",
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 21,
+        },
+        "top_logprobs",
+    ),  # fmt: skip
     ("/v1/completions", {"model": "MODEL", "prompt": "hi", "rid": {"a": 1}}, "rid"),
 ]
 

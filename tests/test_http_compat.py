@@ -45,7 +45,7 @@ def model_path(tmp_path_factory):
 def server(model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     args = ["--dtype", "float32", "--max-total-tokens", "16384", "--num-threads", "1", "--api-key", API_KEY,
-            "--chat-template", TEMPLATE, "--log-level", "debug"]  # fmt: skip
+            "--chat-template", TEMPLATE, "--log-level", "debug", "--enable-metrics"]  # fmt: skip
     proc = launch_test_server(model_path, log, args)
     yield proc
     stop_test_server(proc)

@@ -26,7 +26,7 @@ def _sample(
     logits: torch.Tensor, params: list[SamplingParams], steps: list[int] | None = None, logprob=False
 ):
     info = _info(params, logits.shape[-1], steps, str(logits.device))
-    ids, logprobs, invalid_rows = Sampler()(logits, info, logprob)
+    ids, logprobs, invalid_rows, _ = Sampler()(logits, info, logprob)
     assert invalid_rows is None, "use Sampler() directly for rows with nothing to sample"
     return ids, logprobs
 
@@ -258,7 +258,7 @@ def test_nan_and_inf_logits() -> None:
     bad[1] = float("nan")
     bad[2, :] = float("-inf")
     for params in ([SamplingParams()] * 3, [SamplingParams(temperature=0)] * 3):
-        ids, _, invalid_rows = Sampler()(bad, _info(params, 20), True)
+        ids, _, invalid_rows, _ = Sampler()(bad, _info(params, 20), True)
         assert invalid_rows.tolist() == [False, True, True]  # flagged, not raised
         assert ((ids >= 0) & (ids < 20)).all()  # still valid ids (their results are void)
 
@@ -267,7 +267,7 @@ def test_without_vocab_size_and_low_precision_logits() -> None:
     row = torch.randn(100)
     logits, params = _repeat(row, 500, top_k=4)
     info = SamplingBatchInfo.from_sampling_params(params, [0] * 500, "cpu")
-    ids, _, _ = Sampler()(logits.bfloat16(), info, False)
+    ids, _, _, _ = Sampler()(logits.bfloat16(), info, False)
     assert set(ids.tolist()) <= set(row.bfloat16().float().topk(6).indices.tolist())
     info = SamplingBatchInfo.from_sampling_params([SamplingParams(top_p=0.5)] * 2, [0, 0], "cpu")
     assert Sampler()(logits[:2], info, True)[0].shape == (2,)
@@ -275,7 +275,7 @@ def test_without_vocab_size_and_low_precision_logits() -> None:
 
 def test_empty_batch() -> None:
     info = _info([], 10)
-    ids, logprobs, _ = Sampler()(torch.empty(0, 10), info, True)
+    ids, logprobs, _, _ = Sampler()(torch.empty(0, 10), info, True)
     assert ids.shape == (0,) and logprobs.shape == (0,)
 
 

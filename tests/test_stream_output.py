@@ -29,7 +29,7 @@ def messages_by_rid(outputs: list[object]) -> dict[str, list[Message]]:
         for i, rid in enumerate(msg.rids):
             m = Message(
                 msg.output_ids[i],
-                msg.output_token_logprobs[i],
+                msg.output_token_logprobs[i] if msg.output_token_logprobs else None,
                 msg.prompt_tail_ids[i],
                 bool(msg.finished_reasons[i]),
             )

@@ -302,18 +302,21 @@ def openai_params(prompt_param: str, max_tokens_param: str):
 
 
 NATIVE_FIELDS = {
-    "text", "input_ids", "sampling_params", "stream", "rid", "priority", "return_logprob", "top_logprobs_num"
+    "text", "input_ids", "sampling_params", "stream", "rid", "priority", "return_logprob", "top_logprobs_num",
+    "logprob_start_len", "return_text_in_logprobs",
 }  # fmt: skip
-# Accepted for SGLang's clients (sglang-router adds them): `model` names the one model,
-# `return_text_in_logprobs` and `no_logs` change nothing here, `log_metrics: false` keeps the
-# request out of the metrics, `logprob_start_len` -1 (no prompt logprobs) is the only value.
-NATIVE_COMPAT_FIELDS = {"model", "return_text_in_logprobs", "no_logs", "log_metrics", "logprob_start_len"}
+# Accepted for SGLang's clients (sglang-router adds them): `model` names the one model, `no_logs`
+# changes nothing here, `log_metrics: false` keeps the request out of the metrics.
+NATIVE_COMPAT_FIELDS = {"model", "no_logs", "log_metrics"}
+# Given once for every prompt, or as a list with one per prompt (SGLang's batch form).
+NATIVE_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len")
 
 
 def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
     """SGLang's /generate body: text or input_ids (one prompt or a batch), sampling_params (one,
     or one per prompt), rid (a string, or one per prompt), stream, priority, return_logprob,
-    top_logprobs_num. `sampling_params.n` > 1 asks for n samples of each prompt (seed + j for the
+    top_logprobs_num, logprob_start_len (each one, or one per prompt), return_text_in_logprobs.
+    `sampling_params.n` > 1 asks for n samples of each prompt (seed + j for the
     j-th when a seed is given): the answer is then a list, prompt by prompt, n samples each, as
     for a batch. A null field is unset; an unknown top-level field is ignored (one inside
     sampling_params is an error). Returns the requests and whether the answer is a single object."""
@@ -321,13 +324,10 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
     prompts, kind, single = _native_prompts(body)
     params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
     priorities = _per_prompt(body.get("priority"), len(prompts), "priority")
-    for name in ("stream", "return_logprob", "log_metrics", "return_text_in_logprobs", "no_logs"):
+    logprob_fields = {name: _per_prompt(body.get(name), len(prompts), name) for name in NATIVE_LOGPROB_FIELDS}
+    for name in ("stream", "log_metrics", "return_text_in_logprobs", "no_logs"):
         if not isinstance(body.get(name, False), bool):
             raise RequestError(f"{name} must be a boolean", param=name)
-    if body.get("logprob_start_len", -1) != -1:
-        raise RequestError(
-            "logprob_start_len: prompt logprobs are not supported (only -1)", param="logprob_start_len"
-        )
     n = _num_samples(params)
     rids = _native_rids(body.get("rid"), len(prompts), n, single)
     objs = []
@@ -338,8 +338,8 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
                 rid=rids[i * n + j],
                 priority=priorities[i],
                 stream=body.get("stream", False),
-                return_logprob=body.get("return_logprob", False),
-                top_logprobs_num=body.get("top_logprobs_num", 0),
+                return_text_in_logprobs=body.get("return_text_in_logprobs", False),
+                **{name: values[i] for name, values in logprob_fields.items()},
                 log_metrics=body.get("log_metrics", True),
             )
             setattr(obj, kind, prompt)

@@ -98,9 +98,7 @@ def completion_requests(tm: TokenizerManager, req: CompletionRequest):
     prompts = completion_prompts(req.prompt)
     objs = []
     for k, prompt in enumerate(prompts):
-        base = GenerateReqInput(
-            stream=req.stream, return_logprob=req.logprobs is not None, priority=req.priority
-        )
+        base = GenerateReqInput(stream=req.stream, priority=req.priority, **completion_logprob_args(req))
         if isinstance(prompt, str):
             base.text = prompt
         else:
@@ -108,6 +106,20 @@ def completion_requests(tm: TokenizerManager, req: CompletionRequest):
         rid = None if req.rid is None else (req.rid if len(prompts) == 1 else f"{req.rid}-{k}")
         objs += expand_choices(base, params, req.n, rid)
     return objs, prompts
+
+
+def completion_logprob_args(req: CompletionRequest) -> dict:
+    """`logprobs: N` asks for the sampled tokens' logprobs and the N most likely tokens'; with
+    `echo`, the prompt's too (from its first token, whose logprob is null; SGLang asks for them
+    only when N > 0, here for N = 0 as well, so that the tokens cover the echoed prompt)."""
+    if req.logprobs is None:
+        return {}
+    return {
+        "return_logprob": True,
+        "top_logprobs_num": req.logprobs,
+        "logprob_start_len": 0 if req.echo else -1,
+        "return_text_in_logprobs": True,
+    }
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
@@ -150,6 +162,8 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
         messages=chat_messages(req),
         stream=req.stream,
         return_logprob=req.logprobs,
+        top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
+        return_text_in_logprobs=True,
         priority=req.priority,
         chat_template_kwargs=req.chat_template_kwargs,
         continue_final_message=req.continue_final_message,
@@ -180,36 +194,43 @@ def usage_of(outs: list[dict], n: int) -> dict:
     ).model_dump()
 
 
-def _token_strs(tm: TokenizerManager, ids: list[int]) -> list[str]:
-    return [tm.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-
-
-def completion_logprobs(
-    tm: TokenizerManager, ids: list[int], logprobs: list[float] | None, top: int, offset: int
-):
-    """OpenAI's completions logprobs. Only the sampled token's logprob is known: each
-    `top_logprobs` entry holds that token alone."""
-    tokens = _token_strs(tm, ids)
-    lps = list(logprobs or [])[: len(ids)]
+def completion_logprobs(token_logprobs: list, top_logprobs: list, top: int, offset: int) -> dict:
+    """OpenAI's completions logprobs from SGLang's meta_info triples `(logprob, id, text)`:
+    `top_logprobs` maps each of the `top` most likely tokens' text to its logprob (null where
+    there is no distribution: the first prompt token under `echo`)."""
+    tokens = [text for _, _, text in token_logprobs]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
+    tops = None
+    if top > 0:
+        tops = [None if alts is None else {text: lp for lp, _, text in alts} for alts in top_logprobs]
     return {
         "tokens": tokens,
-        "token_logprobs": lps,
-        "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)] if top > 0 else None,
+        "token_logprobs": [lp for lp, _, _ in token_logprobs],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(tm: TokenizerManager, ids: list[int], logprobs: list[float] | None, top: int):
+def chat_logprobs(token_logprobs: list, top_logprobs: list, top: int) -> dict:
+    """OpenAI's chat logprobs from SGLang's meta_info triples: per token its text, logprob and
+    UTF-8 bytes, and the `top` most likely tokens likewise."""
+
+    def entry(lp: float, text: str) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
     content = []
-    for t, lp in zip(_token_strs(tm, ids), list(logprobs or [])):
-        entry = {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-        entry["top_logprobs"] = [dict(entry)] if top else []
-        content.append(entry)
+    for k, (lp, _, text) in enumerate(token_logprobs):
+        alts = top_logprobs[k] if top and k < len(top_logprobs) else None
+        content.append({**entry(lp, text), "top_logprobs": [entry(v, t) for v, _, t in alts or []]})
     return {"content": content}
+
+
+def _logprobs_of(out: dict, prefix: str) -> tuple[list, list]:
+    meta = out["meta_info"]
+    return meta.get(f"{prefix}_token_logprobs") or [], meta.get(f"{prefix}_top_logprobs") or []
 
 
 def echo_text(tm: TokenizerManager, prompt: str | list[int]) -> str:
@@ -228,9 +249,11 @@ def completion_response(
         reason, matched = finish_reason_of(out)
         lp = None
         if req.logprobs is not None:
-            lp = completion_logprobs(
-                tm, out["output_ids"], out["meta_info"].get("output_token_logprobs"), req.logprobs, 0
-            )
+            tokens, tops = _logprobs_of(out, "output")
+            if req.echo:
+                in_tokens, in_tops = _logprobs_of(out, "input")
+                tokens, tops = in_tokens + tokens, in_tops + tops
+            lp = completion_logprobs(tokens, tops, req.logprobs, 0)
         choices.append(
             {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
         )
@@ -250,9 +273,7 @@ def chat_response(tm: TokenizerManager, req: ChatCompletionRequest, outs: list[d
         reason, matched = finish_reason_of(out)
         lp = None
         if req.logprobs:
-            lp = chat_logprobs(
-                tm, out["output_ids"], out["meta_info"].get("output_token_logprobs"), req.top_logprobs or 0
-            )
+            lp = chat_logprobs(*_logprobs_of(out, "output"), req.top_logprobs or 0)
         choices.append(
             {
                 "index": i,
@@ -279,12 +300,13 @@ class _Deltas:
         self.text_len: dict[int, int] = {}
         self.ids_len: dict[int, int] = {}
 
-    def take(self, i: int, out: dict) -> tuple[str, list[int], list[float] | None]:
+    def take(self, i: int, out: dict) -> tuple[str, list[int], tuple[list, list]]:
+        """The choice's new text, ids, and its new tokens' logprobs and top logprobs."""
         t0, k0 = self.text_len.get(i, 0), self.ids_len.get(i, 0)
         text, ids = out["text"], out["output_ids"]
         self.text_len[i], self.ids_len[i] = max(t0, len(text)), len(ids)
-        lps = out["meta_info"].get("output_token_logprobs")
-        return text[t0:], ids[k0:], (lps[k0 : len(ids)] if lps is not None else None)
+        tokens, tops = _logprobs_of(out, "output")
+        return text[t0:], ids[k0:], (tokens[k0 : len(ids)], tops[k0 : len(ids)])
 
 
 async def completion_stream(
@@ -300,10 +322,16 @@ async def completion_stream(
         reason, matched = finish_reason_of(out)
         if not text and not ids and reason is None:
             continue
+        first = i not in started
         lp = None
         if req.logprobs is not None:
-            lp = completion_logprobs(tm, ids, lps, req.logprobs, deltas.text_len[i] - len(text))
-        if i not in started:
+            tokens, tops = lps
+            offset = deltas.text_len[i] - len(text)
+            if first and req.echo:
+                in_tokens, in_tops = _logprobs_of(out, "input")
+                tokens, tops, offset = in_tokens + tokens, in_tops + tops, 0
+            lp = completion_logprobs(tokens, tops, req.logprobs, offset)
+        if first:
             started.add(i)
             text = echo_text(tm, prompts[i // req.n]) + text if req.echo else text
         choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
@@ -348,7 +376,7 @@ async def chat_stream(
         reason, matched = finish_reason_of(out)
         if not text and not ids and reason is None:
             continue
-        lp = chat_logprobs(tm, ids, lps, req.top_logprobs or 0) if req.logprobs else None
+        lp = chat_logprobs(*lps, req.top_logprobs or 0) if req.logprobs else None
         choice = {
             "index": i,
             "delta": {"content": text} if text else {},

@@ -1,4 +1,6 @@
-"""Logits of the last token of each request (EXTEND) or of each decoded token (DECODE)."""
+"""Logits of the last token of each request (EXTEND) or of each decoded token (DECODE); for the
+requests that ask for prompt logprobs, also the logprobs of their prompt tokens (SGLang's input
+logprobs: log_softmax of the raw logits, no temperature), computed only at the positions asked."""
 
 from __future__ import annotations
 
@@ -14,15 +16,28 @@ if TYPE_CHECKING:
     from radixengine.layers.vocab_embedding import VocabEmbedding
     from radixengine.model_executor.forward_batch_info import ForwardBatch
 
+# Prompt positions whose full-vocabulary logits are held at once while taking input logprobs.
+INPUT_LOGPROB_CHUNK_ROWS = 1024
+_FLOAT32_MIN = torch.finfo(torch.float32).min
+
 
 @dataclass
 class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # float32 [bs, vocab]
     # Filled by the sampler when the batch asks for logprobs: logprob of each chosen token [bs].
     next_token_logprobs: torch.Tensor | None = None
+    # Filled by the sampler when a request asks for top logprobs: [bs, max top_logprobs_num].
+    next_token_top_logprobs_val: torch.Tensor | None = None
+    next_token_top_logprobs_idx: torch.Tensor | None = None
     # Filled by the sampler: bool [bs], the rows whose logits had nothing to sample (all NaN or
     # -inf); None when every row was fine.
     invalid_rows: torch.Tensor | None = None
+    # EXTEND with input logprobs: one row per prompt position asked (ForwardBatch.
+    # input_logprob_indices), the logprob of the prompt token that follows it, and the top
+    # max(top_logprobs_nums) there when a request asks for them.
+    input_token_logprobs: torch.Tensor | None = None
+    input_top_logprobs_val: torch.Tensor | None = None
+    input_top_logprobs_idx: torch.Tensor | None = None
 
 
 class LogitsProcessor(nn.Module):
@@ -33,7 +48,41 @@ class LogitsProcessor(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatch
     ) -> LogitsProcessorOutput:
+        states = hidden_states
         if forward_batch.forward_mode.is_extend():
-            hidden_states = hidden_states.index_select(0, forward_batch.last_token_indices())
-        logits = block_linear(hidden_states, lm_head.weight, lm_head.block_weight)
-        return LogitsProcessorOutput(next_token_logits=logits.float())
+            states = hidden_states.index_select(0, forward_batch.last_token_indices())
+        out = LogitsProcessorOutput(next_token_logits=_logits(states, lm_head))
+        if forward_batch.forward_mode.is_extend() and forward_batch.input_logprob_indices is not None:
+            top = max(forward_batch.top_logprobs_nums or [0])
+            self._input_logprobs(hidden_states, lm_head, forward_batch, top, out)
+        return out
+
+    def _input_logprobs(
+        self,
+        hidden_states: torch.Tensor,
+        lm_head: VocabEmbedding,
+        forward_batch: ForwardBatch,
+        top: int,
+        out: LogitsProcessorOutput,
+    ) -> None:
+        rows, targets = forward_batch.input_logprob_indices, forward_batch.input_logprob_token_ids
+        token_lps, top_vals, top_ids = [], [], []
+        for start in range(0, rows.numel(), INPUT_LOGPROB_CHUNK_ROWS):
+            chunk = slice(start, start + INPUT_LOGPROB_CHUNK_ROWS)
+            logprobs = torch.log_softmax(_logits(hidden_states.index_select(0, rows[chunk]), lm_head), dim=-1)
+            logprobs.clamp_(min=_FLOAT32_MIN)
+            token_lps.append(logprobs.gather(1, targets[chunk].view(-1, 1)).view(-1))
+            if top > 0:
+                values, indices = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
+                top_vals.append(values)
+                top_ids.append(indices)
+        device = hidden_states.device
+        out.input_token_logprobs = torch.cat(token_lps) if token_lps else torch.empty(0, device=device)
+        if top > 0:
+            empty = torch.empty((0, top), device=device)
+            out.input_top_logprobs_val = torch.cat(top_vals) if top_vals else empty
+            out.input_top_logprobs_idx = torch.cat(top_ids) if top_ids else empty.long()
+
+
+def _logits(states: torch.Tensor, lm_head: VocabEmbedding) -> torch.Tensor:
+    return block_linear(states, lm_head.weight, lm_head.block_weight).float()

@@ -12,17 +12,22 @@ Truncation follows SGLang's order: top-k, then top-p on the cumulative mass of t
 temperature-scaled, not renormalized probabilities (a token is kept when the mass before it is
 <= top_p), then min-p relative to the most likely token. Ties with the last kept value are kept.
 
-Logprobs are those of the chosen token under log_softmax(logits / temperature), before any
-truncation (SGLang's default); for greedy rows (temperature 1) that is log_softmax(logits).
+Logprobs are taken under log_softmax(logits / temperature), before any truncation (SGLang's
+default, `SGLANG_RETURN_ORIGINAL_LOGPROB` off): the chosen token's, and on request the
+`top_logprobs_num` most likely tokens' (torch.topk of the same distribution); for greedy rows
+(temperature 1) that is log_softmax(logits). -inf is clamped to the float32 minimum, as SGLang does.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
 
+_FLOAT32_MIN = torch.finfo(torch.float32).min
 _M32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a 32-bit value times one stays inside int64.
 _C1 = 0x7FEB352D
@@ -36,23 +41,29 @@ class Sampler(nn.Module):
         self.check_finite = check_finite
 
     def forward(
-        self, logits: torch.Tensor, sampling_info: SamplingBatchInfo, return_logprob: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(next token ids, their logprobs or None, the rows with nothing to sample or None).
-        A row whose logits are all NaN or -inf still gets a valid id (its result is void)."""
+        self,
+        logits: torch.Tensor,
+        sampling_info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, TopLogprobs | None]:
+        """(next token ids, their logprobs or None, the rows with nothing to sample or None, the
+        `top_logprobs_num` most likely tokens of every row or None). A row whose logits are all
+        NaN or -inf still gets a valid id (its result is void)."""
         logits = sampling_info.apply_min_new_tokens(apply_penalties(logits.float(), sampling_info))
         invalid_rows = None
         if self.check_finite:
             logits, invalid_rows = sanitize_logits(logits)
-        next_ids, logprobs = self._sample(logits, sampling_info, return_logprob)
-        return next_ids, logprobs, invalid_rows
+        next_ids, scaled = self._sample(logits, sampling_info)
+        if not return_logprob:
+            return next_ids, None, invalid_rows, None
+        logprobs, top = logprobs_of(scaled, next_ids, top_logprobs_num)
+        return next_ids, logprobs, invalid_rows, top
 
-    def _sample(
-        self, logits: torch.Tensor, info: SamplingBatchInfo, return_logprob: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next ids, the logits the logprobs are taken from: logits / temperature)."""
         if info.is_all_greedy:
-            next_ids = torch.argmax(logits, dim=-1)
-            return next_ids, _chosen_logprobs(logits, next_ids) if return_logprob else None
+            return torch.argmax(logits, dim=-1), logits
 
         scaled = logits / info.temperatures
         probs = torch.softmax(scaled, dim=-1)
@@ -60,7 +71,7 @@ class Sampler(nn.Module):
         next_ids = _sample_inverse_cdf(kept, _uniforms(info, probs.device))
         if info.has_greedy:
             next_ids = torch.where(info.top_ks == 1, torch.argmax(logits, dim=-1), next_ids)
-        return next_ids, _chosen_logprobs(scaled, next_ids) if return_logprob else None
+        return next_ids, scaled
 
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -98,10 +109,27 @@ def sanitize_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | 
     return torch.where(empty.view(-1, 1), 0.0, logits), empty
 
 
-def _chosen_logprobs(scaled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log_softmax(scaled) at ids, without materializing it."""
-    chosen = scaled.gather(1, ids.view(-1, 1)).view(-1)
-    return chosen - torch.logsumexp(scaled, dim=-1)
+@dataclass
+class TopLogprobs:
+    """The k most likely tokens of each row, most likely first: logprobs float32 [rows, k] and
+    their token ids int64 [rows, k]."""
+
+    val: torch.Tensor
+    idx: torch.Tensor
+
+
+def logprobs_of(
+    scaled: torch.Tensor, ids: torch.Tensor, top_logprobs_num: int = 0
+) -> tuple[torch.Tensor, TopLogprobs | None]:
+    """log_softmax(scaled) at ids, and its top `top_logprobs_num` per row (None for 0), without
+    materializing the log-softmax (it is scaled minus the row's logsumexp, an order-preserving
+    shift, so torch.topk of scaled picks the same tokens)."""
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    chosen = (scaled.gather(1, ids.view(-1, 1)) - lse).view(-1).clamp_(min=_FLOAT32_MIN)
+    if top_logprobs_num <= 0:
+        return chosen, None
+    values, indices = torch.topk(scaled, min(top_logprobs_num, scaled.shape[-1]), dim=-1)
+    return chosen, TopLogprobs((values - lse).clamp_(min=_FLOAT32_MIN), indices)
 
 
 def _truncate(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

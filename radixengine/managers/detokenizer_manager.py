@@ -125,8 +125,8 @@ class IncrementalDetokenizer:
             output_ids=recv.output_ids,
             prompt_tokens=recv.prompt_tokens,
             cached_tokens=recv.cached_tokens,
-            output_token_logprobs=recv.output_token_logprobs,
             queue_times=recv.queue_times,
+            **recv.logprob_outputs(),
         )
 
     def _new_text(self, recv: BatchTokenIDOut, i: int) -> str:

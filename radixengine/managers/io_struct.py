@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from radixengine.sampling.sampling_params import SamplingParams
@@ -24,8 +24,13 @@ class GenerateReqInput:
     sampling_params: dict | None = None
     rid: str | None = None
     stream: bool = False
+    # SGLang's logprob fields: with return_logprob, the chosen tokens' logprobs, the
+    # top_logprobs_num most likely tokens' at each position, and the prompt's from
+    # logprob_start_len (-1: none); return_text_in_logprobs decodes each token's text.
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
     priority: int | None = None
     chat_template_kwargs: dict | None = None
     continue_final_message: bool = False
@@ -44,6 +49,7 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
     priority: int | None = None
     # A request the front end already knows is bad: the scheduler finishes it at once with this
     # error instead of running it (keeps one path for every finish).
@@ -83,8 +89,29 @@ class GetInternalStateReqOutput:
 INIT_INCREMENTAL_DETOKENIZATION_OFFSET = 5
 
 
+@dataclass(kw_only=True)
+class LogprobOutputs:
+    """Per request of a message, None for one that did not ask for logprobs: the output tokens'
+    logprobs new since its previous message (the chosen token's; with top_logprobs_num, the
+    most likely tokens' values and ids per position), and once, in the message after its prompt
+    is prefilled, the prompt's (from logprob_start_len: values, the first None, and ids; top
+    ones likewise). Empty lists when no request of the message asked."""
+
+    output_token_logprobs: list[list[float] | None] = field(default_factory=list)
+    output_top_logprobs_val: list[list[list[float]] | None] = field(default_factory=list)
+    output_top_logprobs_idx: list[list[list[int]] | None] = field(default_factory=list)
+    input_token_logprobs_val: list[list[float | None] | None] = field(default_factory=list)
+    input_token_logprobs_idx: list[list[int] | None] = field(default_factory=list)
+    input_top_logprobs_val: list[list[list[float] | None] | None] = field(default_factory=list)
+    input_top_logprobs_idx: list[list[list[int] | None] | None] = field(default_factory=list)
+
+    def logprob_outputs(self) -> dict[str, list]:
+        """These fields by name (to pass them on)."""
+        return {f.name: getattr(self, f.name) for f in fields(LogprobOutputs)}
+
+
 @dataclass
-class BatchTokenIDOut:
+class BatchTokenIDOut(LogprobOutputs):
     """One step's outputs. Per request only what is new since its previous message: the output
     ids (and their logprobs) sent before are not sent again, so a long generation costs the same
     per step; the detokenizer keeps each request's ids until its finish reason comes."""
@@ -99,8 +126,6 @@ class BatchTokenIDOut:
     cached_tokens: list[int]
     skip_special_tokens: list[bool]
     no_stop_trim: list[bool]
-    # Per request, per new output token: logprob of the chosen token (only when asked for).
-    output_token_logprobs: list[list[float] | None] = field(default_factory=list)
     # Per request: seconds from arrival to its first prefill batch (None while it waits); empty
     # when the scheduler does not report it. Feeds the per-priority queue-time metric.
     queue_times: list[float | None] = field(default_factory=list)
@@ -110,7 +135,7 @@ class BatchTokenIDOut:
 
 
 @dataclass
-class BatchStrOut:
+class BatchStrOut(LogprobOutputs):
     """Per request, like BatchTokenIDOut, only what is new since its previous message; the text
     of a finished request is its whole final text (decoded once, stop strings trimmed)."""
 
@@ -120,7 +145,6 @@ class BatchStrOut:
     output_ids: list[list[int]]  # the output ids new since the previous message
     prompt_tokens: list[int]
     cached_tokens: list[int]
-    output_token_logprobs: list[list[float] | None] = field(default_factory=list)
     queue_times: list[float | None] = field(default_factory=list)
 
 

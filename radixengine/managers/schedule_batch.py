@@ -64,18 +64,36 @@ class Req:
         top_logprobs_num: int = 0,
         stream: bool = False,
         priority: int | None = None,
+        logprob_start_len: int = -1,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
         self.return_logprob = return_logprob
-        self.top_logprobs_num = top_logprobs_num
+        # Without return_logprob neither is used (SGLang ignores them too). logprob_start_len -1
+        # means no prompt logprobs: the prompt's length.
+        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.logprob_start_len = len(self.origin_input_ids) if logprob_start_len == -1 else logprob_start_len
         self.stream = stream
         self.priority = priority
 
         self.output_ids: list[int] = []
+        # With return_logprob, per output token: the chosen token's logprob and, with
+        # top_logprobs_num, the most likely tokens' logprobs and ids.
         self.output_token_logprobs: list[float] = []
+        self.output_top_logprobs_val: list[list[float]] = []
+        self.output_top_logprobs_idx: list[list[int]] = []
+        # The prompt's, for its tokens from logprob_start_len on (the first is None: nothing
+        # before it is scored), set once the whole prompt is prefilled; the parts gather the
+        # chunks until then.
+        self.input_token_logprobs: list[float | None] | None = None
+        self.input_top_logprobs_val: list[list[float] | None] | None = None
+        self.input_top_logprobs_idx: list[list[int] | None] | None = None
+        self.input_logprobs_sent = False
+        self._input_logprobs_part: list[float] = []
+        self._input_top_val_part: list[list[float]] = []
+        self._input_top_idx_part: list[list[int]] = []
         # How many output ids (and their logprobs) stream_output has sent to the detokenizer.
         self.send_token_offset = 0
         # The tokens this round computes KV for (origin + output, truncated for a chunk).
@@ -127,9 +145,15 @@ class Req:
 
     def adjust_max_prefix_ids(self) -> list[int]:
         """The ids a prefix match may cover: all but the last, so at least one token is computed
-        and its logits exist."""
+        and its logits exist; while its prompt logprobs are due, none past logprob_start_len (the
+        positions they come from must be computed, as in SGLang)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
-        return self.fill_ids[: len(self.fill_ids) - 1]
+        return self.fill_ids[: self.max_prefix_len()]
+
+    def max_prefix_len(self) -> int:
+        """How many of origin + output ids a prefix match may cover (see adjust_max_prefix_ids)."""
+        limit = len(self.origin_input_ids) + len(self.output_ids) - 1
+        return min(limit, self.logprob_start_len) if self.needs_input_logprobs() else limit
 
     def init_next_round_input(self, tree_cache: Any = None) -> None:
         """Set fill_ids and extend_input_len for this round; with a tree cache, (re)match the
@@ -140,6 +164,51 @@ class Req:
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
             self.last_matched_prefix_len = len(self.prefix_indices)
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    # Logprobs ----------------------------------------------------------------------------------
+
+    def needs_input_logprobs(self) -> bool:
+        return (
+            self.return_logprob
+            and self.input_token_logprobs is None
+            and self.logprob_start_len < len(self.origin_input_ids)
+        )
+
+    def input_logprob_range(self, prefix_len: int, seq_len: int) -> tuple[int, int]:
+        """The positions of this extend (over tokens prefix_len..seq_len) whose logits score a
+        prompt token: from logprob_start_len to the one before the prompt's last."""
+        if not self.needs_input_logprobs():
+            return 0, 0
+        lo = max(self.logprob_start_len, prefix_len)
+        return lo, max(min(seq_len, len(self.origin_input_ids) - 1), lo)
+
+    def add_input_logprobs(
+        self, logprobs: list[float], top_val: list[list[float]] | None, top_idx: list[list[int]] | None
+    ) -> None:
+        self._input_logprobs_part += logprobs
+        if top_val is not None:
+            self._input_top_val_part += top_val
+            self._input_top_idx_part += top_idx
+
+    def finish_input_logprobs(self) -> None:
+        """The prompt is prefilled: its logprobs are complete (SGLang's shape, first one None)."""
+        if self.input_token_logprobs is not None:
+            return
+        if self.logprob_start_len >= len(self.origin_input_ids):
+            self.input_token_logprobs, self.input_top_logprobs_val, self.input_top_logprobs_idx = [], [], []
+            return
+        self.input_token_logprobs = [None, *self._input_logprobs_part]
+        self.input_top_logprobs_val = [None, *self._input_top_val_part] if self.top_logprobs_num else []
+        self.input_top_logprobs_idx = [None, *self._input_top_idx_part] if self.top_logprobs_num else []
+        self._input_logprobs_part, self._input_top_val_part, self._input_top_idx_part = [], [], []
+
+    def append_output_logprobs(
+        self, logprob: float, top_val: list[float] | None, top_idx: list[int] | None
+    ) -> None:
+        self.output_token_logprobs.append(logprob)
+        if self.top_logprobs_num:
+            self.output_top_logprobs_val.append(top_val)
+            self.output_top_logprobs_idx.append(top_idx)
 
     # Finishing ---------------------------------------------------------------------------------
 
@@ -184,6 +253,8 @@ class Req:
         self.is_retracted = True
         self.retraction_count += 1
         self.already_computed = 0
+        if self.input_token_logprobs is None:  # computed again from logprob_start_len
+            self._input_logprobs_part, self._input_top_val_part, self._input_top_idx_part = [], [], []
 
     @contextmanager
     def as_prefilled_upto(self, kv_len: int):
@@ -231,6 +302,11 @@ class ScheduleBatch:
     extend_lens: list[int] = field(default_factory=list)
     extend_num_tokens: int = 0
     return_logprob: bool = False
+    # EXTEND, when a request asks for prompt logprobs: see ModelWorkerBatch; and how many of the
+    # rows are each request's.
+    input_logprob_indices: torch.Tensor | None = None
+    input_logprob_token_ids: torch.Tensor | None = None
+    input_logprob_counts: list[int] | None = None
     # MIXED only: how many of the requests (the last ones) run their decode step in this batch.
     num_decoding_reqs: int = 0
     # The requests' output token counts (as of the tokens in output_ids), when one has a penalty.
@@ -345,6 +421,26 @@ class ScheduleBatch:
                 [r.output_ids for r in reqs], self.vocab_size, self.device
             )
         self._sampling_base = None
+        self._prepare_input_logprobs(prefix_lens, seq_lens)
+
+    def _prepare_input_logprobs(self, prefix_lens: list[int], seq_lens: list[int]) -> None:
+        """The rows whose logits give prompt logprobs, for the requests that still need them."""
+        self.input_logprob_indices = self.input_logprob_token_ids = self.input_logprob_counts = None
+        if not self.return_logprob or not any(r.needs_input_logprobs() for r in self.reqs):
+            return
+        rows: list[int] = []
+        targets: list[int] = []
+        counts: list[int] = []
+        pt = 0
+        for req, pre, seq in zip(self.reqs, prefix_lens, seq_lens):
+            lo, hi = req.input_logprob_range(pre, seq)
+            rows.extend(range(pt + lo - pre, pt + hi - pre))
+            targets.extend(req.origin_input_ids[lo + 1 : hi + 1])
+            counts.append(hi - lo)
+            pt += seq - pre
+        self.input_logprob_indices = _int64(rows, self.device)
+        self.input_logprob_token_ids = _int64(targets, self.device)
+        self.input_logprob_counts = counts
 
     # Decode ------------------------------------------------------------------------------------
 
@@ -385,6 +481,7 @@ class ScheduleBatch:
         self.num_decoding_reqs = 0
         self.input_ids, self.output_ids = self.output_ids, None
         self.prefix_lens, self.extend_lens, self.extend_num_tokens = [], [], 0
+        self.input_logprob_indices = self.input_logprob_token_ids = self.input_logprob_counts = None
         bs = len(self.reqs)
         allocator = self.token_to_kv_pool_allocator
         positions = self.seq_lens  # the new token's position, before the increment
@@ -539,6 +636,10 @@ class ScheduleBatch:
 
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         is_extend = self.forward_mode.is_extend()
+        top_logprobs_nums = None
+        if self.return_logprob:
+            nums = [r.top_logprobs_num for r in self.reqs]
+            top_logprobs_nums = nums if any(nums) else None
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
@@ -550,4 +651,7 @@ class ScheduleBatch:
             extend_seq_lens=list(self.extend_lens) if is_extend else None,
             sampling_info=self._sampling_info(),
             return_logprob=self.return_logprob,
+            top_logprobs_nums=top_logprobs_nums,
+            input_logprob_indices=self.input_logprob_indices if is_extend else None,
+            input_logprob_token_ids=self.input_logprob_token_ids if is_extend else None,
         )

@@ -25,6 +25,7 @@ from radixengine.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    LogprobOutputs,
     TokenizedGenerateReqInput,
     finish_length,
 )
@@ -212,6 +213,7 @@ class Scheduler:
             top_logprobs_num=recv.top_logprobs_num,
             stream=recv.stream,
             priority=recv.priority,
+            logprob_start_len=recv.logprob_start_len if recv.return_logprob else -1,
         )
         req.init_stop_str_window(self.tokenizer)
         if self.server_args.enable_priority_scheduling and req.priority is None:
@@ -240,6 +242,10 @@ class Scheduler:
                 f"(at most {self.max_req_input_len - 1} input tokens)."
             )
         max_new = req.sampling_params.max_new_tokens
+        if req.return_logprob and not 0 <= req.logprob_start_len <= n:
+            return (
+                f"logprob_start_len {req.logprob_start_len} must be -1 or in [0, {n}] (the input's length)."
+            )
         if n + max_new > self.max_req_len:
             return (
                 f"Requested token count exceeds the model's maximum context length of "
@@ -528,7 +534,7 @@ class Scheduler:
         ]
 
     def _prefix_being_computed(self, req: Req, trie: PrefixTrie) -> bool:
-        shared = trie.match(req.fill_ids[: len(req.fill_ids) - 1])
+        shared = trie.match(req.fill_ids[: req.max_prefix_len()])
         shared = shared // self.page_size * self.page_size
         return shared - len(req.prefix_indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
 
@@ -598,10 +604,10 @@ class Scheduler:
         out = self.tp_worker.forward_batch_generation(mwb)
         self.future_map.store_to_map(req_pool_indices, out.next_token_ids)
         result.next_token_ids = _to_host(out.next_token_ids)
-        if out.next_token_logprobs is not None:
-            result.next_token_logprobs = _to_host(out.next_token_logprobs)
-        if out.invalid_rows is not None:
-            result.invalid_rows = _to_host(out.invalid_rows)
+        for name in _OPTIONAL_RESULTS:
+            value = getattr(out, name)
+            if value is not None:
+                setattr(result, name, _to_host(value))
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         if batch.forward_mode.is_decode():
@@ -614,21 +620,29 @@ class Scheduler:
         if copy_done is not None:
             with self.timer.phase("wait"):
                 copy_done.synchronize()  # raises if the forward failed
-        logprobs = None
-        if batch.return_logprob and result.next_token_logprobs is not None:
-            logprobs = result.next_token_logprobs.tolist()
         invalid = frozenset()
         if result.invalid_rows is not None:
             invalid = frozenset(result.invalid_rows.nonzero().view(-1).tolist())
-        return HostResults(result.next_token_ids.tolist(), logprobs, invalid)
+        res = HostResults(result.next_token_ids.tolist(), None, invalid)
+        if batch.return_logprob:
+            res.logprobs = _tolist(result.next_token_logprobs)
+            res.top_val = _tolist(result.next_token_top_logprobs_val)
+            res.top_idx = _tolist(result.next_token_top_logprobs_idx)
+            res.input_logprobs = _tolist(result.input_token_logprobs)
+            res.input_top_val = _tolist(result.input_top_logprobs_val)
+            res.input_top_idx = _tolist(result.input_top_logprobs_idx)
+        return res
 
-    def _append_token(self, req: Req, token: int, logprob: float | None) -> None:
+    def _append_token(self, req: Req, token: int, res: HostResults, row: int) -> None:
         if req.sampling_params.max_new_tokens == 0:  # prefill only
             req.finished_reason = finish_length(0)
             return
         req.output_ids.append(token)
-        if req.return_logprob and logprob is not None:
-            req.output_token_logprobs.append(logprob)
+        if req.return_logprob and res.logprobs is not None:
+            k = req.top_logprobs_num
+            top_val = res.top_val[row][:k] if k and res.top_val is not None else None
+            top_idx = res.top_idx[row][:k] if k and res.top_idx is not None else None
+            req.append_output_logprobs(res.logprobs[row], top_val, top_idx)
         self.stats.num_generated_tokens += 1
         if len(req.output_ids) == 1:
             req.time_stats.first_token_time = time.perf_counter()
@@ -654,15 +668,18 @@ class Scheduler:
             with req.as_prefilled_upto(int(batch.seq_lens_cpu[row])):
                 self.tree_cache.cache_finished_req(req, is_insert=False)
             return
-        self._append_token(req, res.next_ids[row], res.logprobs[row] if res.logprobs else None)
+        self._append_token(req, res.next_ids[row], res, row)
         if req.finished():
             self._finish_req(req)
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: Any) -> None:
         res = self._host_results(batch, result)
         stale: list[int] = []
+        input_offsets = _offsets(batch.input_logprob_counts)
         for i, req in enumerate(batch.reqs):
             decoding = batch.is_decoding_req(i)  # a MIXED batch's decode step
+            if input_offsets is not None and not (req.is_retracted or req.finished()):
+                self._add_input_logprobs(req, res, input_offsets[i], input_offsets[i + 1])
             if req.is_retracted or req.finished():
                 # Overlap only: retracted while this batch ran (a re-prefill holds one slot more
                 # than cache_finished_req freed, its last output token's), or a decode step of a
@@ -673,11 +690,24 @@ class Scheduler:
             if req.is_chunked > 0:
                 req.is_chunked -= 1  # a partial prefill: its token is not an output
                 continue
+            if req.return_logprob and not decoding:
+                req.finish_input_logprobs()
             self._take_result(req, res, i, batch)
             if not req.finished() and not decoding:
                 self.tree_cache.cache_unfinished_req(req)
             self._pending_outputs.append(req)
         self._free_stale_slots(batch, stale)
+
+    @staticmethod
+    def _add_input_logprobs(req: Req, res: HostResults, start: int, end: int) -> None:
+        if start == end or res.input_logprobs is None:
+            return
+        top_val = top_idx = None
+        if req.top_logprobs_num and res.input_top_val is not None:
+            k = req.top_logprobs_num
+            top_val = [v[:k] for v in res.input_top_val[start:end]]
+            top_idx = [v[:k] for v in res.input_top_idx[start:end]]
+        req.add_input_logprobs(res.input_logprobs[start:end], top_val, top_idx)
 
     def process_batch_result_decode(self, batch: ScheduleBatch, result: Any) -> None:
         res = self._host_results(batch, result)
@@ -723,12 +753,14 @@ class Scheduler:
         self._pending_outputs = []
         if not reqs:
             return
-        new_ids, new_logprobs, tails = [], [], []
+        new_ids, tails = [], []
+        logprobs = LogprobOutputs() if any(r.return_logprob for r in reqs) else None
         for r in reqs:
             start = r.send_token_offset
             new_ids.append(r.output_ids[start:])
-            new_logprobs.append(r.output_token_logprobs[start:] if r.return_logprob else None)
             tails.append(r.origin_input_ids[-INIT_INCREMENTAL_DETOKENIZATION_OFFSET:] if start == 0 else None)
+            if logprobs is not None:
+                _add_logprob_outputs(logprobs, r, start)
             r.send_token_offset = len(r.output_ids)
         self.io.send(
             BatchTokenIDOut(
@@ -740,8 +772,8 @@ class Scheduler:
                 cached_tokens=[r.cached_tokens for r in reqs],
                 skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
                 no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
-                output_token_logprobs=new_logprobs,
                 queue_times=[_queue_time(r) for r in reqs],
+                **(logprobs.logprob_outputs() if logprobs is not None else {}),
             )
         )
 
@@ -971,6 +1003,21 @@ def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
     return frozenset() if eos is None else frozenset({eos})
 
 
+def _add_logprob_outputs(out: LogprobOutputs, req: Req, start: int) -> None:
+    """The request's logprobs new since output token `start` (and its prompt's, once)."""
+    top = req.return_logprob and req.top_logprobs_num > 0
+    out.output_token_logprobs.append(req.output_token_logprobs[start:] if req.return_logprob else None)
+    out.output_top_logprobs_val.append(req.output_top_logprobs_val[start:] if top else None)
+    out.output_top_logprobs_idx.append(req.output_top_logprobs_idx[start:] if top else None)
+    send_input = req.return_logprob and req.input_token_logprobs is not None and not req.input_logprobs_sent
+    if send_input:
+        req.input_logprobs_sent = True
+    out.input_token_logprobs_val.append(req.input_token_logprobs if send_input else None)
+    out.input_token_logprobs_idx.append(req.origin_input_ids[req.logprob_start_len :] if send_input else None)
+    out.input_top_logprobs_val.append(req.input_top_logprobs_val if send_input and top else None)
+    out.input_top_logprobs_idx.append(req.input_top_logprobs_idx if send_input and top else None)
+
+
 def _queue_time(req: Req) -> float | None:
     """Seconds from arrival to the first prefill batch (None if it never got one)."""
     t = req.time_stats
@@ -979,11 +1026,29 @@ def _queue_time(req: Req) -> float | None:
 
 @dataclass
 class HostResults:
-    """A batch's sampled tokens on the host."""
+    """A batch's sampled tokens on the host; the logprobs only when the batch asked for them
+    (per row, or per prompt-logprob row for the input ones)."""
 
     next_ids: list[int]
     logprobs: list[float] | None
     invalid_rows: frozenset[int]  # rows whose logits had nothing to sample
+    top_val: list[list[float]] | None = None
+    top_idx: list[list[int]] | None = None
+    input_logprobs: list[float] | None = None
+    input_top_val: list[list[float]] | None = None
+    input_top_idx: list[list[int]] | None = None
+
+
+# GenerationBatchResult's fields copied to the host when present.
+_OPTIONAL_RESULTS = (
+    "next_token_logprobs",
+    "invalid_rows",
+    "next_token_top_logprobs_val",
+    "next_token_top_logprobs_idx",
+    "input_token_logprobs",
+    "input_top_logprobs_val",
+    "input_top_logprobs_idx",
+)
 
 
 @dataclass
@@ -993,7 +1058,25 @@ class OverlapResult:
     next_token_ids: torch.Tensor | None = None
     next_token_logprobs: torch.Tensor | None = None
     invalid_rows: torch.Tensor | None = None
+    next_token_top_logprobs_val: torch.Tensor | None = None
+    next_token_top_logprobs_idx: torch.Tensor | None = None
+    input_token_logprobs: torch.Tensor | None = None
+    input_top_logprobs_val: torch.Tensor | None = None
+    input_top_logprobs_idx: torch.Tensor | None = None
     copy_done: Any = None
+
+
+def _tolist(t: torch.Tensor | None) -> list | None:
+    return None if t is None else t.tolist()
+
+
+def _offsets(counts: list[int] | None) -> list[int] | None:
+    if counts is None:
+        return None
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    return offsets
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

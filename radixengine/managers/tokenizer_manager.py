@@ -76,6 +76,30 @@ def abort_to_error(out: dict) -> RequestError:
 
 
 @dataclass
+class LogprobState:
+    """A request's logprobs in SGLang's meta_info shapes: `(logprob, token_id, text or None)` per
+    token, and per position a list of those for the most likely tokens (None where there is no
+    distribution: the first prompt token)."""
+
+    input_token_logprobs: list[tuple] = field(default_factory=list)
+    output_token_logprobs: list[tuple] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple] | None] = field(default_factory=list)
+
+    def meta_info(self, top_logprobs_num: int, copy: bool) -> dict:
+        c = list if copy else (lambda x: x)
+        meta = {
+            "input_token_logprobs": c(self.input_token_logprobs),
+            "output_token_logprobs": c(self.output_token_logprobs),
+            "output_token_logprobs_length": len(self.output_token_logprobs),
+        }
+        if top_logprobs_num > 0:
+            meta["input_top_logprobs"] = c(self.input_top_logprobs)
+            meta["output_top_logprobs"] = c(self.output_top_logprobs)
+        return meta
+
+
+@dataclass
 class ReqState:
     obj: GenerateReqInput
     sampling_params: SamplingParams
@@ -89,7 +113,7 @@ class ReqState:
     # The outputs so far (the detokenizer sends what is new each step); the text only when streaming.
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    output_token_logprobs: list[float] = field(default_factory=list)
+    logprobs: LogprobState | None = None  # with return_logprob
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -179,6 +203,8 @@ class TokenizerManager:
         tokenized = self.tokenize_request(obj)
         self.request_logger.log_received(obj)
         state = ReqState(obj, tokenized.sampling_params, len(tokenized.input_ids))
+        if obj.return_logprob:
+            state.logprobs = LogprobState()
         self.rid_to_state[tokenized.rid] = state
         self.send_to_scheduler.send_pyobj(tokenized)
         try:
@@ -242,7 +268,7 @@ class TokenizerManager:
         self.validate_input_ids(input_ids, sampling_params, param)
         if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
             raise RequestError(f"priority must be an integer, got {obj.priority!r}", param="priority")
-        check_top_logprobs_num(obj.top_logprobs_num)
+        check_logprob_params(obj, len(input_ids), self.vocab_size)
         obj.rid = rid
         return TokenizedGenerateReqInput(
             rid=rid,
@@ -251,6 +277,8 @@ class TokenizerManager:
             sampling_params=sampling_params,
             stream=obj.stream,
             return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             priority=obj.priority,
         )
 
@@ -408,9 +436,8 @@ class TokenizerManager:
         """Append the i-th request's new ids, logprobs and (streaming) text to its state."""
         new_ids = recv.output_ids[i]
         state.output_ids.extend(new_ids)
-        logprobs = recv.output_token_logprobs[i] if i < len(recv.output_token_logprobs) else None
-        if logprobs:
-            state.output_token_logprobs.extend(logprobs)
+        if state.logprobs is not None and recv.output_token_logprobs:
+            self._add_logprobs(state, recv, i, new_ids)
         if recv.finished_reasons[i] is not None:
             state.text = recv.output_strs[i]  # the whole final text
         elif state.obj.stream:
@@ -431,12 +458,37 @@ class TokenizerManager:
             "e2e_latency": now - state.created_time,
         }
         finished = reason is not None
-        if state.obj.return_logprob:
-            lps = state.output_token_logprobs
-            meta["output_token_logprobs"] = lps if finished else list(lps)
+        if state.logprobs is not None:
+            meta.update(state.logprobs.meta_info(state.obj.top_logprobs_num, copy=not finished))
         text = state.text if finished else self._visible_text(state.text, state)
         ids = state.output_ids if finished else list(state.output_ids)
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _add_logprobs(self, state: ReqState, recv: BatchStrOut, i: int, new_ids: list[int]) -> None:
+        """SGLang's convert_logprob_style: the message's new logprobs, as meta_info triples."""
+        lp, text = state.logprobs, state.obj.return_text_in_logprobs
+        if recv.input_token_logprobs_val[i] is not None:
+            lp.input_token_logprobs += self._triples(
+                recv.input_token_logprobs_val[i], recv.input_token_logprobs_idx[i], text
+            )
+            if recv.input_top_logprobs_val[i] is not None:
+                lp.input_top_logprobs += self._top_triples(
+                    recv.input_top_logprobs_val[i], recv.input_top_logprobs_idx[i], text
+                )
+        lp.output_token_logprobs += self._triples(recv.output_token_logprobs[i] or [], new_ids, text)
+        if recv.output_top_logprobs_val[i] is not None:
+            lp.output_top_logprobs += self._top_triples(
+                recv.output_top_logprobs_val[i], recv.output_top_logprobs_idx[i], text
+            )
+
+    def _triples(self, values: list, ids: list[int], with_text: bool) -> list[tuple]:
+        if not with_text:
+            return [(v, t, None) for v, t in zip(values, ids)]
+        texts = self.tokenizer.batch_decode([[t] for t in ids])
+        return list(zip(values, ids, texts))
+
+    def _top_triples(self, values: list, ids: list, with_text: bool) -> list[list[tuple] | None]:
+        return [None if v is None else self._triples(v, t, with_text) for v, t in zip(values, ids)]
 
     def _record_tokens(self, state: ReqState, num_new: int, now: float) -> None:
         if num_new <= 0:
@@ -519,22 +571,31 @@ class TokenizerManager:
                     future.set_exception(EngineDeadError(message))
 
 
-def check_top_logprobs_num(value: object) -> None:
-    """Only the chosen token's logprob is computed (`return_logprob`): a request for the top
-    alternatives is refused rather than answered without them."""
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+def check_logprob_params(obj: GenerateReqInput, input_len: int, vocab_size: int) -> None:
+    """SGLang's logprob fields: `None` means the default; top_logprobs_num in [0, vocab size];
+    logprob_start_len -1 (no prompt logprobs) or a position in the prompt (with return_logprob)."""
+    for name, default in (("top_logprobs_num", 0), ("logprob_start_len", -1)):
+        value = getattr(obj, name)
+        if value is None:
+            setattr(obj, name, default)
+        elif not isinstance(value, int) or isinstance(value, bool):
+            raise RequestError(f"{name} must be an integer, got {value!r}", param=name)
+    for name in ("return_logprob", "return_text_in_logprobs"):
+        if getattr(obj, name) is None:
+            setattr(obj, name, False)
+        elif not isinstance(getattr(obj, name), bool):
+            raise RequestError(f"{name} must be a boolean", param=name)
+    if not 0 <= obj.top_logprobs_num <= vocab_size:
         raise RequestError(
-            f"top_logprobs_num must be a non-negative integer, got {value!r}", param="top_logprobs_num"
+            f"top_logprobs_num must be in [0, {vocab_size}] (the vocabulary size), got {obj.top_logprobs_num}",
+            param="top_logprobs_num",
         )
-    if value == 0:
-        return
-    raise RequestError(
-        "top_logprobs_num is not supported: the engine computes only the logprob of the chosen token "
-        "(return_logprob)",
-        param="top_logprobs_num",
-    )
+    if obj.return_logprob and not -1 <= obj.logprob_start_len <= input_len:
+        raise RequestError(
+            f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {input_len}] (the number of "
+            f"input tokens), got {obj.logprob_start_len}",
+            param="logprob_start_len",
+        )
 
 
 def load_chat_template(value: str) -> str:

@@ -23,6 +23,13 @@ class GenerationBatchResult:
     next_token_ids: torch.Tensor  # int64 [bs], on the model's device
     next_token_logprobs: torch.Tensor | None = None  # float32 [bs] when the batch asked for them
     invalid_rows: torch.Tensor | None = None  # bool [bs]: nothing to sample (NaN logits); None if none
+    # The logprob results a request asked for besides the chosen tokens' (see LogitsProcessorOutput):
+    # top logprobs [bs, k] and prompt logprobs [rows] / [rows, k]; None when nobody asked.
+    next_token_top_logprobs_val: torch.Tensor | None = None
+    next_token_top_logprobs_idx: torch.Tensor | None = None
+    input_token_logprobs: torch.Tensor | None = None
+    input_top_logprobs_val: torch.Tensor | None = None
+    input_top_logprobs_idx: torch.Tensor | None = None
 
 
 @dataclass
@@ -77,6 +84,14 @@ class TpModelWorker:
         forward_batch = ForwardBatch.init_new(model_worker_batch, self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
         next_token_ids = self.model_runner.sample(logits_output, forward_batch)
+        out = logits_output
         return GenerationBatchResult(
-            next_token_ids, logits_output.next_token_logprobs, logits_output.invalid_rows
+            next_token_ids,
+            out.next_token_logprobs,
+            out.invalid_rows,
+            out.next_token_top_logprobs_val,
+            out.next_token_top_logprobs_idx,
+            out.input_token_logprobs,
+            out.input_top_logprobs_val,
+            out.input_top_logprobs_idx,
         )

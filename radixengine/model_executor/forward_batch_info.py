@@ -51,6 +51,12 @@ class ModelWorkerBatch:
     extend_seq_lens: list[int] | None  # EXTEND only: new tokens per request
     sampling_info: SamplingBatchInfo
     return_logprob: bool = False
+    # Per request, how many most likely tokens to report (None when no request asks for any).
+    top_logprobs_nums: list[int] | None = None
+    # EXTEND, when a request asks for prompt logprobs: the rows of input_ids whose logits give
+    # them (request by request) and the prompt token each row predicts; None otherwise.
+    input_logprob_indices: torch.Tensor | None = None
+    input_logprob_token_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -86,6 +92,9 @@ class ForwardBatch:
     attn_backend: AttentionBackend | None = None
     sampling_info: Any = None  # sampling.sampling_batch_info.SamplingBatchInfo
     return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None
+    input_logprob_indices: torch.Tensor | None = None  # int64 [rows]: see ModelWorkerBatch
+    input_logprob_token_ids: torch.Tensor | None = None  # int64 [rows]
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner) -> ForwardBatch:
@@ -106,7 +115,11 @@ class ForwardBatch:
             attn_backend=model_runner.attn_backend,
             sampling_info=batch.sampling_info,
             return_logprob=batch.return_logprob,
+            top_logprobs_nums=batch.top_logprobs_nums,
         )
+        if batch.input_logprob_indices is not None:
+            fb.input_logprob_indices = batch.input_logprob_indices.to(device)
+            fb.input_logprob_token_ids = batch.input_logprob_token_ids.to(device)
         if fb.forward_mode.is_extend():
             fb._init_extend(batch.extend_prefix_lens, batch.extend_seq_lens, device)
         return fb

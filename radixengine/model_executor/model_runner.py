@@ -9,7 +9,7 @@ import torch
 
 from radixengine.layers.attention import create_attention_backend
 from radixengine.layers.logits_processor import LogitsProcessorOutput
-from radixengine.layers.sampler import Sampler
+from radixengine.layers.sampler import Sampler, logprobs_of
 from radixengine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardBatch
@@ -237,19 +237,24 @@ class ModelRunner:
 
     @torch.no_grad()
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Next token ids (int64 `[bs]`); sets `logits_output.next_token_logprobs` on request."""
+        """Next token ids (int64 `[bs]`); on request sets `logits_output.next_token_logprobs` and
+        the top `max(top_logprobs_nums)` logprobs of every row."""
         logits = logits_output.next_token_logits
+        top_num = max(forward_batch.top_logprobs_nums or [0])
         if forward_batch.sampling_info is None:  # no sampling parameters: greedy
             next_ids = torch.argmax(logits, dim=-1)
+            logprobs = top = None
             if forward_batch.return_logprob:
-                logits_output.next_token_logprobs = _chosen_logprobs(logits, next_ids)
-            return next_ids
-        next_ids, logprobs, invalid_rows = self.sampler(
-            logits, forward_batch.sampling_info, forward_batch.return_logprob
-        )
-        forward_batch.sampling_info.cumulate_output_tokens(next_ids)
+                logprobs, top = logprobs_of(logits, next_ids, top_num)
+        else:
+            next_ids, logprobs, logits_output.invalid_rows, top = self.sampler(
+                logits, forward_batch.sampling_info, forward_batch.return_logprob, top_num
+            )
+            forward_batch.sampling_info.cumulate_output_tokens(next_ids)
         logits_output.next_token_logprobs = logprobs
-        logits_output.invalid_rows = invalid_rows
+        if top is not None:
+            logits_output.next_token_top_logprobs_val = top.val
+            logits_output.next_token_top_logprobs_idx = top.idx
         return next_ids
 
 
@@ -268,7 +273,3 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
-
-
-def _chosen_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return logits.gather(1, ids.view(-1, 1)).view(-1) - torch.logsumexp(logits, dim=-1)
