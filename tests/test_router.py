@@ -8,8 +8,8 @@ characters in the router's approximate radix tree (request texts it routed, per 
 worker with the longest match; otherwise to the least-loaded worker. So with requests sent one at
 a time, a tenant's later requests (a long shared system prompt) follow its first one to the same
 replica, and hit that replica's radix cache. It does not promise that two tenants land on
-different replicas (a new prefix goes to the least-loaded worker, ties to the first), so neither
-is asserted."""
+different replicas (a new prefix goes to the least-loaded worker, ties to the first), so that is
+not asserted."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ REPLICA_ARGS = [
 
 @pytest.fixture(scope="module")
 def cluster(model_path, tmp_path_factory):
-    """Two replicas and the router in front of them; yields (router_url, replicas, router_proc)."""
+    """Two replicas and the router in front of them; yields (router process, replica processes),
+    each with `base_url` and `log`."""
     logs = tmp_path_factory.mktemp("cluster")
     replicas = [start_test_server(model_path, logs / f"replica{i}.log", REPLICA_ARGS) for i in range(2)]
     router = None
