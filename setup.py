@@ -22,7 +22,16 @@ INSTALL_REQUIRES = [
     "psutil",
 ]
 EXTRAS = {
-    "test": ["pytest", "pytest-timeout", "openai", "httpx", "requests", "ruff", "matplotlib"],
+    "test": [
+        "pytest",
+        "pytest-timeout",
+        "openai",
+        "httpx",
+        "requests",
+        "ruff",
+        "matplotlib",
+        "sglang-router==0.3.2",
+    ],
     "cuda": ["flashinfer-python", "sgl-kernel"],
 }
 

@@ -140,14 +140,17 @@ def _alive(pid: int) -> bool:
 def launch_test_server(model_path: str, log_path, args: list[str], timeout: float = 300.0):
     """`python -m radixengine.launch_server` on a free loopback port with `args`, its output in
     `log_path`; returns the process (with `base_url` and `log` set) once /health answers 200."""
+    return wait_test_server(start_test_server(model_path, log_path, args), timeout)
+
+
+def start_test_server(model_path: str, log_path, args: list[str], port: int | None = None):
+    """Starts the server (on `port`, or a free loopback port) without waiting for it."""
     import subprocess
     import sys
 
-    import httpx
-
     from radixengine.utils.network import get_free_port
 
-    port = get_free_port()
+    port = port or get_free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -160,17 +163,24 @@ def launch_test_server(model_path: str, log_path, args: list[str], timeout: floa
     ]
     with open(log_path, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=subprocess_env())
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited:\n{log_path.read_text()}"
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.base_url, proc.log = base, log_path
+    proc.base_url, proc.log, proc.port = f"http://127.0.0.1:{port}", log_path, port
     return proc
+
+
+def wait_test_server(proc, timeout: float = 300.0):
+    """Returns `proc` once its /health answers 200; fails with its log if it exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"the server exited:\n{proc.log.read_text()}"
+        try:
+            if httpx.get(proc.base_url + "/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not answer /health:\n{proc.log.read_text()}"
+        time.sleep(0.3)
 
 
 def stop_test_server(proc) -> None:
