@@ -65,7 +65,7 @@ def _load_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
     weights = weights_iterator(model_config.hf_path)
     quant = model_config.quant_config
     if quant is None:
-        weights = unquantized_weights(weights)
+        weights = unquantized_weights(weights, expected)
     else:
         logger.info("%s checkpoint: weights dequantized to %s at load", quant.describe(), model_config.dtype)
         weights = dequantized_weights(weights, quant, expected)

@@ -24,6 +24,7 @@ SUPPORTED = "awq (version gemm, 4-bit, with zero points) and gptq (2, 4 or 8 bit
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # packed position of output column j in a word
 _PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
 _OPTIONAL = frozenset({"g_idx"})
+_PACKED = frozenset({"qweight", "qzeros", "g_idx"})
 
 
 @dataclass(frozen=True)
@@ -118,15 +119,23 @@ def dequantized_weights(
         yield f"{prefix}.weight", config.dequantize(prefix, got)
 
 
-def unquantized_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of a checkpoint whose config names no quantization; packed weights refused."""
+def unquantized_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], expected: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a checkpoint whose config names no quantization; packed parts are refused
+    (biases the model lacks come last, so that a packed checkpoint is named for what it is)."""
+    extra_biases = []
     for name, tensor in weights:
-        if name.endswith(".qweight"):
+        if name.rpartition(".")[2] in _PACKED:
             raise ValueError(
-                f"checkpoint tensor {name} is a packed quantized weight, but the model's config.json has no "
-                f"quantization_config naming its method; {SUPPORTED} checkpoints load"
+                f"checkpoint tensor {name} is part of a packed quantized weight, but the model's config.json "
+                f"has no quantization_config naming its method; {SUPPORTED} checkpoints load"
             )
-        yield name, tensor
+        if name.endswith(".bias") and name not in expected:
+            extra_biases.append((name, tensor))
+        else:
+            yield name, tensor
+    yield from extra_biases
 
 
 def _raw_config(hf_config, folder: str | Path) -> dict | None:
