@@ -31,16 +31,21 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
 def cache_repo(
-    cache: Path, repo_id: str, source: Path, commit: str, refs: tuple[str, ...] = ("main",)
+    cache: Path, repo_id: str, source: Path, commit: str, refs: tuple[str, ...] = ("main",), files=None
 ) -> Path:
-    """`source`'s files stored as huggingface_hub stores a download: content-addressed blobs,
-    `snapshots/<commit>/` symlinks to them, `refs/<name>` holding the commit. Returns the snapshot."""
+    """`source`'s files (or `files` of it) stored as huggingface_hub stores a download: blobs,
+    `snapshots/<commit>/` symlinks to them, `refs/<name>` holding the commit. Returns the
+    snapshot. A large file's blob is a link to it rather than a copy."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
-    for file in sorted(p for p in source.rglob("*") if p.is_file()):
-        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+    for file in files or sorted(p for p in source.rglob("*") if p.is_file()):
+        large = file.stat().st_size > 1 << 24
+        blob = repo / "blobs" / hashlib.sha256(str(file).encode() if large else file.read_bytes()).hexdigest()
         blob.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(file, blob)
+        if large:
+            blob.symlink_to(file)
+        else:
+            shutil.copyfile(file, blob)
         link = snapshot / file.relative_to(source)
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(blob, link.parent))
@@ -131,6 +136,22 @@ def test_gguf_of_a_cached_repo(hub):
         locate_model("org/tiny-GGUF:Q6_K")
     (gguf / "tiny-Q8_0.gguf").unlink()
     assert locate_model("org/tiny-GGUF") == str(gguf / "tiny-Q4_1.gguf")  # the repo's only .gguf
+
+
+def test_bundled_gguf_by_repo_and_quant_type(hub, gguf_path):
+    """The bundled SmolLM2 GGUF as a cached GGUF repo: `repo:Q4_1` loads it with its block
+    weights and its tokenizer, as the file itself does."""
+    cache, _ = hub
+    file = Path(gguf_path)
+    snapshot = cache_repo(cache, "HuggingFaceTB/SmolLM2-GGUF", file.parent, COMMIT_A, files=[file])
+    repo = "HuggingFaceTB/SmolLM2-GGUF:Q4_1"
+    assert locate_model(repo) == str(snapshot / file.name)
+    tokens = get_tokenizer(repo).encode("The capital of France is")
+    assert tokens == get_tokenizer(gguf_path).encode("The capital of France is")
+    ours, ref = make_runner(repo), make_runner(gguf_path)
+    assert ours.model.model.layers[0].mlp.down_proj.block_weight is not None
+    ours_logits = ModelDriver(ours).extend({"r": tokens})[0]
+    assert torch.equal(ours_logits, ModelDriver(ref).extend({"r": tokens})[0])
 
 
 def test_tokenizer_repo_id_and_revision(hub, tmp_path):
