@@ -21,9 +21,9 @@ from radixengine.model_loader import (
     get_tokenizer,
     locate_model,
     resolve_model_path,
+    resolve_tokenizer_path,
     weight_utils,
 )
-from radixengine.model_loader.model_paths import tokenizer_revision
 
 COMMIT_A = "a" * 40
 COMMIT_B = "0123456789abcdef0123456789abcdef01234567"
@@ -119,7 +119,7 @@ def test_missing_repo_names_where_it_looked(hub):
         locate_model("org/tiny", revision="v9")
     assert "refs/v9" in str(err.value) and "['main', 'v2']" in str(err.value)
     with pytest.raises(FileNotFoundError, match="--tokenizer-path org/absent"):
-        get_tokenizer("org/absent")
+        get_tokenizer("org/tiny", tokenizer_path="org/absent")
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         locate_model("./not/here")
 
@@ -134,6 +134,8 @@ def test_gguf_of_a_cached_repo(hub):
         locate_model("org/tiny-GGUF/tiny-Q5_K.gguf")
     with pytest.raises(FileNotFoundError, match="no .gguf file .* ends in Q6_K"):
         locate_model("org/tiny-GGUF:Q6_K")
+    with pytest.raises(FileNotFoundError, match=r"holds \['tiny-Q4_1.gguf', 'tiny-Q8_0.gguf'\]: name one"):
+        resolve_model_path("org/tiny-GGUF")
     (gguf / "tiny-Q8_0.gguf").unlink()
     assert locate_model("org/tiny-GGUF") == str(gguf / "tiny-Q4_1.gguf")  # the repo's only .gguf
 
@@ -160,12 +162,13 @@ def test_tokenizer_repo_id_and_revision(hub, tmp_path):
 
     build_tokenizer(str(tmp_path / "tok"))
     cache_repo(cache, "org/tok", tmp_path / "tok", COMMIT_B, refs=("v2",))
+    cache_repo(cache, "org/tok", tmp_path / "tok", COMMIT_A)
     assert get_tokenizer("org/tok", revision="v2").encode("hello world")
-    with pytest.raises(FileNotFoundError, match="refs/main"):
-        get_tokenizer("org/tok")
-    assert tokenizer_revision("org/tiny", None, "v2") == "v2"
-    assert tokenizer_revision("org/tiny", "org/tiny", "v2") == "v2"
-    assert tokenizer_revision("org/tiny", "org/tok", "v2") is None
+    with pytest.raises(FileNotFoundError, match="refs/v3"):
+        get_tokenizer("org/tok", revision="v3")
+    # --revision is the model's: it applies to the model's own repo, not to another tokenizer repo
+    assert resolve_tokenizer_path("org/tok", "org/tok", "v2").endswith(COMMIT_B)
+    assert resolve_tokenizer_path("org/tiny", "org/tok", "v2").endswith(COMMIT_A)
 
 
 def assert_same_model(ours, ref) -> None:

@@ -56,12 +56,9 @@ class EngineDeadError(RuntimeError):
 
 
 def load_tokenizer(server_args):
-    from radixengine.model_loader import get_tokenizer, tokenizer_revision
+    from radixengine.model_loader import get_tokenizer
 
-    a = server_args
-    return get_tokenizer(
-        a.tokenizer_path or a.model_path, tokenizer_revision(a.model_path, a.tokenizer_path, a.revision)
-    )
+    return get_tokenizer(server_args.model_path, server_args.revision, server_args.tokenizer_path)
 
 
 def is_abort(out: dict) -> bool:

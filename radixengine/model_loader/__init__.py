@@ -10,17 +10,20 @@ from radixengine.model_loader.model_paths import (
     locate_model,
     resolve_model_path,
     resolve_tokenizer_path,
-    tokenizer_revision,
 )
 from radixengine.model_loader.weight_utils import resolve_dtype
 
 
-def get_tokenizer(path: str | None = None, revision: str | None = None, **kwargs):
-    """`transformers.AutoTokenizer` for an HF folder, a GGUF file (its converted cache) or a
-    Hugging Face repo id in the local cache."""
+def get_tokenizer(
+    model_path: str | None = None, revision: str | None = None, tokenizer_path: str | None = None, **kwargs
+):
+    """`transformers.AutoTokenizer` of the model (or of `tokenizer_path`): an HF folder, a GGUF
+    file (its converted cache) or a Hugging Face repo id in the local cache."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_tokenizer_path(path, revision), **kwargs)
+    return AutoTokenizer.from_pretrained(
+        resolve_tokenizer_path(model_path, tokenizer_path, revision), **kwargs
+    )
 
 
 __all__ = [
@@ -33,5 +36,4 @@ __all__ = [
     "resolve_dtype",
     "resolve_model_path",
     "resolve_tokenizer_path",
-    "tokenizer_revision",
 ]

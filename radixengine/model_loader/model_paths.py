@@ -71,23 +71,25 @@ def resolve_model_path(model_path: str | None, revision: str | None = None) -> s
     if is_gguf(path):
         return str(convert_gguf(path))
     if not Path(path, "config.json").exists():
-        raise FileNotFoundError(f"{path} is neither a GGUF file nor a folder with config.json")
+        ggufs = _gguf_names(path) if os.path.isdir(path) else []
+        pick = (
+            f" (it holds {ggufs}: name one, as a path, <repo>/<file>.gguf or <repo>:<type>)" if ggufs else ""
+        )
+        raise FileNotFoundError(f"{path} is neither a GGUF file nor a folder with config.json{pick}")
     return path
 
 
-def resolve_tokenizer_path(path: str | None, revision: str | None = None) -> str:
-    """What `AutoTokenizer.from_pretrained` reads: a folder (a tokenizer's own folder needs no
-    config.json), or a GGUF's converted cache."""
-    located = locate_model(path, revision, flag="--tokenizer-path" if path else "--model-path")
+def resolve_tokenizer_path(
+    model_path: str | None, tokenizer_path: str | None = None, revision: str | None = None
+) -> str:
+    """What `AutoTokenizer.from_pretrained` reads: `tokenizer_path` (a tokenizer's own folder
+    needs no config.json), else the model's folder; a GGUF's converted cache. `revision` names a
+    version of the model's repo, so it applies to `tokenizer_path` only when that is the model's."""
+    if tokenizer_path is None or tokenizer_path == model_path:
+        located = locate_model(model_path, revision)
+    else:
+        located = locate_model(tokenizer_path, flag="--tokenizer-path")
     return str(convert_gguf(located)) if is_gguf(located) else located
-
-
-def tokenizer_revision(
-    model_path: str | None, tokenizer_path: str | None, revision: str | None
-) -> str | None:
-    """`--revision` names a version of the model's repo: the tokenizer's too when it comes from
-    that repo, not another repo's."""
-    return revision if tokenizer_path is None or tokenizer_path == model_path else None
 
 
 def _gguf_of_folder(path: str) -> str:
