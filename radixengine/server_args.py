@@ -249,7 +249,7 @@ _HELP = {
         "Requests may name any model (a single-model server)."
     ),
     "load_format": (
-        "auto: safetensors for a folder, gguf for a .gguf file; dummy: random weights of the config's "
+        "auto: safetensors (else PyTorch .bin) for a folder, gguf for a .gguf file; dummy: random weights of the config's "
         "shapes (benchmarks)."
     ),
     "dtype": (
