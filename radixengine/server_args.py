@@ -249,8 +249,8 @@ _HELP = {
         "Requests may name any model (a single-model server)."
     ),
     "load_format": (
-        "auto: safetensors (else PyTorch .bin) for a folder, gguf for a .gguf file; dummy: random weights of the config's "
-        "shapes (benchmarks)."
+        "auto: safetensors (else PyTorch .bin) for a folder, gguf for a .gguf file; dummy: random weights "
+        "of the config's shapes (benchmarks)."
     ),
     "dtype": (
         "dtype of the weights and activations. auto: bfloat16 on CUDA and on a CPU that multiplies bf16 "
