@@ -239,7 +239,9 @@ _HELP = {
         "(HF_HUB_CACHE, else HF_HOME/hub; never downloaded): org/name, org/name/file.gguf or "
         "org/name:Q4_K_M (the repo's .gguf of that type). Default: the bundled SmolLM2-135M-Instruct GGUF."
     ),
-    "tokenizer_path": "The tokenizer's folder, .gguf file or cached repo id (as --model-path). Default: --model-path.",
+    "tokenizer_path": (
+        "The tokenizer's folder, .gguf file or cached repo id (as --model-path). Default: --model-path."
+    ),
     "revision": (
         "The version of a repo id in the Hugging Face cache: a branch, a tag or a commit hash. Applies to "
         "--model-path, and to --tokenizer-path when that is unset or the same repo. Default: main."

@@ -1,5 +1,5 @@
-"""Reading checkpoint tensors: safetensors or PyTorch .bin folders, sharded or not, dtype choice; writing a float32 safetensors
-file one tensor at a time."""
+"""Reading checkpoint tensors: safetensors or PyTorch .bin folders, sharded or not, dtype choice;
+writing a float32 safetensors file one tensor at a time."""
 
 from __future__ import annotations
 
