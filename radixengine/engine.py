@@ -51,10 +51,11 @@ def launch_subprocesses(server_args: ServerArgs, tokenizer=None) -> TokenizerMan
     TokenizerManager wired to them (its `processes` are watched; `shutdown_subprocesses` ends them)."""
     from radixengine.managers.detokenizer_manager import run_detokenizer_process
     from radixengine.managers.scheduler_process import run_scheduler_process
-    from radixengine.model_loader import resolve_model_path
+    from radixengine.model_loader import resolve_model_path, resolve_tokenizer_path
 
-    resolve_model_path(server_args.model_path)  # a GGUF is converted once, here, not by each process
-    tokenizer_dir = resolve_model_path(server_args.tokenizer_path or server_args.model_path)
+    a = server_args
+    resolve_model_path(a.model_path, a.revision)  # a GGUF is converted once, here, not by each process
+    tokenizer_dir = resolve_tokenizer_path(a.model_path, a.tokenizer_path, a.revision)
     detokenizer_args = dataclasses.replace(server_args, tokenizer_path=tokenizer_dir)
     ctx = mp.get_context("spawn")
     ipc_dir = make_ipc_dir()

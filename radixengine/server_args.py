@@ -25,6 +25,7 @@ class ServerArgs:
     # Model
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
     tokenizer_path: str | None = None
+    revision: str | None = None  # see _HELP
     served_model_name: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
@@ -233,17 +234,25 @@ _HELP = {
         "where it sets them; openai: the OpenAI / SGLang defaults (temperature 1, top_p 1, ...)."
     ),
     "model_path": (
-        "A Hugging Face model folder (config.json + safetensors) or a .gguf file. Default: the bundled "
-        "SmolLM2-135M-Instruct GGUF."
+        "A Hugging Face model folder (config.json + safetensors or PyTorch .bin weights, AWQ / GPTQ "
+        "included), a .gguf file, or a Hugging Face repo id found in the local Hugging Face cache "
+        "(HF_HUB_CACHE, else HF_HOME/hub; never downloaded): org/name, org/name/file.gguf or "
+        "org/name:Q4_K_M (the repo's .gguf of that type). Default: the bundled SmolLM2-135M-Instruct GGUF."
     ),
-    "tokenizer_path": "The tokenizer's folder or file. Default: --model-path.",
+    "tokenizer_path": (
+        "The tokenizer's folder, .gguf file or cached repo id (as --model-path). Default: --model-path."
+    ),
+    "revision": (
+        "The version of a repo id in the Hugging Face cache: a branch, a tag or a commit hash. Applies to "
+        "--model-path, and to --tokenizer-path when that is unset or the same repo. Default: main."
+    ),
     "served_model_name": (
         "The model name /v1/models reports and the metrics' model_name label carry. Default: --model-path. "
         "Requests may name any model (a single-model server)."
     ),
     "load_format": (
-        "auto: safetensors for a folder, gguf for a .gguf file; dummy: random weights of the config's "
-        "shapes (benchmarks)."
+        "auto: safetensors (else PyTorch .bin) for a folder, gguf for a .gguf file; dummy: random weights "
+        "of the config's shapes (benchmarks)."
     ),
     "dtype": (
         "dtype of the weights and activations. auto: bfloat16 on CUDA and on a CPU that multiplies bf16 "

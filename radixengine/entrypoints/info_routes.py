@@ -31,6 +31,7 @@ async def model_info(request: Request) -> dict:
     config = _hf_config(tm)
     return {
         "model_path": tm.model_path,
+        "resolved_model_path": tm.resolved_model_path,
         "tokenizer_path": tm.tokenizer_path,
         "served_model_name": tm.served_model_name,
         "is_generation": True,
@@ -44,7 +45,7 @@ async def model_info(request: Request) -> dict:
 
 
 def _hf_config(tm: TokenizerManager) -> dict:
-    path = os.path.join(tm.tokenizer_path or "", "config.json")
+    path = os.path.join(tm.hf_dir or "", "config.json")
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
@@ -61,6 +62,7 @@ async def server_info(request: Request) -> dict:
     info = dataclasses.asdict(tm.server_args)
     info.update(
         model_path=tm.model_path,
+        resolved_model_path=tm.resolved_model_path,
         tokenizer_path=tm.tokenizer_path,
         served_model_name=tm.served_model_name,
         tp_size=1,

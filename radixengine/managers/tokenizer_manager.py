@@ -58,7 +58,7 @@ class EngineDeadError(RuntimeError):
 def load_tokenizer(server_args):
     from radixengine.model_loader import get_tokenizer
 
-    return get_tokenizer(server_args.tokenizer_path or server_args.model_path)
+    return get_tokenizer(server_args.model_path, server_args.revision, server_args.tokenizer_path)
 
 
 def is_abort(out: dict) -> bool:
@@ -128,12 +128,13 @@ class TokenizerManager:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(server_args)
         if server_args.chat_template:
             self.tokenizer.chat_template = load_chat_template(server_args.chat_template)
-        self.model_path = server_args.model_path or _default_model_path()
-        hf_dir = _hf_dir(self.model_path)  # a GGUF's converted cache
-        self.tokenizer_path = server_args.tokenizer_path or hf_dir
+        self.model_path = server_args.model_path or _default_model_path()  # as given
+        self.resolved_model_path = _located(self.model_path, server_args.revision)  # its folder or file
+        self.hf_dir = _hf_dir(self.resolved_model_path)  # config.json's folder (a GGUF's converted cache)
+        self.tokenizer_path = server_args.tokenizer_path or self.hf_dir
         self.served_model_name = server_args.served_model_name or _model_name(server_args.model_path)
         self.default_sampling_params = (
-            model_sampling_defaults(hf_dir) if server_args.sampling_defaults == "model" else {}
+            model_sampling_defaults(self.hf_dir) if server_args.sampling_defaults == "model" else {}
         )
         self.context_len: int | None = self.scheduler_info.get("context_len")
         self.max_req_input_len: int | None = self.scheduler_info.get("max_req_input_len")
@@ -631,6 +632,17 @@ def _default_model_path() -> str | None:
     try:
         return default_model_path()
     except FileNotFoundError:
+        return None
+
+
+def _located(model_path: str | None, revision: str | None) -> str | None:
+    """The folder or .gguf file the model is read from (a repo id's cached snapshot), None if
+    there is none."""
+    from radixengine.model_loader import locate_model
+
+    try:
+        return locate_model(model_path, revision) if model_path else None
+    except (FileNotFoundError, ValueError, OSError):
         return None
 
 

@@ -37,7 +37,11 @@ class ModelRunner:
             torch.set_num_threads(server_args.num_threads)
         set_random_seed(server_args.random_seed)
         self.model_config = ModelConfig(
-            server_args.model_path, server_args.context_length, server_args.dtype, server_args.device
+            server_args.model_path,
+            server_args.context_length,
+            server_args.dtype,
+            server_args.device,
+            revision=server_args.revision,
         )
         self.dtype = self.model_config.dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.dtype)

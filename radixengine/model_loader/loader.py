@@ -1,4 +1,5 @@
-"""Building a model from a ModelConfig: real weights from safetensors, or random (`dummy`)."""
+"""Building a model from a ModelConfig: real weights (safetensors or .bin, AWQ / GPTQ dequantized),
+or random (`dummy`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from torch import nn
 
 from radixengine.model_loader.gguf_loader import gguf_block_weights_iterator
 from radixengine.model_loader.model_config import ModelConfig
-from radixengine.model_loader.weight_utils import safetensors_weights_iterator
+from radixengine.model_loader.quantized_checkpoint import dequantized_weights, unquantized_weights
+from radixengine.model_loader.weight_utils import weights_iterator
 from radixengine.models import ModelRegistry
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,16 @@ MISSING_NAMES_SHOWN = 8
 def _load_checkpoint(model: nn.Module, model_config: ModelConfig) -> None:
     """Load every weight; a checkpoint that lacks any (a whole parameter or one part of a fused
     one) is refused, naming what it lacks: the model's memory would stay uninitialised."""
-    loaded = model.load_weights(safetensors_weights_iterator(model_config.hf_path))
-    missing = sorted(model.expected_weight_names() - loaded)
+    expected = model.expected_weight_names()
+    weights = weights_iterator(model_config.hf_path)
+    quant = model_config.quant_config
+    if quant is None:
+        weights = unquantized_weights(weights, expected)
+    else:
+        logger.info("%s checkpoint: weights dequantized to %s at load", quant.describe(), model_config.dtype)
+        weights = dequantized_weights(weights, quant, expected)
+    loaded = model.load_weights(weights)
+    missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:MISSING_NAMES_SHOWN])
         more = f" and {len(missing) - MISSING_NAMES_SHOWN} more" if len(missing) > MISSING_NAMES_SHOWN else ""

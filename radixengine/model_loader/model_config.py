@@ -8,21 +8,11 @@ from pathlib import Path
 
 import torch
 
-from radixengine.model_loader.default_model import default_model_path
-from radixengine.model_loader.gguf_loader import convert_gguf, is_gguf
+from radixengine.model_loader.model_paths import locate_model, resolve_model_path
+from radixengine.model_loader.quantized_checkpoint import QuantConfig
 from radixengine.model_loader.weight_utils import resolve_dtype
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    """The HF folder to load from: the path itself, or the converted cache of a GGUF file."""
-    model_path = model_path or default_model_path()
-    if is_gguf(model_path):
-        return str(convert_gguf(model_path))
-    if not Path(model_path, "config.json").exists():
-        raise FileNotFoundError(f"{model_path} is neither a GGUF file nor a folder with config.json")
-    return str(model_path)
 
 
 class ModelConfig:
@@ -32,12 +22,14 @@ class ModelConfig:
         context_length: int | None = None,
         dtype: str = "auto",
         device: str = "cpu",
+        revision: str | None = None,
     ) -> None:
         from transformers import AutoConfig
 
-        self.model_path = model_path or default_model_path()
+        self.model_path = locate_model(model_path, revision)  # on disk: a folder or a .gguf file
         self.hf_path = resolve_model_path(self.model_path)
         self.hf_config = AutoConfig.from_pretrained(self.hf_path)
+        self.quant_config: QuantConfig | None = QuantConfig.from_model(self.hf_config, self.hf_path)
         self.dtype: torch.dtype = resolve_dtype(dtype, device)
         c = self.hf_config
         self.architectures: list[str] = list(getattr(c, "architectures", None) or [])

@@ -1,5 +1,5 @@
-"""Reading checkpoint tensors: safetensors folders, dtype choice; writing a float32 safetensors
-file one tensor at a time."""
+"""Reading checkpoint tensors: safetensors or PyTorch .bin folders, sharded or not, dtype choice;
+writing a float32 safetensors file one tensor at a time."""
 
 from __future__ import annotations
 
@@ -14,26 +14,59 @@ import torch
 from safetensors import safe_open
 
 SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+# .bin files of a training run saved beside the weights (SGLang skips the same)
+NOT_WEIGHTS = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt"})
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
     """The checkpoint's *.safetensors files (those of the index when the checkpoint is sharded)."""
-    folder = Path(folder)
-    index = folder / SAFE_INDEX
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
-    files = sorted(folder.glob("*.safetensors"))
+    files = _indexed_or_glob(Path(folder), SAFE_INDEX, "*.safetensors")
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
     return files
 
 
-def safetensors_weights_iterator(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    """The weight files: *.safetensors when there are any, else PyTorch *.bin pickles (those of
+    pytorch_model.bin.index.json when it exists)."""
+    folder = Path(folder)
+    files = _indexed_or_glob(folder, SAFE_INDEX, "*.safetensors") or _indexed_or_glob(
+        folder, BIN_INDEX, "*.bin"
+    )
+    if not files:
+        raise FileNotFoundError(f"no weights in {folder}: no *.safetensors nor *.bin files")
+    return files
+
+
+def _indexed_or_glob(folder: Path, index_name: str, pattern: str) -> list[Path]:
+    index = folder / index_name
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    return sorted(p for p in folder.glob(pattern) if p.name not in NOT_WEIGHTS)
+
+
+def weights_iterator(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor of the folder, one file at a time."""
+    for path in checkpoint_files(folder):
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from _load_pt(path).items()
+
+
+def _load_pt(path: Path) -> dict[str, torch.Tensor]:
+    """A PyTorch state dict, tensors only (`weights_only`: no code runs from the pickle),
+    memory-mapped when the file is in torch's zip format."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def write_safetensors(
