@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -11,9 +10,6 @@ import torch
 from radixengine.model_loader.default_model import default_model_path
 from radixengine.model_loader.gguf_loader import convert_gguf, is_gguf
 from radixengine.model_loader.weight_utils import resolve_dtype
-
-logger = logging.getLogger(__name__)
-
 
 def resolve_model_path(model_path: str | None) -> str:
     """The HF folder to load from: the path itself, or the converted cache of a GGUF file."""
@@ -52,10 +48,6 @@ class ModelConfig:
 
     def _context_len(self, requested: int | None) -> int:
         limit = int(self.hf_config.max_position_embeddings)
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window and getattr(self.hf_config, "use_sliding_window", True) and window < limit:
-            logger.warning("sliding-window attention is not implemented; context capped at %d", window)
-            limit = int(window)
         if requested is not None and requested > limit:
             raise ValueError(f"--context-length {requested} exceeds the model's limit {limit}")
         return requested or limit
