@@ -35,7 +35,11 @@ TINY_ARCH = {
         final_logit_softcapping=4.0,
     ),
     "gemma3": dict(
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=7, final_logit_softcapping=6.0
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        num_hidden_layers=7,
+        final_logit_softcapping=6.0,
     ),
     # Phi-4-mini's shape: partial rotary (12 of 16 features) and longrope switching to its long
     # factors past 20 tokens.

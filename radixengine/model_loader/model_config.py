@@ -11,6 +11,7 @@ from radixengine.model_loader.default_model import default_model_path
 from radixengine.model_loader.gguf_loader import convert_gguf, is_gguf
 from radixengine.model_loader.weight_utils import resolve_dtype
 
+
 def resolve_model_path(model_path: str | None) -> str:
     """The HF folder to load from: the path itself, or the converted cache of a GGUF file."""
     model_path = model_path or default_model_path()
