@@ -23,19 +23,60 @@ TINY = dict(
 )
 
 
+# Windows and soft caps small enough to matter on the tests' sequences (up to ~80 tokens).
+TINY_ARCH = {
+    "qwen3": dict(head_dim=16),
+    "mistral": dict(head_dim=16, sliding_window=8),
+    "gemma2": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0,
+    ),
+    "gemma3": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        num_hidden_layers=7,
+        final_logit_softcapping=6.0,
+    ),
+    # Phi-4-mini's shape: partial rotary (12 of 16 features) and longrope switching to its long
+    # factors past 20 tokens.
+    "phi3": dict(
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        sliding_window=12,
+        original_max_position_embeddings=20,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.1],
+            "long_factor": [1.5, 2.5, 4.0, 6.5, 9.0, 14.0],
+        },
+    ),
+}
+ARCH_NAMES = {"gemma3": "Gemma3ForCausalLM"}
+
+
 def tiny_config(arch: str, **overrides):
     import transformers
 
-    kwargs = dict(TINY, **overrides)
-    if arch == "qwen3":
-        kwargs.setdefault("head_dim", 16)
+    kwargs = dict(TINY, **TINY_ARCH.get(arch, {}))
+    kwargs.update(overrides)
     cls = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
     }[arch]
     config = cls(**kwargs)
-    config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [ARCH_NAMES.get(arch, cls.__name__.replace("Config", "ForCausalLM"))]
     return config
 
 
@@ -81,6 +122,7 @@ class _Req:
     row: int
     tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the pool
     slots: list[int] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)  # tokens of each forward that added to `tokens`
 
 
 class ModelDriver:
@@ -112,6 +154,7 @@ class ModelDriver:
         batch = self._batch(ForwardMode.EXTEND, reqs, ids, locs, prefix, extend)
         for r, rid in zip(reqs, rids):
             r.tokens += new_tokens[rid]
+            r.chunks.append(len(new_tokens[rid]))
         return self.forward(batch)
 
     def decode(self, next_tokens: dict[str, int]) -> torch.Tensor:
@@ -121,6 +164,7 @@ class ModelDriver:
         batch = self._batch(ForwardMode.DECODE, reqs, list(next_tokens.values()), locs, None, None)
         for r, tok in zip(reqs, next_tokens.values()):
             r.tokens.append(tok)
+            r.chunks.append(1)
         return self.forward(batch)
 
     def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
@@ -179,8 +223,20 @@ class ModelDriver:
 
 
 @torch.no_grad()
-def hf_last_logits(hf_model, tokens: list[int]) -> torch.Tensor:
-    return hf_model(torch.tensor([tokens])).logits[0, -1].float()
+def hf_last_logits(hf_model, tokens: list[int], chunks: list[int] | None = None) -> torch.Tensor:
+    """transformers' logits of the last token: one forward over `tokens`, or with `chunks` (token
+    counts summing to len(tokens)) one forward per chunk over a KV cache, as `generate` runs
+    (longrope picks its factors per forward: its logits depend on the split)."""
+    if chunks is None:
+        return hf_model(torch.tensor([tokens])).logits[0, -1].float()
+    from transformers import DynamicCache
+
+    assert sum(chunks) == len(tokens), (chunks, len(tokens))
+    cache, start = DynamicCache(config=hf_model.config), 0
+    for n in chunks:
+        out = hf_model(torch.tensor([tokens[start : start + n]]), past_key_values=cache, use_cache=True)
+        start += n
+    return out.logits[0, -1].float()
 
 
 def assert_close_rel(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4) -> None:

@@ -196,3 +196,51 @@ def test_decode_attention_kernel_matches_sdpa(num_heads, num_kv, head_dim):
         v = v_buf[s].repeat_interleave(group, 1).transpose(0, 1)
         ref = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=scale)[:, 0]
         torch.testing.assert_close(out[i], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window_left,logit_cap", [(0, 0.0), (5, 0.0), (40, 0.0), (-1, 3.0), (7, 3.0)])
+def test_decode_attention_kernel_sliding_window_and_soft_cap(window_left, logit_cap):
+    """Keys before each request's window are skipped and scores soft-capped, as the CPU
+    reference does (lengths below, at and beyond the window)."""
+    from radixengine.layers.attention.native_cpu_ops import decode_attention_reference
+    from radixengine.layers.triton_ops.decode_attention import decode_attention
+
+    torch.manual_seed(1)
+    lens = [1, 6, 8, 31, 300] if DEVICE == "cuda" else [1, 6, 8, 31]
+    pool = sum(lens) + 1
+    k_buf = torch.randn(pool, 2, 64, device=DEVICE)
+    v_buf = torch.randn(pool, 2, 64, device=DEVICE)
+    req_to_token = torch.zeros(6, max(lens) + 4, dtype=torch.int32, device=DEVICE)
+    slots = (torch.randperm(pool - 1) + 1).to(DEVICE)
+    start = 0
+    for row, n in enumerate(lens):
+        req_to_token[row, :n] = slots[start : start + n].int()
+        start += n
+    q = torch.randn(len(lens), 8, 64, device=DEVICE)
+    rows, seq_lens = torch.arange(len(lens), device=DEVICE), torch.tensor(lens, device=DEVICE)
+    args = (q, k_buf, v_buf, req_to_token, rows, seq_lens, 0.3)
+    out = decode_attention(*args, window_left=window_left, logit_cap=logit_cap)
+    ref = decode_attention_reference(*args, window_left=window_left, logit_cap=logit_cap)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    if 0 <= window_left < lens[-1] - 1:  # the window matters for the longest request
+        whole = decode_attention_reference(*args, logit_cap=logit_cap)
+        assert not torch.allclose(out[-1], whole[-1], atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3"])
+def test_windowed_models_triton_matches_torch_native_and_transformers(arch, tmp_path):
+    """Sliding windows (8 and 12 tokens) shorter than the prompts, Gemma 2's soft-capping:
+    Triton decode (with CUDA graphs where CUDA runs) equal to torch_native and transformers."""
+    hf = save_tiny_model(arch, tmp_path, seed=5)
+    prompts = prompts_for(2, [33, 4, 20])
+    ref_tokens, ref_logits, _ = greedy(runner_for(tmp_path, "torch_native"), prompts, 4)
+    tokens, logits, driver = greedy(runner_for(tmp_path, "triton", graphs=DEVICE == "cuda"), prompts, 4)
+    assert tokens == ref_tokens
+    for ours, ref in zip(logits, ref_logits):
+        assert_close_rel(ours, ref, rtol=1e-4)
+    longrope = (hf.config.rope_parameters or {}).get("rope_type") == "longrope"
+    for i, rid in enumerate(prompts):
+        req = driver.reqs[rid]
+        assert_close_rel(
+            logits[-1][i], hf_last_logits(hf, req.tokens, req.chunks if longrope else None), rtol=1e-4
+        )

@@ -476,3 +476,65 @@ def test_nan_in_slots_no_query_sees_does_not_leak(dtype: torch.dtype) -> None:
         for out, expected in (decode, extend):
             assert torch.isfinite(expected).all()
             assert torch.isfinite(out).all(), f"splits={splits}"
+
+
+WINDOW_CAP = [(0, 0.0), (6, 0.0), (50, 0.0), (-1, 2.5), (17, 2.5)]
+
+
+def test_references_window_and_cap_match_explicit_softmax() -> None:
+    """With a sliding window a query at position p sees positions p - window .. p; soft-capped
+    scores are cap * tanh(score / cap)."""
+    gen = torch.Generator().manual_seed(5)
+    batch = make_batch(gen, 3, 40, 2, 64, torch.float32)
+    ext = torch.minimum(batch.seq_lens, torch.tensor([5, 1, 40]))
+    start = torch.cumsum(ext, 0) - ext
+    q = torch.randn(int(ext.sum()), 6, 64, generator=gen)
+    qd = torch.randn(3, 6, 64, generator=gen)
+    pool = (batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+    window, cap = 4, 1.5
+    out = ops.extend_attention_reference(q, *pool, ext, start, 0.3, window, cap)
+    out_d = ops.decode_attention_reference(qd, *pool, 0.3, window, cap)
+
+    def explicit(qv: torch.Tensor, row: int, visible: int, head: int) -> torch.Tensor:
+        slots = batch.req_to_token[row, max(0, visible - 1 - window) : visible].long()
+        k, v = batch.k_buffer[slots, head // 3], batch.v_buffer[slots, head // 3]
+        return torch.softmax(torch.tanh(k @ qv * 0.3 / cap) * cap, 0) @ v
+
+    for i in range(3):
+        row, n = int(batch.req_pool_indices[i]), int(batch.seq_lens[i])
+        for h in range(6):
+            torch.testing.assert_close(out_d[i, h], explicit(qd[i, h], row, n, h))
+            for j in range(int(ext[i])):
+                t = int(start[i]) + j
+                torch.testing.assert_close(out[t, h], explicit(q[t, h], row, n - int(ext[i]) + j + 1, h))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("window_left,logit_cap", WINDOW_CAP)
+def test_window_and_cap_match_reference(dtype: torch.dtype, group: int, window_left: int, logit_cap: float):
+    """Extend (no prefix, one token, a random split: query blocks whose later queries see none of
+    the first key block's keys) and decode (every split count) with a sliding window and
+    soft-capping, against the references."""
+    gen = torch.Generator().manual_seed(3000 + group * 31 + window_left)
+    batch = make_batch(gen, 7, 300, 2, 64, dtype)
+    choice = torch.arange(7) % 3
+    random_ext = (torch.rand(7, generator=gen) * batch.seq_lens).long().clamp(min=1)
+    ext = torch.where(choice == 0, batch.seq_lens, torch.where(choice == 1, 1, random_ext))
+    start = torch.cumsum(ext, 0) - ext
+    pool = (batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+    q = torch.randn(int(ext.sum()), 2 * group, 64, generator=gen).to(dtype)
+    extra = (window_left, logit_cap)
+    expected = ops.extend_attention_reference(q, *pool, ext, start, 0.125, *extra)
+    torch.testing.assert_close(
+        ops.extend_attention(q, *pool, ext, start, 0.125, *extra).float(), expected.float(), **TOL[dtype]
+    )
+    qd = torch.randn(7, 2 * group, 64, generator=gen).to(dtype)
+    expected = ops.decode_attention_reference(qd, *pool, 0.125, *extra)
+    for splits in (0, 1, 3, 7):
+        out = ops.decode_attention(qd, *pool, 0.125, splits, *extra)
+        torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype], msg=f"splits={splits}")
+    if window_left >= 0:  # the window matters on these lengths
+        whole = ops.decode_attention_reference(qd, *pool, 0.125, -1, logit_cap)
+        assert not torch.allclose(whole.float(), expected.float(), atol=1e-2)

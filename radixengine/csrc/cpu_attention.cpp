@@ -9,12 +9,18 @@
 // misses overlap (the slots of a request are scattered over the pool). Long sequences at small batch are split so that every
 // thread has work (flash-decoding); the partial results are merged by their log-sum-exp.
 //
+// Sliding window (window_left >= 0): a query at position p reads only the keys at positions
+// p - window_left .. p; decode starts its keys there, extend starts each query block's keys at
+// its first query's window and masks the keys that fall out of the later queries' windows.
+// Soft-capping (logit_cap > 0): each score s becomes logit_cap * tanh(s / logit_cap).
+//
 // Extend: one task per (request, kv head, block of queries). A block of queries x a block of
 // keys is two small matrix products (scores = K * Q^T, out += P * V), so each K/V block is read
 // once per query block and the work is compute-bound.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -60,6 +66,17 @@ template <typename T>
 inline void store_scaled(const float* src, T* dst, int64_t D, float s) {
   const VecF sv = VecF::broadcast(s);
   for (int64_t d = 0; d < D; d += kVecWidth) (VecF::load(src + d) * sv).store(dst + d);
+}
+
+// x[i] = cap * tanh(x[i] / cap) (scalar tanh: soft-capped models only).
+inline void soft_cap(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
+}
+
+// The first key position a query at `pos` reads: pos - window_left (0 without a window).
+inline int64_t window_start(int64_t pos, int64_t window_left) {
+  return window_left >= 0 ? std::max<int64_t>(0, pos - window_left) : 0;
 }
 
 inline void scale_row(float* x, int64_t D, float s) {
@@ -146,6 +163,8 @@ struct DecodeArgs {
   int64_t out_stride0, out_stride1;
   int64_t num_splits;
   float scale;
+  int64_t window_left;  // -1: no sliding window
+  float logit_cap;      // 0: no soft-capping
   float* partial_out;  // [batch, H, num_splits, D] when num_splits > 1
   float* partial_lse;  // [batch, H, num_splits]
 };
@@ -178,8 +197,10 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   const int64_t Hkv = a.pool.num_kv_heads;
   const int64_t row = a.req_pool_indices[b];
   const int64_t seq_len = a.seq_lens[b];
-  const int64_t chunk = round_up((seq_len + a.num_splits - 1) / a.num_splits, kDecodeBlock);
-  const int64_t begin = std::min(seq_len, split * chunk);
+  const int64_t first = std::min(seq_len, window_start(seq_len - 1, a.window_left));
+  const int64_t num_keys = seq_len - first;
+  const int64_t chunk = round_up((num_keys + a.num_splits - 1) / a.num_splits, kDecodeBlock);
+  const int64_t begin = first + std::min(num_keys, split * chunk);
   const int64_t end = std::min(seq_len, begin + chunk);
   const int64_t row_stride = Hkv * D;
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(KVT));
@@ -221,6 +242,7 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
       for (int64_t g = 0; g < G; ++g) {
         const int64_t hg = h * G + g;
         float* s = scores + g * kDecodeBlock;
+        if (a.logit_cap > 0.0f) soft_cap(s, n, a.logit_cap);
         std::fill(s + n, s + n_pad, kNegInf);
         VecF mx = VecF::broadcast(kNegInf);
         for (int64_t i = 0; i < n_pad; i += kVecWidth) mx = vmax(mx, VecF::load(s + i));
@@ -345,6 +367,8 @@ struct ExtendArgs {
   int64_t q_stride0, q_stride1;
   int64_t out_stride0, out_stride1;
   float scale;
+  int64_t window_left;  // -1: no sliding window
+  float logit_cap;      // 0: no soft-capping
 };
 
 template <typename QT, typename KVT>
@@ -401,7 +425,13 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   std::fill(row_sum, row_sum + ld, 0.0f);
   std::fill(acc, acc + M * D, 0.0f);
 
-  for (int64_t start = 0; start < num_keys; start += BK) {
+  // With a window, a query block's later queries may see no key of an early key block: their
+  // running max is floored at -FLT_MAX there (exp(-inf - -inf) would be NaN), which keeps their
+  // weights 0 until a visible key comes.
+  const int64_t key_begin = window_start(first_pos, a.window_left);
+  const bool windowed = a.window_left >= 0;
+  const VecF max_floor = VecF::broadcast(-std::numeric_limits<float>::max());
+  for (int64_t start = key_begin; start < num_keys; start += BK) {
     const int64_t n = std::min(BK, num_keys - start);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t offset = slot_at(a.pool, row, start + i) * row_stride + kv_head * D;
@@ -418,12 +448,18 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
 
     // S^T [n][ld] = K [n][D] * Q^T [D][ld]
     gemm(n, ld, D, k_rows, 1, qt_rows, 0, st, ld, /*accumulate=*/false);
+    if (a.logit_cap > 0.0f) soft_cap(st, n * ld, a.logit_cap);
 
     // Causal mask: the key at position p is hidden from the queries before it, i.e. from
-    // rows m < (p - first_pos) * G.
+    // rows m < (p - first_pos) * G; the window hides it from the queries after
+    // p + window_left, rows m >= (p + window_left + 1 - first_pos) * G.
     for (int64_t i = 0; i < n; ++i) {
       const int64_t hidden = std::min(M, (start + i - first_pos) * G);
       if (hidden > 0) std::fill(st + i * ld, st + i * ld + hidden, kNegInf);
+      if (windowed) {
+        const int64_t from = std::max<int64_t>(0, (start + i + a.window_left + 1 - first_pos) * G);
+        if (from < M) std::fill(st + i * ld + from, st + i * ld + M, kNegInf);
+      }
     }
 
     // Online softmax down the columns of S^T (one column per query row).
@@ -431,7 +467,7 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
       VecF mx = VecF::broadcast(kNegInf);
       for (int64_t i = 0; i < n; ++i) mx = vmax(mx, VecF::load(st + i * ld + c));
       const VecF old_max = VecF::load(row_max + c);
-      const VecF new_max = vmax(old_max, mx);
+      const VecF new_max = windowed ? vmax(max_floor, vmax(old_max, mx)) : vmax(old_max, mx);
       const VecF scale_old = vexp(old_max - new_max);
       VecF sum = VecF::zero();
       for (int64_t i = 0; i < n; ++i) {
@@ -443,7 +479,7 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
       new_max.store(row_max + c);
       scale_old.store(alpha + c);
     }
-    if (start > 0) {
+    if (start > key_begin) {
       for (int64_t m = 0; m < M; ++m) {
         if (alpha[m] != 1.0f) scale_row(acc + m * D, D, alpha[m]);
       }
@@ -473,7 +509,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices_in,
                             const at::Tensor& seq_lens_in, double scale,
-                            int64_t num_kv_splits) {
+                            int64_t num_kv_splits, int64_t window_left, double logit_cap) {
   check_pool(q_in, k_buffer, v_buffer, req_to_token, "decode_attention");
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const at::Tensor req_pool_indices = as_int64(req_pool_indices_in);
@@ -496,7 +532,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
                 "decode_attention: seq_len ", lens[b], " out of range");
     TORCH_CHECK(rows[b] >= 0 && rows[b] < req_to_token.size(0),
                 "decode_attention: req_pool_index ", rows[b], " out of range");
-    max_len = std::max(max_len, lens[b]);
+    max_len = std::max(max_len, lens[b] - std::min(lens[b], window_start(lens[b] - 1, window_left)));
   }
 
   DecodeArgs args{};
@@ -512,6 +548,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
   args.out_stride1 = out.stride(1);
   args.num_splits = num_kv_splits > 0 ? num_kv_splits : choose_num_splits(bs, max_len);
   args.scale = static_cast<float>(scale);
+  args.window_left = window_left;
+  args.logit_cap = static_cast<float>(logit_cap);
 
   at::Tensor partial_out, partial_lse;
   if (args.num_splits > 1) {
@@ -545,7 +583,8 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
                             const at::Tensor& req_pool_indices_in,
                             const at::Tensor& seq_lens_in,
                             const at::Tensor& extend_seq_lens_in,
-                            const at::Tensor& extend_start_loc_in, double scale) {
+                            const at::Tensor& extend_start_loc_in, double scale,
+                            int64_t window_left, double logit_cap) {
   check_pool(q_in, k_buffer, v_buffer, req_to_token, "extend_attention");
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const at::Tensor req_pool_indices = as_int64(req_pool_indices_in);
@@ -577,6 +616,8 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
   args.out_stride0 = out.stride(0);
   args.out_stride1 = out.stride(1);
   args.scale = static_cast<float>(scale);
+  args.window_left = window_left;
+  args.logit_cap = static_cast<float>(logit_cap);
 
   // Tasks: (request, query block), longest first; each runs for every kv head.
   struct Block {

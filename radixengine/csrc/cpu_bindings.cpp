@@ -9,12 +9,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &cpu::decode_attention, "Decode attention over the paged KV pool",
         py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),
         py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("num_kv_splits") = 0);
+        py::arg("num_kv_splits") = 0, py::arg("window_left") = -1, py::arg("logit_cap") = 0.0);
   m.def("extend_attention", &cpu::extend_attention,
         "Causal extend (prefill) attention over the paged KV pool with a cached prefix",
         py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),
         py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("extend_seq_lens"),
-        py::arg("extend_start_loc"), py::arg("scale"));
+        py::arg("extend_start_loc"), py::arg("scale"), py::arg("window_left") = -1,
+        py::arg("logit_cap") = 0.0);
   m.def("set_kv_buffer", &cpu::set_kv_buffer, "Scatter K/V rows into the pool in place",
         py::arg("k_buffer"), py::arg("v_buffer"), py::arg("loc"), py::arg("k"), py::arg("v"));
   m.def("rms_norm", &cpu::rms_norm, "RMSNorm of [tokens, hidden] rows", py::arg("x"),

@@ -14,23 +14,27 @@ namespace radixengine::cpu {
 
 // q [bs, H, D]; each request b attends over positions 0..seq_lens[b]-1 of row
 // req_pool_indices[b]. num_kv_splits: 0 picks a split of long sequences across threads
-// automatically; n > 0 forces n splits (for tests). Returns [bs, H, D] in q's dtype.
+// automatically; n > 0 forces n splits (for tests). window_left >= 0: only the positions
+// seq_lens[b] - 1 - window_left .. seq_lens[b] - 1 (a sliding window); logit_cap > 0: scores
+// soft-capped to logit_cap * tanh(score / logit_cap). Returns [bs, H, D] in q's dtype.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens, double scale,
-                            int64_t num_kv_splits);
+                            int64_t num_kv_splits, int64_t window_left, double logit_cap);
 
 // q [T, H, D] holds the new tokens of each request (request b: rows extend_start_loc[b] ..
 // + extend_seq_lens[b]); token j of request b is at absolute position prefix_b + j, with
 // prefix_b = seq_lens[b] - extend_seq_lens[b], and attends causally over positions
-// 0..prefix_b + j. Returns [T, H, D] in q's dtype.
+// 0..prefix_b + j (with window_left >= 0, only from prefix_b + j - window_left; logit_cap as in
+// decode_attention). Returns [T, H, D] in q's dtype.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens,
                             const at::Tensor& extend_seq_lens,
-                            const at::Tensor& extend_start_loc, double scale);
+                            const at::Tensor& extend_start_loc, double scale,
+                            int64_t window_left, double logit_cap);
 
 // k_buffer[loc[t]] = k[t], v_buffer[loc[t]] = v[t] (in place).
 void set_kv_buffer(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc,

@@ -1,8 +1,9 @@
-"""SiLU-gated activation over the fused gate/up projection."""
+"""Gated activations over the fused gate/up projection: SiLU (Llama) and GELU (Gemma's GeGLU)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixengine.layers.attention import native_cpu_ops
@@ -19,3 +20,24 @@ class SiluAndMul(nn.Module):
         if x.dim() == 2 and runs_native(x):
             return native_cpu_ops.silu_and_mul(x)
         return native_cpu_ops.silu_and_mul_reference(x)
+
+
+class GeluAndMul(nn.Module):
+    """`gelu(x[..., :d]) * x[..., d:]`; `approximate="tanh"`: HF's `gelu_pytorch_tanh`."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+
+def gelu_approximation(hidden_act: str) -> str:
+    """GeluAndMul's `approximate` for an HF activation name (`gelu_pytorch_tanh`, `gelu`, ...)."""
+    if hidden_act in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_tanh"):
+        return "tanh"
+    if hidden_act == "gelu":
+        return "none"
+    raise ValueError(f"unsupported gated activation {hidden_act!r}")

@@ -1,4 +1,4 @@
-"""RMSNorm, with the residual add of the decoder layer fused in (SGLang's form)."""
+"""RMSNorm, with the residual add of the decoder layer fused in (SGLang's form); Gemma's variant."""
 
 from __future__ import annotations
 
@@ -52,6 +52,24 @@ class RMSNorm(nn.Module):
             return native_cpu_ops.rms_norm(x, self.weight, self.variance_epsilon)
         rows = x.reshape(-1, x.shape[-1])
         return native_cpu_ops.rms_norm(rows, self.weight, self.variance_epsilon).view(x.shape)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scaled by `1 + weight` (the checkpoint stores the offset), computed in
+    float32 and rounded to the input's dtype once, as HF does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.data.zero_()
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = residual = x + residual
+        scale = self.weight.float() + 1.0
+        out = F.rms_norm(x.float(), (x.shape[-1],), scale, self.variance_epsilon).to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

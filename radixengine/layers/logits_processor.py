@@ -41,9 +41,12 @@ class LogitsProcessorOutput:
 
 
 class LogitsProcessor(nn.Module):
-    def __init__(self, vocab_size: int) -> None:
+    """`final_logit_softcapping` (Gemma 2): every logit becomes `cap * tanh(logit / cap)`."""
+
+    def __init__(self, vocab_size: int, final_logit_softcapping: float | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.final_logit_softcapping = final_logit_softcapping or None
 
     def forward(
         self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatch
@@ -51,7 +54,7 @@ class LogitsProcessor(nn.Module):
         states = hidden_states
         if forward_batch.forward_mode.is_extend():
             states = hidden_states.index_select(0, forward_batch.last_token_indices())
-        out = LogitsProcessorOutput(next_token_logits=_logits(states, lm_head))
+        out = LogitsProcessorOutput(next_token_logits=self._logits(states, lm_head))
         if forward_batch.forward_mode.is_extend() and forward_batch.input_logprob_indices is not None:
             top = max(forward_batch.top_logprobs_nums or [0])
             self._input_logprobs(hidden_states, lm_head, forward_batch, top, out)
@@ -69,7 +72,8 @@ class LogitsProcessor(nn.Module):
         token_lps, top_vals, top_ids = [], [], []
         for start in range(0, rows.numel(), INPUT_LOGPROB_CHUNK_ROWS):
             chunk = slice(start, start + INPUT_LOGPROB_CHUNK_ROWS)
-            logprobs = torch.log_softmax(_logits(hidden_states.index_select(0, rows[chunk]), lm_head), dim=-1)
+            logits = self._logits(hidden_states.index_select(0, rows[chunk]), lm_head)
+            logprobs = torch.log_softmax(logits, dim=-1)
             logprobs.clamp_(min=_FLOAT32_MIN)
             token_lps.append(logprobs.gather(1, targets[chunk].view(-1, 1)).view(-1))
             if top > 0:
@@ -83,6 +87,9 @@ class LogitsProcessor(nn.Module):
             out.input_top_logprobs_val = torch.cat(top_vals) if top_vals else empty
             out.input_top_logprobs_idx = torch.cat(top_ids) if top_ids else empty.long()
 
-
-def _logits(states: torch.Tensor, lm_head: VocabEmbedding) -> torch.Tensor:
-    return block_linear(states, lm_head.weight, lm_head.block_weight).float()
+    def _logits(self, states: torch.Tensor, lm_head: VocabEmbedding) -> torch.Tensor:
+        logits = block_linear(states, lm_head.weight, lm_head.block_weight).float()
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

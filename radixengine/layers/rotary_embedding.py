@@ -1,16 +1,20 @@
 """Rotary position embedding (neox style, as HF Llama/Qwen), with linear and Llama-3 scaling, or
 per-frequency factors (llama.cpp's `rope_freqs` tensor, which a GGUF carries instead of a
-Llama-3 scaling)."""
+Llama-3 scaling), or Phi-3's longrope (`LongRopeRotaryEmbedding`)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.native_small_ops import runs_native
+
+if TYPE_CHECKING:
+    from radixengine.model_executor.forward_batch_info import ForwardBatch
 
 # A config attribute: per rotary frequency, the number its inverse frequency is divided by
 # (llama.cpp's `rope_freqs` tensor; the GGUF loader copies it there). Its scaling type:
@@ -34,13 +38,17 @@ class RotaryEmbedding(nn.Module):
         self.head_size = head_size
         self.rotary_dim = rotary_dim
         self.max_position_embeddings = max_position_embeddings
-        inv_freq = _scaled_inv_freq(_base_inv_freq(base, rotary_dim), scaling)
-        t = torch.arange(max_position_embeddings, dtype=torch.float)
-        freqs = t[:, None] * inv_freq[None, :]
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.register_buffer("cos_sin_cache", self._make_cache(base, scaling).to(dtype), persistent=False)
         # cos/sin of the last positions tensor: every layer of one forward shares it.
         self._last: tuple | None = None
+
+    def _make_cache(self, base: float, scaling: dict | None) -> torch.Tensor:
+        inv_freq = _scaled_inv_freq(_base_inv_freq(base, self.rotary_dim), scaling)
+        return _cos_sin(inv_freq, self.max_position_embeddings)
+
+    def cache_positions(self, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """The rows of `cos_sin_cache` the tokens at `positions` read (the positions themselves)."""
+        return positions
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate `x` `[num_tokens, num_heads, head_size]` at `positions` `[num_tokens]`.
@@ -70,6 +78,46 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
             last = self._last = (positions, positions._version, cos, sin)
         return last[2], last[3]
+
+
+class LongRopeRotaryEmbedding(RotaryEmbedding):
+    """Phi-3's longrope ("su"): the inverse frequencies divided by per-frequency `short_factor`s,
+    or `long_factor`s for a sequence longer than `original_max_position_embeddings`, and cos/sin
+    scaled by an attention factor. As transformers does it, the choice holds for a whole forward
+    of a sequence: the tokens of a request whose length after this forward exceeds the original
+    context read the long cache (rows `max_position` onwards), the others the short one."""
+
+    def _make_cache(self, base: float, scaling: dict | None) -> torch.Tensor:
+        self.original_max_position = int(scaling["original_max_position_embeddings"])
+        factor = scaling.get("factor") or self.max_position_embeddings / self.original_max_position
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0
+            if factor > 1.0:
+                attention_factor = math.sqrt(1 + math.log(factor) / math.log(self.original_max_position))
+        inv_freq = _base_inv_freq(base, self.rotary_dim)
+        caches = [
+            _cos_sin(_divided_inv_freq(inv_freq, scaling[name]), self.max_position_embeddings)
+            * attention_factor
+            for name in ("short_factor", "long_factor")
+        ]
+        return torch.cat(caches)
+
+    def cache_positions(self, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            seq_lens = positions + 1
+        else:
+            seq_lens = torch.repeat_interleave(
+                forward_batch.seq_lens, forward_batch.extend_seq_lens, output_size=positions.numel()
+            )
+        return positions + (seq_lens > self.original_max_position) * self.max_position_embeddings
+
+
+def _cos_sin(inv_freq: torch.Tensor, max_position: int) -> torch.Tensor:
+    """`[max_position, rotary_dim]`: cos | sin of each position times each inverse frequency."""
+    t = torch.arange(max_position, dtype=torch.float)
+    freqs = t[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -110,10 +158,13 @@ def _divided_inv_freq(inv_freq: torch.Tensor, factors) -> torch.Tensor:
     return inv_freq / factors
 
 
-def rope_config(config) -> tuple[float, dict | None]:
-    """`(rope_theta, scaling dict or None)` from an HF config, old or new style; a config with
+def rope_config(config, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """`(rope_theta, scaling dict or None)` from an HF config, old or new style, for the layers of
+    `layer_type` when the config has parameters per layer type (Gemma 3); a config with
     `rope_freq_factors` (see `FREQ_FACTORS`) gets a scaling of that type."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     legacy = getattr(config, "rope_scaling", None)
     if legacy and not params.get("rope_type"):
         params.update(legacy)
@@ -126,9 +177,20 @@ def rope_config(config) -> tuple[float, dict | None]:
                 f"a config with {FREQ_FACTORS_ATTR} must not also have a {rope_type!r} rope scaling"
             )
         return float(theta), {"rope_type": FREQ_FACTORS, "freq_factors": tuple(float(f) for f in factors)}
+    if rope_type in LONGROPE_TYPES:
+        original = getattr(config, "original_max_position_embeddings", None)
+        params.setdefault("original_max_position_embeddings", original)
     return float(theta), (None if rope_type == "default" else params)
 
 
+def partial_rotary_dim(config, head_dim: int) -> int:
+    """The features of each head that rotate (Phi-4-mini's `partial_rotary_factor` < 1)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
+    return int(head_dim * factor)
+
+
+LONGROPE_TYPES = ("longrope", "su")
 _ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
 
 
@@ -145,5 +207,7 @@ def get_rope(
     scaling_key = tuple(sorted((k, str(v)) for k, v in (rope_scaling or {}).items()))
     key = (head_size, rotary_dim, max_position, base, scaling_key, dtype, str(torch.get_default_device()))
     if key not in _ROPE_CACHE:
-        _ROPE_CACHE[key] = RotaryEmbedding(head_size, rotary_dim, max_position, base, dtype, rope_scaling)
+        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+        cls = LongRopeRotaryEmbedding if rope_type in LONGROPE_TYPES else RotaryEmbedding
+        _ROPE_CACHE[key] = cls(head_size, rotary_dim, max_position, base, dtype, rope_scaling)
     return _ROPE_CACHE[key]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -11,8 +10,6 @@ import torch
 from radixengine.model_loader.model_paths import locate_model, resolve_model_path
 from radixengine.model_loader.quantized_checkpoint import QuantConfig
 from radixengine.model_loader.weight_utils import resolve_dtype
-
-logger = logging.getLogger(__name__)
 
 
 class ModelConfig:
@@ -44,10 +41,6 @@ class ModelConfig:
 
     def _context_len(self, requested: int | None) -> int:
         limit = int(self.hf_config.max_position_embeddings)
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window and getattr(self.hf_config, "use_sliding_window", True) and window < limit:
-            logger.warning("sliding-window attention is not implemented; context capped at %d", window)
-            limit = int(window)
         if requested is not None and requested > limit:
             raise ValueError(f"--context-length {requested} exceeds the model's limit {limit}")
         return requested or limit

@@ -12,6 +12,9 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "radixengine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "radixengine.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "radixengine.models.qwen3:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "radixengine.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "radixengine.models.gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "radixengine.models.phi3:Phi3ForCausalLM",
 }
 
 

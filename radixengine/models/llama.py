@@ -1,4 +1,4 @@
-"""LlamaForCausalLM: Llama 2/3, SmolLM/SmolLM2, Mistral (without sliding window)."""
+"""LlamaForCausalLM: Llama 2/3, SmolLM/SmolLM2, Mistral (its sliding window applied in attention)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from radixengine.layers.activation import SiluAndMul
 from radixengine.layers.layernorm import RMSNorm
 from radixengine.layers.linear import Linear, MergedLinear, QKVLinear
 from radixengine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from radixengine.layers.radix_attention import RadixAttention
-from radixengine.layers.rotary_embedding import get_rope, rope_config
+from radixengine.layers.radix_attention import RadixAttention, sliding_window_size
+from radixengine.layers.rotary_embedding import RotaryEmbedding, get_rope, partial_rotary_dim, rope_config
 from radixengine.layers.vocab_embedding import LMHead, VocabEmbedding
 
 if TYPE_CHECKING:
@@ -41,13 +41,27 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.qkv_bias(config)
         )
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=self.o_bias(config))
-        theta, scaling = rope_config(config)
-        self.rotary_emb = get_rope(
-            self.head_dim, self.head_dim, config.max_position_embeddings, theta, scaling
-        )
+        self.rotary_emb = self.make_rotary_emb(config, layer_id)
         self.attn = RadixAttention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+            self.num_heads,
+            self.head_dim,
+            self.attn_scaling(config),
+            self.num_kv_heads,
+            layer_id,
+            logit_cap=self.logit_cap(config),
+            sliding_window_size=sliding_window_size(config, layer_id),
         )
+
+    def make_rotary_emb(self, config, layer_id: int) -> RotaryEmbedding:
+        theta, scaling = rope_config(config)
+        rotary_dim = partial_rotary_dim(config, self.head_dim)
+        return get_rope(self.head_dim, rotary_dim, config.max_position_embeddings, theta, scaling)
+
+    def attn_scaling(self, config) -> float:
+        return self.head_dim**-0.5
+
+    def logit_cap(self, config) -> float:
+        return 0.0
 
     def qkv_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", False))
@@ -141,7 +155,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.logits_processor = LogitsProcessor(
+            config.vocab_size, getattr(config, "final_logit_softcapping", None)
+        )
 
     @torch.no_grad()
     def forward(

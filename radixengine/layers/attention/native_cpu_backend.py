@@ -50,6 +50,8 @@ class NativeCpuAttnBackend(AttentionBackend):
             forward_batch.extend_seq_lens,
             forward_batch.extend_start_loc,
             layer.scaling,
+            layer.sliding_window_size,
+            layer.logit_cap,
         )
         return out.reshape(q.shape[0], -1)
 
@@ -66,5 +68,7 @@ class NativeCpuAttnBackend(AttentionBackend):
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
             layer.scaling,
+            window_left=layer.sliding_window_size,
+            logit_cap=layer.logit_cap,
         )
         return out.reshape(q.shape[0], -1)

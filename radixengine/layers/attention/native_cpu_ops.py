@@ -175,17 +175,30 @@ def _gather(buffer: torch.Tensor, req_to_token: torch.Tensor, row: int, length: 
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
-    """q [Tq, H, D], k/v [Tk, Hkv, D] (fp32) -> [Tq, H, D]."""
+    """q [Tq, H, D], k/v [Tk, Hkv, D] (fp32) -> [Tq, H, D]; scores soft-capped when logit_cap > 0."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )
-    return out.transpose(0, 1)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if logit_cap > 0:
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / logit_cap) * logit_cap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), v).transpose(0, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+
+
+def _first_key(pos: int, window_left: int) -> int:
+    """The first key position a query at `pos` reads (a sliding window of `window_left`)."""
+    return max(0, pos - window_left) if window_left >= 0 else 0
 
 
 def decode_attention_reference(
@@ -196,14 +209,17 @@ def decode_attention_reference(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     out = torch.zeros_like(q)
     for i, (row, length) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         if length == 0:
             continue
-        k = _gather(k_buffer, req_to_token, row, length)
-        v = _gather(v_buffer, req_to_token, row, length)
-        out[i] = _sdpa(q[i : i + 1].float(), k, v, scale, None)[0].to(q.dtype)
+        first = _first_key(length - 1, window_left)
+        k = _gather(k_buffer, req_to_token, row, length)[first:]
+        v = _gather(v_buffer, req_to_token, row, length)[first:]
+        out[i] = _sdpa(q[i : i + 1].float(), k, v, scale, None, logit_cap)[0].to(q.dtype)
     return out
 
 
@@ -217,6 +233,8 @@ def extend_attention_reference(
     extend_seq_lens: torch.Tensor,
     extend_start_loc: torch.Tensor,
     scale: float,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     out = torch.zeros_like(q)
     for row, length, ext, start in zip(
@@ -228,8 +246,13 @@ def extend_attention_reference(
         k = _gather(k_buffer, req_to_token, row, length)
         v = _gather(v_buffer, req_to_token, row, length)
         query_pos = torch.arange(prefix, length).unsqueeze(1)
-        mask = torch.arange(length).unsqueeze(0) <= query_pos  # [ext, length], True = visible
-        out[start : start + ext] = _sdpa(q[start : start + ext].float(), k, v, scale, mask).to(q.dtype)
+        key_pos = torch.arange(length).unsqueeze(0)
+        mask = key_pos <= query_pos  # [ext, length], True = visible
+        if window_left >= 0:
+            mask &= key_pos >= query_pos - window_left
+        out[start : start + ext] = _sdpa(q[start : start + ext].float(), k, v, scale, mask, logit_cap).to(
+            q.dtype
+        )
     return out
 
 
@@ -282,8 +305,11 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_kv_splits: int = 0,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of one new token per request over positions 0..seq_lens[i]-1 of its row.
+    """Attention of one new token per request over positions 0..seq_lens[i]-1 of its row (with
+    `window_left` >= 0, only its last `window_left + 1`); `logit_cap` > 0 soft-caps the scores.
 
     q [bs, H, D]; k_buffer / v_buffer [num_slots, Hkv, D] (H % Hkv == 0); req_to_token int32
     [max_reqs, max_context_len]; req_pool_indices, seq_lens int64 [bs]. Returns [bs, H, D] in
@@ -291,10 +317,19 @@ def decode_attention(
     """
     if _native is None:
         return decode_attention_reference(
-            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, window_left, logit_cap
         )
     return _native.decode_attention(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, num_kv_splits
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        scale,
+        num_kv_splits,
+        window_left,
+        logit_cap,
     )
 
 
@@ -308,13 +343,16 @@ def extend_attention(
     extend_seq_lens: torch.Tensor,
     extend_start_loc: torch.Tensor,
     scale: float,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of each request over its cached prefix and themselves.
 
     q [T, H, D] holds request i's new tokens at rows extend_start_loc[i] ..
     + extend_seq_lens[i]; its token j (absolute position seq_lens[i] - extend_seq_lens[i] + j)
     attends over positions 0..that position, all read through the pool (the new tokens' K/V
-    already written). Returns [T, H, D] in q's dtype.
+    already written). With `window_left` >= 0 it sees only positions from that position minus
+    `window_left`; `logit_cap` > 0 soft-caps the scores. Returns [T, H, D] in q's dtype.
     """
     fn = _native.extend_attention if _native is not None else extend_attention_reference
     return fn(
@@ -327,6 +365,8 @@ def extend_attention(
         extend_seq_lens,
         extend_start_loc,
         scale,
+        window_left,
+        logit_cap,
     )
 
 

@@ -4,6 +4,11 @@ EXTEND runs one SDPA per request (prefix K/V gathered through `req_to_token`). D
 the batch into chunks of consecutive requests, gathers each chunk's K/V padded to its longest
 request, and runs one masked SDPA per chunk: on a CPU a chunk's K/V stays in cache between the
 gather and the SDPA, and uneven lengths do not pad the whole batch. On CUDA the batch is one chunk.
+
+A sliding-window layer (`RadixAttention.sliding_window_size` >= 0) gathers only the keys inside
+its window and masks the rest; a soft-capped layer (`logit_cap` > 0) computes its scores
+explicitly (SDPA cannot cap them). The per-request indices and masks are built once per forward
+and window size, on the first layer that asks.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ if TYPE_CHECKING:
 class _ExtendRequest:
     start: int  # first new token in the batch
     num_new: int
-    slots: torch.Tensor | None  # int64 [seq_len]: KV slots of the whole sequence; None: no prefix
-    mask: torch.Tensor | None  # bool [num_new, seq_len] (causal, offset by the prefix)
+    # int64 [keys]: KV slots of the keys read (the sequence, or its window); None: the keys are
+    # the new tokens alone.
+    slots: torch.Tensor | None
+    mask: torch.Tensor | None  # bool [num_new, keys]; None: plain causal over the new tokens
 
 
 @dataclass
@@ -47,19 +54,29 @@ class TorchNativeAttnBackend(AttentionBackend):
     min_padded_fill = 0.5
 
     def __init__(self, model_runner=None) -> None:
-        self.extend_requests: list[_ExtendRequest] = []
-        self.decode_chunks: list[_DecodeChunk] = []
+        self._forward_batch: ForwardBatch | None = None
+        # window size (-1: none) -> that window's requests (EXTEND) or chunks (DECODE)
+        self._metadata: dict[int, list] = {}
         # Gathered K/V of one chunk at a time; reused across chunks, layers and steps (a fresh
         # large tensor per layer costs page faults on a CPU).
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if forward_batch.forward_mode.is_decode():
-            self.decode_chunks = _decode_chunks(
-                forward_batch, self._chunk_tokens(forward_batch), self.min_padded_fill
-            )
-        elif forward_batch.forward_mode.is_extend():
-            self.extend_requests = _extend_requests(forward_batch)
+        self._forward_batch = forward_batch
+        self._metadata = {}
+
+    def _metadata_for(self, window: int, forward_batch: ForwardBatch) -> list:
+        """This forward's extend requests or decode chunks for layers of `window`."""
+        if forward_batch is not self._forward_batch:  # a forward that skipped init_forward_metadata
+            self.init_forward_metadata(forward_batch)
+        if window not in self._metadata:
+            if forward_batch.forward_mode.is_decode():
+                chunk_tokens = self._chunk_tokens(forward_batch)
+                value = _decode_chunks(forward_batch, chunk_tokens, self.min_padded_fill, window)
+            else:
+                value = _extend_requests(forward_batch, window)
+            self._metadata[window] = value
+        return self._metadata[window]
 
     def _chunk_tokens(self, forward_batch: ForwardBatch) -> int | None:
         """Padded tokens per decode chunk; None: no limit (one chunk, unless lengths are uneven)."""
@@ -75,13 +92,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.empty_like(q)
         pool = forward_batch.token_to_kv_pool
         k_buf, v_buf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        for req in self.extend_requests:
+        for req in self._metadata_for(layer.sliding_window_size, forward_batch):
             rows = slice(req.start, req.start + req.num_new)
             if req.slots is None:  # as stored: rounded to a 16-bit cache's precision
                 ks, vs = k[rows].to(k_buf.dtype), v[rows].to(v_buf.dtype)
             else:
                 ks, vs = k_buf.index_select(0, req.slots), v_buf.index_select(0, req.slots)
-            out[rows] = _sdpa(q[rows], ks.to(q.dtype), vs.to(q.dtype), req.mask, layer.scaling)
+            out[rows] = _sdpa(
+                q[rows], ks.to(q.dtype), vs.to(q.dtype), req.mask, layer.scaling, layer.logit_cap
+            )
         return out.reshape(q.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
@@ -93,23 +112,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_rows, v_rows = k_buf.view(-1, dim), v_buf.view(-1, dim)
         # GQA as a batch of [group, dim] queries per KV head: no K/V repeat, SDPA's flash path.
         q = q.view(bs, num_kv, -1, dim)
-        if len(self.decode_chunks) == 1:
-            return self._decode_chunk(q, k_rows, v_rows, self.decode_chunks[0], layer).reshape(bs, -1)
+        chunks = self._metadata_for(layer.sliding_window_size, forward_batch)
+        if len(chunks) == 1:
+            return self._decode_chunk(q, k_rows, v_rows, chunks[0], layer).reshape(bs, -1)
         out = torch.empty_like(q)
-        for chunk in self.decode_chunks:
+        for chunk in chunks:
             out[chunk.start : chunk.end] = self._decode_chunk(q, k_rows, v_rows, chunk, layer)
         return out.reshape(bs, -1)
 
     def _decode_chunk(self, q, k_rows, v_rows, chunk: _DecodeChunk, layer: RadixAttention) -> torch.Tensor:
         ks, vs = self._gather(k_rows, v_rows, chunk.head_rows)
         shape = (chunk.end - chunk.start, q.shape[1], chunk.max_len, q.shape[3])
-        return F.scaled_dot_product_attention(
-            q[chunk.start : chunk.end],
-            ks.view(shape).to(q.dtype),
-            vs.view(shape).to(q.dtype),
-            attn_mask=chunk.mask,
-            scale=layer.scaling,
-        )
+        q, ks, vs = q[chunk.start : chunk.end], ks.view(shape).to(q.dtype), vs.view(shape).to(q.dtype)
+        if layer.logit_cap > 0:
+            return capped_attention(q, ks, vs, chunk.mask, layer.scaling, layer.logit_cap)
+        return F.scaled_dot_product_attention(q, ks, vs, attn_mask=chunk.mask, scale=layer.scaling)
 
     def _gather(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor):
         """`k_rows[rows]` and `v_rows[rows]`, written into buffers reused across layers and
@@ -139,41 +156,63 @@ def _heads(q, k, v, layer: RadixAttention):
     )
 
 
-def _sdpa(q, k, v, mask, scale) -> torch.Tensor:
+def _sdpa(q, k, v, mask, scale, logit_cap: float = 0.0) -> torch.Tensor:
     """q `[n, H, D]`, k/v `[s, Hkv, D]` -> `[n, H, D]`; causal when `mask` is None (n == s).
     4-D inputs: SDPA's CPU flash kernel takes only those (3-D falls back to the math path)."""
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if logit_cap > 0:
+        if mask is None:
+            mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril_()
+        group = q.shape[1] // k.shape[1]
+        k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
+        return capped_attention(q4, k4, v4, mask, scale, logit_cap)[0].transpose(0, 1)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
     return out[0].transpose(0, 1)
 
 
-def _extend_requests(fb: ForwardBatch) -> list[_ExtendRequest]:
+def capped_attention(q, k, v, mask, scale: float, logit_cap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, `cap * tanh(q.k * scale / cap)`, as HF's Gemma 2 eager
+    attention computes it. q `[..., n, D]`, k/v `[..., s, D]` (same heads), mask bool
+    `[..., n, s]` (True: visible) or None."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / logit_cap) * logit_cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _extend_requests(fb: ForwardBatch, window: int) -> list[_ExtendRequest]:
     device = fb.input_ids.device
     max_len = max(fb.seq_lens_cpu, default=0)
     table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].to(torch.int64)
     reqs, start = [], 0
     for i, (prefix, num_new) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
-        slots = mask = None
-        if prefix > 0:
-            seq_len = prefix + num_new
-            slots = table[i, :seq_len]
-            cols = torch.arange(seq_len, device=device)
-            mask = cols[None, :] <= (prefix + torch.arange(num_new, device=device))[:, None]
+        seq_len = prefix + num_new
+        first_key = max(0, prefix - window) if window >= 0 else 0
+        slots = None if first_key == prefix else table[i, first_key:seq_len]
+        mask = None
+        if slots is not None or (window >= 0 and num_new > window + 1):
+            query_pos = torch.arange(prefix, seq_len, device=device)[:, None]
+            key_pos = torch.arange(first_key, seq_len, device=device)[None, :]
+            mask = key_pos <= query_pos
+            if window >= 0:
+                mask &= key_pos >= query_pos - window
         reqs.append(_ExtendRequest(start, num_new, slots, mask))
         start += num_new
     return reqs
 
 
-def _decode_chunks(fb: ForwardBatch, chunk_tokens: int | None, min_fill: float) -> list[_DecodeChunk]:
-    lens = fb.seq_lens_cpu
-    table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max(lens)].to(torch.int64)
+def _decode_chunks(
+    fb: ForwardBatch, chunk_tokens: int | None, min_fill: float, window: int
+) -> list[_DecodeChunk]:
+    """Chunks of the batch's requests; a request's keys are its whole sequence, or with a window
+    its last `window + 1` positions."""
+    seq_lens = fb.seq_lens_cpu
+    firsts = [max(0, n - 1 - window) for n in seq_lens] if window >= 0 else [0] * len(seq_lens)
+    lens = [n - f for n, f in zip(seq_lens, firsts)]
+    table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max(seq_lens)].to(torch.int64)
     num_kv = fb.token_to_kv_pool.get_key_buffer(0).shape[1]
     bounds, start, longest, total = [], 0, 0, 0
     for i, n in enumerate(lens):
@@ -184,17 +223,31 @@ def _decode_chunks(fb: ForwardBatch, chunk_tokens: int | None, min_fill: float) 
             start, longest, total = i, 0, 0
         longest, total = max(longest, n), total + n
     bounds.append((start, len(lens)))
-    return [_decode_chunk(fb, table, num_kv, lo, hi) for lo, hi in bounds]
+    return [_decode_chunk(fb, table, num_kv, lo, hi, firsts, lens) for lo, hi in bounds]
 
 
-def _decode_chunk(fb: ForwardBatch, table: torch.Tensor, num_kv: int, start: int, end: int) -> _DecodeChunk:
-    lens = fb.seq_lens_cpu[start:end]
-    max_len = max(lens)
+def _decode_chunk(
+    fb: ForwardBatch,
+    table: torch.Tensor,
+    num_kv: int,
+    start: int,
+    end: int,
+    firsts: list[int],
+    lens: list[int],
+) -> _DecodeChunk:
+    max_len = max(lens[start:end])
     device = table.device
-    slots = table[start:end, :max_len]
+    if any(firsts[start:end]):
+        cols = torch.tensor(firsts[start:end], device=device)[:, None] + torch.arange(max_len, device=device)
+        slots = table[start:end].gather(1, cols.clamp_(max=table.shape[1] - 1))
+    else:
+        slots = table[start:end, :max_len]
     mask = None
-    if min(lens) != max_len:  # equal lengths need no mask (SDPA's faster unmasked path)
-        valid = torch.arange(max_len, device=device)[None, :] < fb.seq_lens[start:end, None]
+    if min(lens[start:end]) != max_len:  # equal lengths need no mask (SDPA's faster unmasked path)
+        chunk_lens = (
+            torch.tensor(lens[start:end], device=device) if any(firsts[start:end]) else fb.seq_lens[start:end]
+        )
+        valid = torch.arange(max_len, device=device)[None, :] < chunk_lens[:, None]
         slots = torch.where(valid, slots, 0)
         mask = valid[:, None, None, :]
     heads = torch.arange(num_kv, device=device)

@@ -1,6 +1,6 @@
 """Triton attention backend for CUDA: decode with a split-KV Triton kernel over `req_to_token`
 (CUDA-graph safe: no host-side shapes depend on the batch's lengths); EXTEND as torch_native
-(SDPA per request, flash kernels on CUDA).
+(SDPA per request, flash kernels on CUDA). Both apply sliding windows and soft-capping.
 """
 
 from __future__ import annotations
@@ -41,5 +41,7 @@ class TritonAttnBackend(TorchNativeAttnBackend):
             forward_batch.seq_lens,
             layer.scaling,
             num_splits=self.num_kv_splits,
+            window_left=layer.sliding_window_size,
+            logit_cap=layer.logit_cap,
         )
         return out.view(q.shape[0], -1)

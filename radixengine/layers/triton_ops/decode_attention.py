@@ -3,7 +3,8 @@
 Stage 1: program (request, q head, split) walks its share of the request's tokens, gathering
 K/V rows by slot, and writes a partial output and its log-sum-exp. Stage 2 merges the splits.
 The grid depends only on the batch size, so the kernels are CUDA-graph safe: sequence lengths
-are read on the device.
+are read on the device. A sliding window (`window_left` >= 0) splits only the last
+`window_left + 1` positions; `logit_cap` > 0 soft-caps the scores (`cap * tanh(score / cap)`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def _decode_stage1(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_mb, stride_mh, stride_ms,
-    scale,
+    scale, window_left, logit_cap,
     KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
@@ -28,8 +29,9 @@ def _decode_stage1(
     kv_h = h // KV_GROUP
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = s * split_len
+    first = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)
+    split_len = tl.cdiv(seq_len - first, NUM_SPLITS)
+    start = first + s * split_len
     end = tl.minimum(start + split_len, seq_len)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
@@ -44,6 +46,8 @@ def _decode_stage1(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + slots[:, None] * stride_kt + kv_h * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         qk = tl.sum(q[None, :] * k.to(tl.float32), 1) * scale
+        if logit_cap > 0:
+            qk = logit_cap * (2.0 * tl.sigmoid(2.0 * qk / logit_cap) - 1.0)  # cap * tanh(qk / cap)
         qk = tl.where(n_mask, qk, -float("inf"))
         m_new = tl.maximum(tl.max(qk, 0), m_i)
         alpha = tl.exp(m_i - m_new)
@@ -90,6 +94,8 @@ def decode_attention(
     num_splits: int = 16,
     block_n: int = 32,
     out: torch.Tensor | None = None,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """q `[bs, H, D]`; K/V pools `[slots, Hkv, D]`; `seq_lens` includes the new token (whose K/V
     is already in the pool). Returns `[bs, H, D]` in q's dtype."""
@@ -104,7 +110,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        scale,
+        scale, window_left, float(logit_cap),
         KV_GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits,
     )  # fmt: skip
