@@ -12,6 +12,8 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "radixengine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "radixengine.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "radixengine.models.qwen3:Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM": "radixengine.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "radixengine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
