@@ -3,6 +3,7 @@ models (fp32), and the routed-experts paths against a per-expert loop."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -129,7 +130,11 @@ def test_checkpoint_missing_an_expert_is_refused(tmp_path):
 
 # --- the routed experts ---------------------------------------------------------------------
 
-PATHS = {"grouped": moe_experts.fused_experts_grouped, "dispatch": moe_experts.fused_experts}
+PATHS = {
+    "grouped": moe_experts.fused_experts_grouped,
+    "grouped_static": functools.partial(moe_experts.fused_experts_grouped, static_shapes=True),
+    "dispatch": moe_experts.fused_experts,
+}
 if moe_experts.moe_native_available():
     PATHS["native"] = moe_experts.fused_experts_native
 

@@ -138,15 +138,23 @@ def fused_experts_grouped(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    static_shapes: bool | None = None,
 ) -> torch.Tensor:
+    """`static_shapes` (default: while a CUDA graph is being captured): no host sync, every
+    expert's group padded to the number of tokens (a token picks an expert at most once)."""
+    if static_shapes is None:
+        static_shapes = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
     num_experts, hidden_size, inter2 = w13.shape
     groups = sort_by_expert(topk_ids, num_experts)
-    hit = groups.counts.nonzero().flatten()
     group_of = torch.arange(num_experts, device=hidden.device)
-    if hit.numel() < ALL_EXPERTS_MIN_HIT_FRACTION * num_experts:
-        group_of[hit] = torch.arange(hit.numel(), device=hidden.device)
-        w13, w2 = w13.index_select(0, hit), w2.index_select(0, hit)
-    rows = int(groups.counts.max())
+    if static_shapes:
+        rows = hidden.shape[0]
+    else:
+        rows = int(groups.counts.max())
+        hit = groups.counts.nonzero().flatten()
+        if hit.numel() < ALL_EXPERTS_MIN_HIT_FRACTION * num_experts:
+            group_of[hit] = torch.arange(hit.numel(), device=hidden.device)
+            w13, w2 = w13.index_select(0, hit), w2.index_select(0, hit)
     pos = torch.arange(groups.token.numel(), device=hidden.device) - groups.offsets[groups.expert]
     slot = group_of[groups.expert] * rows + pos
     x = hidden.new_zeros(w13.shape[0] * rows, hidden_size)
