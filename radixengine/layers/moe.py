@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixengine.layers.linear import Linear
@@ -96,6 +95,6 @@ class FusedMoE(nn.Module):
         self.experts = FusedMoEExperts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        router_logits = F.linear(hidden, self.gate.weight)
+        router_logits = self.gate(hidden)
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         return self.experts(hidden, topk_weights, topk_ids)
