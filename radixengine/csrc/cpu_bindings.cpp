@@ -29,5 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &cpu::quant_linear,
         "x [M, K] float32 times the transpose of a GGUF Q4_1 / Q8_0 weight given as raw blocks",
         py::arg("x"), py::arg("qweight"), py::arg("qtype"));
+  m.def("moe_grouped_linear", &cpu::moe_grouped_linear,
+        "Rows of x grouped by expert (offsets [E + 1]) times each expert's weight w [E, K, N]",
+        py::arg("x"), py::arg("w"), py::arg("offsets"));
   m.def("isa", &cpu::isa, "Instruction set the extension was compiled for");
 }

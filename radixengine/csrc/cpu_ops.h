@@ -62,6 +62,11 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // GGML type id (Q4_1 = 3, Q8_0 = 8). Dequantized exactly as gguf-py does; no bias.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype);
 
+// The routed experts' grouped linear: rows offsets[e] .. offsets[e + 1] of x [M, K] (float32)
+// times w[e], for w [E, K, N] (float32 or bfloat16, [in, out] per expert; N a multiple of the
+// vector width) and offsets int64 [E + 1] from 0 to M. Returns [M, N] float32.
+at::Tensor moe_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets);
+
 // The vector code path the module was compiled with: "avx512", "avx2" or "portable".
 std::string isa();
 

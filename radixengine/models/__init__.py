@@ -15,6 +15,8 @@ _MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "radixengine.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "radixengine.models.gemma3:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "radixengine.models.phi3:Phi3ForCausalLM",
+    "Qwen2MoeForCausalLM": "radixengine.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "radixengine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
