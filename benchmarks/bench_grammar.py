@@ -10,10 +10,10 @@ not), then the unconstrained run of the same prompts, each request generating ex
 tokens as its constrained twin did (ignore_eos, max_new_tokens = that count): the same batch
 shapes step by step. Reported: output tokens/s of both and their ratio, mean step time, the mean
 host time per step spent filling the masks (the scheduler's `grammar` phase over the steps that
-had one), and how much of the constrained run's extra step time the loop hides:
-hidden = 1 - (step_ms constrained - step_ms unconstrained) / mask_ms (about 0 when the masks are
-filled in order, up to 1 when the forward covers them). The grammar is compiled once before the
-runs (its compile time is reported apart). On a CPU the overlap loop runs the forward on a worker
+had one), and how much of that time the loop hides: the share of the mask filling that ran while
+the same batch's forward ran (host intervals, on a CPU; 0 in the normal loop by construction).
+Each case runs `--repeats` times, alternating, and the fastest run is reported. The grammar is
+compiled once before the runs (its compile time is reported apart). On a CPU the overlap loop runs the forward on a worker
 thread (`--cpu-forward-stream thread`).
 """
 
@@ -72,12 +72,52 @@ def chat_prompt(tokenizer, subject: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+class Probe:
+    """Host intervals of each batch's forward (on a CPU; a GPU forward is asynchronous) and of
+    its mask filling: the mask time that ran while that batch's forward ran is hidden."""
+
+    def __init__(self, worker: TpModelWorker) -> None:
+        self.worker = worker
+        self.cpu = not str(worker.device).startswith("cuda")
+        self.forward: dict[int, tuple[float, float]] = {}
+        self.mask: dict[int, tuple[float, float]] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def forward_batch_generation(self, mwb, **kwargs):
+        start = time.perf_counter()
+        out = self.worker.forward_batch_generation(mwb, **kwargs)
+        self.forward[id(mwb)] = (start, time.perf_counter())
+        return out
+
+    def wrap_mask(self, sched: Scheduler) -> None:
+        fill = sched.update_vocab_mask
+
+        def timed(batch, mwb):
+            start = time.perf_counter()
+            fill(batch, mwb)
+            self.mask[id(mwb)] = (start, time.perf_counter())
+
+        sched.update_vocab_mask = timed
+
+    def hidden_fraction(self) -> float | None:
+        total = sum(e - s for s, e in self.mask.values())
+        if not self.cpu or total == 0:
+            return None
+        hidden = 0.0
+        for key, (ms, me) in self.mask.items():
+            fs, fe = self.forward.get(key, (0.0, 0.0))
+            hidden += max(0.0, min(me, fe) - max(ms, fs))
+        return hidden / total
+
+
 def make_scheduler(worker, tokenizer, model_args: dict, overlap: bool) -> Scheduler:
     req_pool, allocator = worker.get_memory_pool()
     req_pool.clear()
     allocator.clear()
     args = ServerArgs(**model_args, disable_overlap_schedule=not overlap, cpu_forward_stream="thread")
-    return Scheduler(args, tp_worker=worker, tokenizer=tokenizer, io=InProcessIO())
+    return Scheduler(args, tp_worker=Probe(worker), tokenizer=tokenizer, io=InProcessIO())
 
 
 def run(sched: Scheduler, reqs: list[TokenizedGenerateReqInput], cuda: bool) -> tuple[dict, float]:
@@ -98,20 +138,31 @@ def run(sched: Scheduler, reqs: list[TokenizedGenerateReqInput], cuda: bool) -> 
 
 
 def measure(sched, reqs, cuda: bool) -> tuple[dict, dict]:
+    probe = sched.tp_worker
+    probe.wrap_mask(sched)
     outputs, wall = run(sched, reqs, cuda)
     summary = sched.timer.summary()
-    steps = max(summary["steps"], 1)
     tokens = sum(len(v) for v in outputs.values())
-    mask_steps = max(int(sched.stats.num_forward_steps), 1)
+    forward_steps = max(sched.stats.num_forward_steps, 1)  # every one of them fills masks
+    grammar_s = summary["grammar_ms"] * summary["steps"] / 1e3
     row = {
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
-        "step_ms": 1e3 * wall / steps,
-        "steps": steps,
-        "mask_ms_per_step": summary["grammar_ms"] * steps / mask_steps,
+        "forward_steps": forward_steps,
+        "step_ms": 1e3 * wall / forward_steps,
+        "mask_ms_per_step": 1e3 * grammar_s / forward_steps,
+        "mask_hidden_fraction": probe.hidden_fraction(),
     }
     return outputs, row
+
+
+def valid(tokenizer, ids: list[int]) -> bool:
+    try:
+        jsonschema.validate(json.loads(tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def main() -> None:
@@ -125,6 +176,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per case; the fastest is reported")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -169,33 +221,39 @@ def main() -> None:
     warm.io.take_outputs()
     warm.close()
 
-    rows = {}
-    lengths: dict[str, int] = {}
-    for loop in ("normal", "overlap"):
+    def one_run(loop: str, kind: str, lengths: dict[str, int]) -> tuple[dict, dict]:
         sched = make_scheduler(worker, tokenizer, model_args, overlap=loop == "overlap")
         sched.grammar_manager.backend = warm.grammar_manager.backend  # the compiled grammar, cached
-        outputs, con = measure(sched, constrained("c"), cuda)
-        invalid = 0
-        for ids in outputs.values():
-            try:
-                jsonschema.validate(json.loads(tokenizer.decode(ids, skip_special_tokens=True)), SCHEMA)
-            except (ValueError, jsonschema.ValidationError):
-                invalid += 1
-        lengths = lengths or {rid: len(ids) for rid, ids in outputs.items()}
-        sched = make_scheduler(worker, tokenizer, model_args, overlap=loop == "overlap")
-        _, unc = measure(sched, free("u", lengths), cuda)
+        reqs = constrained("c") if kind == "constrained" else free("u", lengths)
+        outputs, row = measure(sched, reqs, cuda)
+        row["overlap_step_order"] = sched.enable_overlap
         sched.close()
-        exposed = con["step_ms"] - unc["step_ms"]
+        return outputs, row
+
+    # The constrained outputs fix each request's length for the unconstrained twin.
+    outputs, _ = one_run("normal", "constrained", {})
+    lengths = {rid: len(ids) for rid, ids in outputs.items()}
+    runs: dict[tuple[str, str], list[dict]] = {}
+    invalid: dict[str, int] = {}
+    order = [(loop, kind) for loop in ("normal", "overlap") for kind in ("constrained", "unconstrained")]
+    for i in range(args.repeats):  # alternating, so that a load spike hits every case alike
+        for loop, kind in order if i % 2 == 0 else order[::-1]:
+            outputs, row = one_run(loop, kind, lengths)
+            runs.setdefault((loop, kind), []).append(row)
+            if kind == "constrained":
+                invalid[loop] = invalid.get(loop, 0) + sum(
+                    not valid(tokenizer, ids) for ids in outputs.values()
+                )
+    rows = {}
+    for loop in ("normal", "overlap"):
+        con, unc = (min(runs[(loop, k)], key=lambda r: r["wall_s"]) for k in ("constrained", "unconstrained"))
         rows[loop] = {
-            "overlap_step_order": sched.enable_overlap,
             "constrained": con,
             "unconstrained": unc,
-            "invalid": invalid,
+            "walls_s": {k: [r["wall_s"] for r in runs[(loop, k)]] for k in ("constrained", "unconstrained")},
+            "invalid": invalid[loop],
             "throughput_ratio": con["tokens_per_s"] / unc["tokens_per_s"],
-            "exposed_ms_per_step": exposed,
-            "hidden_fraction": 1.0 - exposed / con["mask_ms_per_step"]
-            if con["mask_ms_per_step"] > 0
-            else None,
+            "extra_ms_per_step": con["step_ms"] - unc["step_ms"],
         }
 
     result = {
@@ -210,12 +268,13 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     print()
     print(
-        "| loop | constrained tok/s | unconstrained tok/s | ratio | step ms c / u | mask ms/step | hidden | invalid |"
+        "| loop | constrained tok/s | unconstrained tok/s | ratio | step ms c / u | mask ms/step | mask hidden | invalid |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for loop, r in rows.items():
         c, u = r["constrained"], r["unconstrained"]
-        hidden = "—" if r["hidden_fraction"] is None else f"{100 * r['hidden_fraction']:.0f}%"
+        frac = c["mask_hidden_fraction"]
+        hidden = "—" if frac is None else f"{100 * frac:.0f}%"
         print(
             f"| {loop} | {c['tokens_per_s']:.1f} | {u['tokens_per_s']:.1f} | {r['throughput_ratio']:.3f} | "
             f"{c['step_ms']:.1f} / {u['step_ms']:.1f} | {c['mask_ms_per_step']:.2f} | {hidden} | {r['invalid']} |"
