@@ -101,6 +101,11 @@ class Probe:
 
         sched.update_vocab_mask = timed
 
+    def mean_forward_ms(self) -> float | None:
+        if not self.cpu or not self.forward:
+            return None
+        return 1e3 * sum(e - s for s, e in self.forward.values()) / len(self.forward)
+
     def hidden_fraction(self) -> float | None:
         total = sum(e - s for s, e in self.mask.values())
         if not self.cpu or total == 0:
@@ -153,6 +158,7 @@ def measure(sched, reqs, cuda: bool) -> tuple[dict, dict]:
         "step_ms": 1e3 * wall / forward_steps,
         "mask_ms_per_step": 1e3 * grammar_s / forward_steps,
         "mask_hidden_fraction": probe.hidden_fraction(),
+        "forward_ms": probe.mean_forward_ms(),
     }
     return outputs, row
 

@@ -11,6 +11,7 @@ import torch
 from test_engine_utils import build_tokenizer
 
 from radixengine.constrained.base_grammar_backend import (
+    BaseGrammarObject,
     allocate_vocab_mask,
     apply_vocab_mask,
     create_grammar_backend,
@@ -31,7 +32,7 @@ def tokenizer(tmp_path_factory):
     return build_tokenizer(str(tmp_path_factory.mktemp("tok")), vocab_size=400)
 
 
-class Allow:
+class Allow(BaseGrammarObject):
     """A stand-in matcher that allows a fixed set of tokens."""
 
     def __init__(self, tokens: list[int]) -> None:

@@ -42,6 +42,14 @@ class BaseGrammarObject:
         """A fresh matcher of the same compiled grammar (at its start)."""
         raise NotImplementedError
 
+    @classmethod
+    def batch_fill_vocab_mask(
+        cls, grammars: list[BaseGrammarObject], vocab_mask: torch.Tensor, rows: list[int]
+    ) -> None:
+        """Fill `rows` of the mask from `grammars` (all of this class)."""
+        for grammar, row in zip(grammars, rows):
+            grammar.fill_vocab_mask(vocab_mask, row)
+
 
 @dataclass
 class InvalidGrammarObject:

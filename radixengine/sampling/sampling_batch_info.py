@@ -126,8 +126,12 @@ class SamplingBatchInfo:
             self.vocab_mask = self.vocab_mask_rows = None
             return
         mask = allocate_vocab_mask(len(grammars), vocab_size, pin_memory)
-        for i in rows:
-            grammars[i].fill_vocab_mask(mask, i)
+        kind = type(grammars[rows[0]])
+        if all(type(grammars[i]) is kind for i in rows):
+            kind.batch_fill_vocab_mask([grammars[i] for i in rows], mask, rows)
+        else:
+            for i in rows:
+                grammars[i].fill_vocab_mask(mask, i)
         self.vocab_mask, self.vocab_mask_rows = mask, rows
 
     def apply_vocab_mask(self, logits: torch.Tensor) -> torch.Tensor:
