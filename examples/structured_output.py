@@ -1,5 +1,5 @@
 """Structured outputs against a running server (`make serve`): a JSON-schema answer validated with
-jsonschema, a regex-constrained answer, and a JSON object from /v1/completions.
+jsonschema, a regex-constrained answer, and a JSON-schema answer from /v1/completions.
 
     python examples/structured_output.py [--base-url http://127.0.0.1:30000]
 """
@@ -55,14 +55,25 @@ def main() -> None:
     assert re.fullmatch(regex, text), text
     print("regex:", text)
 
+    dog = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "breed": {"type": "string", "maxLength": 30},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        },
+        "required": ["name", "breed", "age"],
+    }
     comp = client.completions.create(
         model="default",
         prompt="A JSON object describing a dog:",
-        extra_body={"response_format": {"type": "json_object"}},
+        extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "dog", "schema": dog}}
+        },
         temperature=0,
         max_tokens=120,
     )
-    print("json_object:", json.loads(comp.choices[0].text))
+    print("completions:", json.loads(comp.choices[0].text))
 
 
 if __name__ == "__main__":
