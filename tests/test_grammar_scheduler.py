@@ -276,3 +276,33 @@ def test_the_mask_goes_after_penalties_and_logprobs_are_of_the_masked_distributi
     first_top = next(m.output_top_logprobs_val[0][0] for m in msgs if hasattr(m, "output_top_logprobs_val"))
     # Only y, ye, yes, n, no can start "yes" or "no": the top 5 hold all the mass.
     assert abs(sum(torch.tensor(first_top).exp().tolist()) - 1.0) < 1e-3
+
+
+def test_structural_tag(model_dir, tokenizer):
+    """xgrammar's structural tag: the current format (a sequence of a constant and a JSON schema)
+    and SGLang's legacy one (a tag whose content is a schema, after its trigger)."""
+    seq = {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": "id:"},
+                {"type": "json_schema", "json_schema": {"type": "integer", "minimum": 0, "maximum": 99}},
+            ],
+        },
+    }
+    legacy = {
+        "structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}],
+        "triggers": ["<f>"],
+    }
+    sched = make_scheduler(model_dir, tokenizer, overlap=True)
+    reqs = [
+        req(tokenizer, "seq", PROMPTS[0], structural_tag=json.dumps(seq)),
+        req(tokenizer, "legacy", PROMPTS[1], max_new_tokens=64, structural_tag=json.dumps(legacy)),
+    ]
+    results = run(sched, reqs)
+    assert results["seq"].finished_reason["type"] == "stop"
+    assert re.fullmatch(r"id:[0-9]{1,2}", text_of(tokenizer, results["seq"].output_ids))
+    text = text_of(tokenizer, results["legacy"].output_ids)
+    for body in re.findall(r"<f>(.*?)</f>", text):  # every tag that closed holds an integer
+        int(body)
