@@ -20,6 +20,7 @@ INSTALL_REQUIRES = [
     "prometheus-client",
     "tqdm",
     "psutil",
+    "xgrammar==0.2.8",
 ]
 EXTRAS = {
     "test": [
@@ -31,7 +32,10 @@ EXTRAS = {
         "ruff",
         "matplotlib",
         "sglang-router==0.3.2",
+        "jsonschema",
+        "llguidance==1.9.1",
     ],
+    "llguidance": ["llguidance==1.9.1"],
     "cuda": ["flashinfer-python", "sgl-kernel"],
 }
 

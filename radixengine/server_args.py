@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer", "trito
 CPU_FORWARD_STREAMS = ("auto", "thread", "inline")
 SAMPLING_DEFAULTS = ("openai", "model")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 
 
 @dataclass
@@ -36,6 +37,8 @@ class ServerArgs:
     quantization: str = "auto"  # see _HELP
     chat_template: str | None = None  # see _HELP
     sampling_defaults: str = "model"  # see _HELP
+    grammar_backend: str = "xgrammar"  # see _HELP
+    constrained_json_disable_any_whitespace: bool = False
 
     # HTTP
     host: str = "127.0.0.1"
@@ -102,6 +105,7 @@ class ServerArgs:
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
         _check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("--sampling-defaults", self.sampling_defaults, SAMPLING_DEFAULTS)
+        _check_choice("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS)
         if self.chat_template is not None and not (
             os.path.isfile(self.chat_template) or "{{" in self.chat_template or "{%" in self.chat_template
         ):
@@ -219,11 +223,21 @@ _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "cpu_forward_stream": CPU_FORWARD_STREAMS,
     "sampling_defaults": SAMPLING_DEFAULTS,
+    "grammar_backend": GRAMMAR_BACKENDS,
     "log_level": ("debug", "info", "warning", "error"),
     "log_requests_level": LOG_REQUESTS_LEVELS,
 }
 
 _HELP = {
+    "grammar_backend": (
+        "The backend of constrained decoding (response_format json_object / json_schema, and the "
+        "json_schema, regex, ebnf and structural_tag sampling parameters): xgrammar (default), "
+        "llguidance, or none (such requests get a 400)."
+    ),
+    "constrained_json_disable_any_whitespace": (
+        "JSON grammars allow no whitespace beyond single spaces (compact JSON): a small model cannot "
+        "then loop on newlines inside a JSON object."
+    ),
     "chat_template": (
         "The chat template for /v1/chat/completions: a file holding a Jinja template, or the template "
         "itself. Default: the tokenizer's own."
