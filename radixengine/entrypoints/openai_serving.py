@@ -6,6 +6,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 
+from radixengine.entrypoints.chat_output_parser import ChatOutputParser, StreamParser
+from radixengine.entrypoints.chat_tools import (
+    add_tool_params,
+    check_tools,
+    template_tool_calls,
+    template_tools,
+)
 from radixengine.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,8 +37,6 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.suffix:
             raise RequestError("suffix is not supported", param="suffix")
     else:
-        if req.tools:
-            raise RequestError("tools are not supported", param="tools")
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise RequestError("only the text response_format is supported", param="response_format")
 
@@ -137,7 +142,14 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                         param=f"messages[{i}].content[{j}].type",
                     )
             content = "".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        tool_calls = template_tool_calls(i, m)
+        if tool_calls is not None:
+            message["tool_calls"] = tool_calls
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, name) is not None:
+                message[name] = getattr(m, name)
+        messages.append(message)
     return messages
 
 
@@ -157,9 +169,12 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, param = req.max_tokens, "max_tokens"
+    check_tools(req)
     params = sampling_params_of(req, max_tokens, param)
+    add_tool_params(req, params, tm.server_args.tool_call_parser)
     base = GenerateReqInput(
         messages=chat_messages(req),
+        tools=template_tools(req),
         stream=req.stream,
         return_logprob=req.logprobs,
         top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
@@ -267,21 +282,38 @@ def completion_response(
     }
 
 
+def output_parser(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatOutputParser:
+    args = tm.server_args
+    return ChatOutputParser(req, args.tool_call_parser, args.reasoning_parser)
+
+
+def chat_message(parsing: ChatOutputParser, text: str) -> dict:
+    """The assistant message of a whole answer: its content, and with the parsers its
+    reasoning_content and tool_calls."""
+    if not parsing.active:
+        return {"role": "assistant", "content": text}
+    parsed = parsing.parse(text)
+    message = {"role": "assistant", "content": parsed.content}
+    if parsing.reports_reasoning:
+        message["reasoning_content"] = parsed.reasoning_content
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+    return message
+
+
 def chat_response(tm: TokenizerManager, req: ChatCompletionRequest, outs: list[dict]) -> dict:
     choices = []
+    parsing = output_parser(tm, req)
     for i, out in enumerate(outs):
         reason, matched = finish_reason_of(out)
         lp = None
         if req.logprobs:
             lp = chat_logprobs(*_logprobs_of(out, "output"), req.top_logprobs or 0)
+        message = chat_message(parsing, out["text"])
+        if message.get("tool_calls") and reason == "stop":
+            reason, matched = "tool_calls", None
         choices.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": out["text"]},
-                "logprobs": lp,
-                "finish_reason": reason,
-                "matched_stop": matched,
-            }
+            {"index": i, "message": message, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
         )
     return {
         "id": make_id("chatcmpl"),
@@ -359,7 +391,12 @@ async def completion_stream(
 async def chat_stream(
     tm: TokenizerManager, req: ChatCompletionRequest, outs: AsyncIterator[tuple[int, dict]]
 ) -> AsyncIterator[dict]:
+    """Per step and choice: its new text as deltas (with the parsers: `reasoning_content`,
+    `content` and `tool_calls` pieces, SGLang's shapes), the step's logprobs on the first, the
+    finish reason (`tool_calls` once a call was streamed) on the last."""
     rid, created, deltas, finals, started = make_id("chatcmpl"), now(), _Deltas(), {}, set()
+    parsing = output_parser(tm, req)
+    streams: dict[int, StreamParser] = {}
 
     def chunk(choices: list[dict], **extra) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
@@ -370,6 +407,7 @@ async def chat_stream(
             raise abort_to_error(out)
         if i not in started:
             started.add(i)
+            streams[i] = parsing.new_stream()
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])  # fmt: skip
         text, ids, lps = deltas.take(i, out)
@@ -377,15 +415,19 @@ async def chat_stream(
         if not text and not ids and reason is None:
             continue
         lp = chat_logprobs(*lps, req.top_logprobs or 0) if req.logprobs else None
-        choice = {
-            "index": i,
-            "delta": {"content": text} if text else {},
-            "logprobs": lp,
-            "finish_reason": reason,
-        }
-        if reason is not None:
-            choice["matched_stop"] = matched
-            finals[i] = out
-        yield chunk([choice])
+        if parsing.active:
+            pieces = streams[i].step(text, reason is not None)
+            if reason is None and not pieces and lp is None:
+                continue  # held back by a parser
+        else:
+            pieces = [{"content": text}] if text else []
+        if reason == "stop" and streams[i].has_tool_calls:
+            reason, matched = "tool_calls", None
+        for k, delta in enumerate(pieces or [{}]):
+            choice = {"index": i, "delta": delta, "logprobs": lp if k == 0 else None, "finish_reason": None}
+            if k == max(len(pieces), 1) - 1 and reason is not None:
+                choice.update(finish_reason=reason, matched_stop=matched)
+                finals[i] = out
+            yield chunk([choice])
     if req.stream_options and req.stream_options.include_usage:
         yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n))

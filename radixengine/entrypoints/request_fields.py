@@ -88,6 +88,8 @@ def _loc_to_param(loc: tuple) -> str:
             parts.append(f"[{item}]")
         elif "[" in item or item in ("str", "int", "float", "bool", "dict", "list", "none") or "-" in item:
             continue  # pydantic's union-member tags
+        elif item[:1].isupper():
+            continue  # a model's name: the union member it tried
         else:
             parts.append(("." if parts else "") + item)
     return "".join(parts) or "body"
