@@ -23,6 +23,7 @@ SAMPLING_DEFAULTS = ("openai", "model")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
 TOOL_CALL_PARSER_NAMES = tuple(TOOL_CALL_PARSERS)
 REASONING_PARSER_NAMES = tuple(REASONING_PARSERS)
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 
 
 @dataclass
@@ -42,6 +43,8 @@ class ServerArgs:
     sampling_defaults: str = "model"  # see _HELP
     tool_call_parser: str | None = None  # see _HELP
     reasoning_parser: str | None = None  # see _HELP
+    grammar_backend: str = "xgrammar"  # see _HELP
+    constrained_json_disable_any_whitespace: bool = False
 
     # HTTP
     host: str = "127.0.0.1"
@@ -112,6 +115,7 @@ class ServerArgs:
             _check_choice("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSER_NAMES)
         if self.reasoning_parser is not None:
             _check_choice("--reasoning-parser", self.reasoning_parser, REASONING_PARSER_NAMES)
+        _check_choice("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS)
         if self.chat_template is not None and not (
             os.path.isfile(self.chat_template) or "{{" in self.chat_template or "{%" in self.chat_template
         ):
@@ -231,6 +235,7 @@ _CHOICES = {
     "sampling_defaults": SAMPLING_DEFAULTS,
     "tool_call_parser": TOOL_CALL_PARSER_NAMES,
     "reasoning_parser": REASONING_PARSER_NAMES,
+    "grammar_backend": GRAMMAR_BACKENDS,
     "log_level": ("debug", "info", "warning", "error"),
     "log_requests_level": LOG_REQUESTS_LEVELS,
 }
@@ -248,6 +253,15 @@ _HELP = {
         "/v1/chat/completions (SGLang's names): qwen3 (thinking unless chat_template_kwargs "
         "enable_thinking is false), qwen3-thinking and deepseek-r1 (always thinking, the opening "
         "<think> optional)."
+    ),
+    "grammar_backend": (
+        "The backend of constrained decoding (response_format json_object / json_schema, and the "
+        "json_schema, regex, ebnf and structural_tag sampling parameters): xgrammar (default), "
+        "llguidance, or none (such requests get a 400)."
+    ),
+    "constrained_json_disable_any_whitespace": (
+        "JSON grammars allow no whitespace beyond single spaces (compact JSON): a small model cannot "
+        "then loop on newlines inside a JSON object."
     ),
     "chat_template": (
         "The chat template for /v1/chat/completions: a file holding a Jinja template, or the template "

@@ -234,7 +234,7 @@ def test_router_generate_body(server, prompt):
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "bogus": 1}}, "bogus"),
         ("/v1/completions", {"prompt": "hi", "return_hidden_states": True}, "return_hidden_states"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "regex": "a+"}, "regex"),
+        ("/v1/completions", {"prompt": "hi", "regex": "a+("}, "regex"),
         (
             "/v1/chat/completions",
             {"messages": MESSAGES, "max_completion_tokens": -2},

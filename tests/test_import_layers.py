@@ -11,7 +11,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "radixengine"
 ABOVE_THE_WORKER = {"managers", "engine", "entrypoints", "launch_server"}
 BELOW_MANAGERS = {
-    "mem_cache", "sampling", "layers", "models", "model_loader", "model_executor", "utils", "function_call", "parser",
+    "mem_cache", "constrained", "sampling", "layers", "models", "model_loader", "model_executor", "utils",
+    "function_call", "parser",
 }  # fmt: skip
 
 

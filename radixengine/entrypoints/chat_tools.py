@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -110,10 +111,13 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in req.tools if name is None or t.function.name == name]
 
 
-def add_tool_params(req: ChatCompletionRequest, params: dict, tool_call_parser: str | None) -> None:
+def add_tool_params(
+    req: ChatCompletionRequest, params: dict, tool_call_parser: str | None, check_grammar: Callable
+) -> None:
     """Sampling parameters of a request with tools: special tokens kept in the text (a format's
     markers may be special tokens, as SGLang does), and for a forced call its grammar: the
-    parser's structural tag, or the JSON array schema of the calls."""
+    parser's structural tag, or the JSON array schema of the calls (`check_grammar(kind, text,
+    param)` refuses one the grammar backend cannot use)."""
     if not tools_active(req):
         return
     params["skip_special_tokens"] = False
@@ -128,6 +132,7 @@ def add_tool_params(req: ChatCompletionRequest, params: dict, tool_call_parser: 
         )
     detector = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
     name, value = tool_call_constraint(detector, req.tools, forced_function(req), req.parallel_tool_calls)
+    check_grammar(name, value, "tools")
     params[name] = value
 
 

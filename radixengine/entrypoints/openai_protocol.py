@@ -74,6 +74,11 @@ class _SamplingFields(LenientModel):
     priority: int | None = None
     rid: str | None = None
     return_hidden_states: bool = False  # refused when true (request_fields.UNHONOURED)
+    # Constrained decoding (see openai_serving.constraint_params); SGLang's extras as strings
+    response_format: dict[str, Any] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -152,7 +157,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | str | None = None  # none, auto (the default with tools), required
     parallel_tool_calls: bool = True

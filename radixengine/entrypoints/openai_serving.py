@@ -4,6 +4,7 @@ outputs → OpenAI response objects and stream chunks."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 
 from radixengine.entrypoints.chat_output_parser import ChatOutputParser, StreamParser
@@ -36,9 +37,6 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise RequestError("best_of is not supported (only 1)", param="best_of")
         if req.suffix:
             raise RequestError("suffix is not supported", param="suffix")
-    else:
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise RequestError("only the text response_format is supported", param="response_format")
 
 
 def sampling_params_of(
@@ -71,7 +69,63 @@ def sampling_params_of(
     for name in ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"):
         if getattr(req, name, None) is not None:
             params[name] = getattr(req, name)
+    params.update(constraint_params(req))
     return params
+
+
+def constraint_params(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """The request's grammar as SGLang's sampling parameter (at most one): `response_format`
+    json_object -> json_schema '{"type": "object"}', json_schema -> its schema as a JSON string,
+    structural_tag -> the response_format as a JSON string; or the `json_schema` / `regex` /
+    `ebnf` extras (strings) as they are."""
+    params = {name: getattr(req, name) for name in ("json_schema", "regex", "ebnf") if getattr(req, name)}
+    fmt = req.response_format
+    kind = "text" if fmt is None else fmt.get("type", "text")
+    if kind == "json_object":
+        params["response_format"] = json.dumps({"type": "object"})
+    elif kind == "json_schema":
+        params["response_format"] = json.dumps(_response_schema(fmt))
+    elif kind == "structural_tag":
+        params["response_format"] = json.dumps(fmt)
+    elif kind != "text":
+        raise RequestError(
+            f"response_format.type must be one of text, json_object, json_schema, structural_tag; got {kind!r}",
+            param="response_format",
+        )
+    if len(params) > 1:
+        raise RequestError(
+            f"Only one of response_format, json_schema, regex or ebnf can be set, got {', '.join(params)}",
+            param=list(params)[-1],
+        )
+    if "response_format" in params:
+        params["structural_tag" if kind == "structural_tag" else "json_schema"] = params.pop(
+            "response_format"
+        )
+    return params
+
+
+def check_constraint(
+    tm: TokenizerManager, req: CompletionRequest | ChatCompletionRequest, params: dict
+) -> None:
+    """A 400 naming the field the bad grammar came from (response_format or the extra)."""
+    for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
+        if params.get(kind) is not None:
+            from_format = req.response_format is not None and not getattr(req, kind, None)
+            tm.check_grammar(kind, params[kind], "response_format" if from_format else kind)
+
+
+def _response_schema(fmt: dict) -> dict | bool:
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise RequestError(
+            "response_format.json_schema must be an object with a schema", param="response_format"
+        )
+    schema = spec.get("schema", spec.get("schema_"))
+    if not isinstance(schema, (dict, bool)):
+        raise RequestError(
+            "response_format.json_schema.schema is required (a JSON Schema object)", param="response_format"
+        )
+    return schema
 
 
 def expand_choices(base: GenerateReqInput, params: dict, n: int, rid: str | None) -> list[GenerateReqInput]:
@@ -100,6 +154,7 @@ def completion_requests(tm: TokenizerManager, req: CompletionRequest):
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
     params = sampling_params_of(req, req.max_tokens, "max_tokens")
+    check_constraint(tm, req, params)
     prompts = completion_prompts(req.prompt)
     objs = []
     for k, prompt in enumerate(prompts):
@@ -171,7 +226,8 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
         max_tokens, param = req.max_tokens, "max_tokens"
     check_tools(req)
     params = sampling_params_of(req, max_tokens, param)
-    add_tool_params(req, params, tm.server_args.tool_call_parser)
+    check_constraint(tm, req, params)
+    add_tool_params(req, params, tm.server_args.tool_call_parser, tm.check_grammar)
     base = GenerateReqInput(
         messages=chat_messages(req),
         tools=template_tools(req),

@@ -33,9 +33,6 @@ UNHONOURED = {
     "custom_logit_processor": "custom logit processors are not supported",
     "session_params": "sessions are not supported",
     "token_ids_logprob": "logprobs of chosen token ids are not supported",
-    "regex": "constrained decoding (regex) is not supported",
-    "json_schema": "constrained decoding (json_schema) is not supported",
-    "ebnf": "constrained decoding (ebnf) is not supported",
     "functions": "function calling is not supported",
 }
 

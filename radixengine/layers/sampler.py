@@ -51,6 +51,7 @@ class Sampler(nn.Module):
         `top_logprobs_num` most likely tokens of every row or None). A row whose logits are all
         NaN or -inf still gets a valid id (its result is void)."""
         logits = sampling_info.apply_min_new_tokens(apply_penalties(logits.float(), sampling_info))
+        logits = sampling_info.apply_vocab_mask(logits)
         invalid_rows = None
         if self.check_finite:
             logits, invalid_rows = sanitize_logits(logits)

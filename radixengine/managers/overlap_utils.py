@@ -41,7 +41,7 @@ class FutureMap:
 
 # Timing -----------------------------------------------------------------------------------------
 
-PHASES = ("recv", "schedule", "launch", "forward", "process", "wait")
+PHASES = ("recv", "schedule", "launch", "forward", "process", "wait", "grammar")
 
 
 class StepTimer:

@@ -116,6 +116,9 @@ class Req:
         self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
         self.already_computed = 0
         self.time_stats = TimeStats()
+        # Constrained decoding: the request's matcher (a Future while its grammar compiles, in
+        # the scheduler's grammar queue), advanced with every output token.
+        self.grammar: Any = None
 
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self._stop_str_max_len = max((len(s) for s in sampling_params.stop_strs), default=0)
@@ -229,6 +232,9 @@ class Req:
         if num_out == 0:
             return
         last = self.output_ids[-1]
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.finished_reason = finish_matched_token(last)
+            return
         if not params.ignore_eos and (last in self._stop_token_ids or last in eos_token_ids):
             self.finished_reason = finish_matched_token(last)
             return
@@ -253,8 +259,21 @@ class Req:
         self.is_retracted = True
         self.retraction_count += 1
         self.already_computed = 0
+        if self.grammar is not None:  # its matcher, rebuilt from the output ids
+            self.grammar = self.grammar.copy()
+            for token in self.output_ids:
+                self.grammar.accept_token(token)
         if self.input_token_logprobs is None:  # computed again from logprob_start_len
             self._input_logprobs_part, self._input_top_val_part, self._input_top_idx_part = [], [], []
+
+    def samples_grammar(self) -> Any:
+        """The matcher whose mask this step's token is sampled under, or None: a request without
+        a grammar, a chunk that samples no token, one finished or retracted since the batch was
+        launched (its token is dropped), or a prefill-only request."""
+        g = self.grammar
+        if g is None or self.is_chunked > 0 or self.finished() or self.is_retracted:
+            return None
+        return g if self.sampling_params.max_new_tokens > 0 and not g.is_terminated() else None
 
     @contextmanager
     def as_prefilled_upto(self, kv_len: int):
@@ -322,6 +341,10 @@ class ScheduleBatch:
 
     def is_empty(self) -> bool:
         return not self.reqs
+
+    @property
+    def has_grammar(self) -> bool:
+        return any(r.grammar is not None for r in self.reqs)
 
     def copy(self) -> ScheduleBatch:
         """A shallow copy for the overlap loop's result queue: later filters and merges of the
@@ -622,7 +645,7 @@ class ScheduleBatch:
                 self.vocab_size,
                 self.eos_token_ids,
             )
-            info = self._sampling_base
+            info = dataclasses.replace(self._sampling_base)  # per-step fields never reach the base
         else:
             info = dataclasses.replace(self._sampling_base, steps=steps.to(self.device))
         if self.output_token_counts is None:

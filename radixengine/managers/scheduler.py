@@ -12,11 +12,13 @@ import logging
 import time
 import weakref
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from radixengine.managers.grammar_manager import GrammarManager
 from radixengine.managers.io_struct import (
     INIT_INCREMENTAL_DETOKENIZATION_OFFSET,
     AbortReq,
@@ -85,6 +87,7 @@ class Scheduler:
 
         self._init_worker_info()
         self._init_memory_and_cache()
+        self.grammar_manager = GrammarManager(server_args, tokenizer, self.vocab_size, self.eos_token_ids)
         args = server_args
         self.enable_in_batch_prefix_caching = (
             not args.disable_in_batch_prefix_caching and not self.tree_cache.disable
@@ -219,10 +222,29 @@ class Scheduler:
         if self.server_args.enable_priority_scheduling and req.priority is None:
             req.priority = lowest_priority_value(self.server_args.schedule_low_priority_values_first)
         error = recv.error or self._validate_request(req)
+        if error is None and req.sampling_params.grammar_key is not None:
+            error = self.grammar_manager.process_req_with_grammar(req)
+            if error is None and isinstance(req.grammar, Future):
+                return  # in the grammar queue until its grammar compiles
         if error is not None:
             self._finish_at_once(req, error, 400)
             return
         self._add_request_to_queue(req)
+
+    def move_ready_grammar_requests(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue (or fail with a 400). When
+        nothing else can run, wait a little for a compile instead of spinning."""
+        nothing_else = (
+            not self.waiting_queue
+            and self.running_batch.is_empty()
+            and self.chunked_req is None
+            and not self.result_queue
+        )
+        for req, error in self.grammar_manager.get_ready_grammar_requests(block=nothing_else):
+            if error is not None:
+                self._finish_at_once(req, error, 400)
+            else:
+                self._add_request_to_queue(req)
 
     def _validate_request(self, req: Req) -> str | None:
         try:
@@ -292,6 +314,8 @@ class Scheduler:
     # Scheduling --------------------------------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if len(self.grammar_manager):
+            self.move_ready_grammar_requests()
         last = self.last_batch
         if (
             self.chunked_req is not None
@@ -579,29 +603,73 @@ class Scheduler:
         self.stats.num_forward_steps += 1
         mwb = batch.get_model_worker_batch()
         if not self.enable_overlap:
+            if batch.has_grammar:
+                self.update_vocab_mask(batch, mwb)
             with self.timer.phase("forward"):
                 result = self.tp_worker.forward_batch_generation(mwb)
             batch.output_ids = result.next_token_ids
             return result
         # Overlap: launch on the forward stream and return at once; the next batch takes this
-        # one's tokens as placeholders, resolved on the stream from the FutureMap.
+        # one's tokens as placeholders, resolved on the stream from the FutureMap. With a grammar
+        # the sample waits (`launch_batch_sample_if_needed`): its mask needs the tokens of the
+        # batch processed while this forward runs.
         result = OverlapResult()
         self.batch_record_buf.append(mwb)
         self.forward_stream.wait_stream(self.default_stream)
+        delay_sample = batch.has_grammar
         self.forward_stream.submit(
             self._forward_on_stream,
             mwb,
             batch.req_pool_indices,
             result,
+            delay_sample,
             label=batch.forward_mode.name.lower(),
         )
-        result.copy_done = self.forward_stream.record_event()
+        if delay_sample:
+            result.delayed_sample = (batch, mwb)
+        else:
+            result.copy_done = self.forward_stream.record_event()
         batch.output_ids = self.future_map.placeholders(batch.req_pool_indices)
         return result
 
-    def _forward_on_stream(self, mwb: Any, req_pool_indices: torch.Tensor, result: OverlapResult) -> None:
+    def update_vocab_mask(self, batch: ScheduleBatch, mwb: Any) -> None:
+        """This step's allowed-token masks of the batch's constrained rows, filled on the host from
+        each matcher's state (SGLang's update_regex_vocab_mask)."""
+        with self.timer.phase("grammar"):
+            grammars = [r.samples_grammar() for r in batch.reqs]
+            mwb.sampling_info.update_regex_vocab_mask(
+                grammars, self.vocab_size, pin_memory=self.device.type == "cuda"
+            )
+
+    def launch_batch_sample_if_needed(self, result: Any) -> None:
+        """Overlap, a batch with a grammar: fill its masks now that the previous batch's tokens
+        are accepted (while its forward still runs), then sample it on the forward stream."""
+        pending = getattr(result, "delayed_sample", None)
+        if pending is None:
+            return
+        result.delayed_sample = None
+        batch, mwb = pending
+        self.update_vocab_mask(batch, mwb)
+        self.forward_stream.submit(self._sample_on_stream, batch.req_pool_indices, result, label="sample")
+        result.copy_done = self.forward_stream.record_event()
+
+    def _forward_on_stream(
+        self, mwb: Any, req_pool_indices: torch.Tensor, result: OverlapResult, delay_sample: bool = False
+    ) -> None:
         mwb.input_ids = self.future_map.resolve_future(mwb.input_ids)
+        if delay_sample:
+            result.forward_out = self.tp_worker.forward_batch_generation(mwb, delay_sample=True)
+            return
         out = self.tp_worker.forward_batch_generation(mwb)
+        self._publish_on_stream(out, req_pool_indices, result)
+
+    def _sample_on_stream(self, req_pool_indices: torch.Tensor, result: OverlapResult) -> None:
+        out, result.forward_out = result.forward_out, None
+        if out is None:
+            raise RuntimeError("the forward of a batch with a delayed sample did not run")
+        self._publish_on_stream(out.delay_sample_func(), req_pool_indices, result)
+
+    def _publish_on_stream(self, out: Any, req_pool_indices: torch.Tensor, result: OverlapResult) -> None:
         self.future_map.store_to_map(req_pool_indices, out.next_token_ids)
         result.next_token_ids = _to_host(out.next_token_ids)
         for name in _OPTIONAL_RESULTS:
@@ -638,6 +706,8 @@ class Scheduler:
             req.finished_reason = finish_length(0)
             return
         req.output_ids.append(token)
+        if req.grammar is not None:
+            self._accept_grammar_token(req, token)
         if req.return_logprob and res.logprobs is not None:
             k = req.top_logprobs_num
             top_val = res.top_val[row][:k] if k and res.top_val is not None else None
@@ -647,6 +717,13 @@ class Scheduler:
         if len(req.output_ids) == 1:
             req.time_stats.first_token_time = time.perf_counter()
         req.check_finished(self.eos_token_ids, self.tokenizer)
+
+    def _accept_grammar_token(self, req: Req, token: int) -> None:
+        try:
+            req.grammar.accept_token(token)
+        except ValueError as e:  # a token the mask did not allow: fail this request alone
+            logger.error("request %s: %s; aborting it", req.rid, e)
+            req.abort(f"Constrained decoding failed: {e}", 500, "InternalServerError")
 
     def _finish_req(self, req: Req) -> None:
         req.time_stats.finish_time = time.perf_counter()
@@ -785,6 +862,13 @@ class Scheduler:
     # Abort, flush, state -----------------------------------------------------------------------
 
     def abort_request(self, rid: str) -> None:
+        req = self.grammar_manager.abort_request(rid)
+        if req is not None:
+            req.to_abort = True
+            req.check_finished(self.eos_token_ids)
+            req.time_stats.finish_time = time.perf_counter()
+            self._pending_outputs.append(req)
+            return
         for i, req in enumerate(self.waiting_queue):
             if req.rid == rid:
                 del self.waiting_queue[i]
@@ -829,6 +913,7 @@ class Scheduler:
             logger.warning(message)
             return False, message
         self.tree_cache.reset()
+        self.grammar_manager.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
         self.last_batch = self.cur_batch = None
@@ -843,6 +928,7 @@ class Scheduler:
         return {
             "num_running_reqs": len({id(r) for r in self._active_reqs() if not r.finished()}),
             "num_queue_reqs": len(self.waiting_queue),
+            "num_grammar_queue_reqs": len(self.grammar_manager),
             "num_queue_tokens": sum(r.seqlen for r in self.waiting_queue),  # /v1/loads
             "num_retracted_reqs": s.num_retracted_reqs,
             "num_preempted_reqs": s.num_preempted_reqs,
@@ -862,7 +948,12 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         """Nothing queued, running, or in a batch whose requests go on."""
-        if self.waiting_queue or self.chunked_req is not None or self.result_queue:
+        if (
+            self.waiting_queue
+            or self.chunked_req is not None
+            or self.result_queue
+            or len(self.grammar_manager)
+        ):
             return False
         return all(r.finished() for r in self._active_reqs())
 
@@ -913,6 +1004,9 @@ class Scheduler:
                 self.process_batch_result(*self.result_queue.popleft())
         elif batch is None:
             self.self_check_during_idle()
+        if batch is not None:
+            # After the previous batch's tokens are processed: the masks depend on them.
+            self.launch_batch_sample_if_needed(result)
         self.last_batch = batch
         self._end_step()
         return batch
@@ -1064,6 +1158,10 @@ class OverlapResult:
     input_top_logprobs_val: torch.Tensor | None = None
     input_top_logprobs_idx: torch.Tensor | None = None
     copy_done: Any = None
+    # A batch with a grammar, until its sample is launched: (the batch, its ModelWorkerBatch),
+    # and the forward's result, whose delay_sample_func samples it.
+    delayed_sample: tuple[ScheduleBatch, Any] | None = None
+    forward_out: Any = None
 
 
 def _tolist(t: torch.Tensor | None) -> list | None:

@@ -9,6 +9,7 @@ the manager (`aclose`, on shutdown) fails the pending requests the same way."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixengine.constrained.base_grammar_backend import validate_grammar
 from radixengine.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -319,12 +321,21 @@ class TokenizerManager:
         return self._with_vocab_checked(sampling_params)
 
     def _with_vocab_checked(self, sampling_params: SamplingParams) -> SamplingParams:
-        """The one check that needs the vocabulary: logit_bias's token ids."""
+        """The checks that need the vocabulary (logit_bias's token ids) or the grammar backend."""
         try:
             sampling_params.verify(self.vocab_size)
         except ValueError as e:
             raise RequestError(str(e), param="logit_bias") from None
+        if sampling_params.grammar_key is not None:
+            self.check_grammar(*sampling_params.grammar_key)
         return sampling_params
+
+    def check_grammar(self, kind: str, text: str, param: str | None = None) -> None:
+        """A 400 naming the problem for a grammar the backend cannot use (checked here, before
+        the scheduler compiles it)."""
+        error = _grammar_error(self.server_args.grammar_backend, kind, text)
+        if error is not None:
+            raise RequestError(error, param=param or kind)
 
     def tokenize_prompt(self, obj: GenerateReqInput) -> tuple[str | None, list[int], str]:
         given = [name for name in ("text", "input_ids", "messages") if getattr(obj, name) is not None]
@@ -655,6 +666,11 @@ def _model_name(model_path: str | None) -> str:
     if not model_path:
         return "SmolLM2-135M-Instruct"
     return model_path.rstrip("/")
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(backend: str, kind: str, text: str) -> str | None:
+    return validate_grammar(backend, kind, text)
 
 
 def _param_of(message: str, params: dict | None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ TEST_FORWARD_STALL_ENV = "RADIXENGINE_TEST_FORWARD_STALL_S"
 
 @dataclass
 class GenerationBatchResult:
-    next_token_ids: torch.Tensor  # int64 [bs], on the model's device
+    next_token_ids: torch.Tensor | None  # int64 [bs], on the model's device; None until sampled
     next_token_logprobs: torch.Tensor | None = None  # float32 [bs] when the batch asked for them
     invalid_rows: torch.Tensor | None = None  # bool [bs]: nothing to sample (NaN logits); None if none
     # The logprob results a request asked for besides the chosen tokens' (see LogitsProcessorOutput):
@@ -30,6 +31,7 @@ class GenerationBatchResult:
     input_token_logprobs: torch.Tensor | None = None
     input_top_logprobs_val: torch.Tensor | None = None
     input_top_logprobs_idx: torch.Tensor | None = None
+    delay_sample_func: Callable[[], GenerationBatchResult] | None = None
 
 
 @dataclass
@@ -78,20 +80,31 @@ class TpModelWorker:
         """`(req_to_token_pool, token_to_kv_pool_allocator)`."""
         return self.model_runner.req_to_token_pool, self.model_runner.token_to_kv_pool_allocator
 
-    def forward_batch_generation(self, model_worker_batch: ModelWorkerBatch) -> GenerationBatchResult:
+    def forward_batch_generation(
+        self, model_worker_batch: ModelWorkerBatch, delay_sample: bool = False
+    ) -> GenerationBatchResult:
+        """Forward and sample; with `delay_sample` (the overlap loop, a batch with a grammar) only
+        the forward: the result's `delay_sample_func` samples later, once the masks are filled."""
         if self.test_forward_stall_s:
             time.sleep(self.test_forward_stall_s)
         forward_batch = ForwardBatch.init_new(model_worker_batch, self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
-        next_token_ids = self.model_runner.sample(logits_output, forward_batch)
-        out = logits_output
-        return GenerationBatchResult(
-            next_token_ids,
-            out.next_token_logprobs,
-            out.invalid_rows,
-            out.next_token_top_logprobs_val,
-            out.next_token_top_logprobs_idx,
-            out.input_token_logprobs,
-            out.input_top_logprobs_val,
-            out.input_top_logprobs_idx,
-        )
+        result = GenerationBatchResult(next_token_ids=None)
+
+        def sample() -> GenerationBatchResult:
+            result.next_token_ids = self.model_runner.sample(logits_output, forward_batch)
+            out = logits_output
+            result.next_token_logprobs = out.next_token_logprobs
+            result.invalid_rows = out.invalid_rows
+            result.next_token_top_logprobs_val = out.next_token_top_logprobs_val
+            result.next_token_top_logprobs_idx = out.next_token_top_logprobs_idx
+            result.input_token_logprobs = out.input_token_logprobs
+            result.input_top_logprobs_val = out.input_top_logprobs_val
+            result.input_top_logprobs_idx = out.input_top_logprobs_idx
+            result.delay_sample_func = None
+            return result
+
+        if delay_sample:
+            result.delay_sample_func = sample
+            return result
+        return sample()

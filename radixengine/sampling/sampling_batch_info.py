@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixengine.constrained.base_grammar_backend import allocate_vocab_mask, apply_vocab_mask
 from radixengine.sampling.output_token_counts import OutputTokenCounts, cumulate
 from radixengine.sampling.sampling_params import SamplingParams
 
@@ -49,6 +50,10 @@ class SamplingBatchInfo:
     logit_bias_rows: torch.Tensor | None = None  # int64 [n]
     logit_bias_ids: torch.Tensor | None = None  # int64 [n]
     logit_bias_values: torch.Tensor | None = None  # float32 [n]
+    # Constrained decoding, set per step (`update_regex_vocab_mask`): the packed allowed-token
+    # mask, int32 [bs, ceil(vocab / 32)] filled on the host, and the rows it constrains.
+    vocab_mask: torch.Tensor | None = None
+    vocab_mask_rows: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +117,24 @@ class SamplingBatchInfo:
         active = self.steps.index_select(0, rows) < self.min_tokens_limit
         suppressed = torch.where(active, float("-inf"), logits[rows, ids])
         return logits.index_put((rows, ids), suppressed)
+
+    def update_regex_vocab_mask(self, grammars: list, vocab_size: int, pin_memory: bool = False) -> None:
+        """Fill the mask of every row with a grammar (None: the row is not constrained this step)
+        from its matcher's state, on the host."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            self.vocab_mask = self.vocab_mask_rows = None
+            return
+        mask = allocate_vocab_mask(len(grammars), vocab_size, pin_memory)
+        for i in rows:
+            grammars[i].fill_vocab_mask(mask, i)
+        self.vocab_mask, self.vocab_mask_rows = mask, rows
+
+    def apply_vocab_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """The constrained rows' disallowed tokens at -inf (in place); other rows untouched."""
+        if self.vocab_mask is not None:
+            apply_vocab_mask(logits, self.vocab_mask, self.vocab_mask_rows)
+        return logits
 
     def load_output_token_counts(self) -> torch.Tensor:
         """This step's output token counts (gathered into `output_token_counts_out`)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 _EPS = 1e-6
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass
@@ -26,6 +27,12 @@ class SamplingParams:
     no_stop_trim: bool = False
     sampling_seed: int | None = None
     n: int = 1
+    # Constrained decoding (at most one): a JSON schema as a JSON string ("$$ANY$$" = any JSON),
+    # a regular expression, an EBNF grammar, or an xgrammar structural tag as a JSON string.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
     stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +54,15 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.top_k == 1
+
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar (the compile cache's key), or None."""
+        for kind in GRAMMAR_FIELDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
 
     @property
     def has_penalties(self) -> bool:
@@ -98,9 +114,21 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
             ):
                 raise ValueError("stop_token_ids must be a list of non-negative integers")
+        _verify_grammar_fields(self)
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+
+def _verify_grammar_fields(params: SamplingParams) -> None:
+    set_fields = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
+    for name in set_fields:
+        if not isinstance(getattr(params, name), str) or not getattr(params, name):
+            raise ValueError(f"{name} must be a non-empty string, got {getattr(params, name)!r}")
+    if len(set_fields) > 1:
+        raise ValueError(
+            f"Only one of regex, json_schema, ebnf or structural_tag can be set, got {', '.join(set_fields)}"
+        )
 
 
 def _verify_logit_bias(logit_bias, vocab_size: int | None) -> None:

@@ -1,0 +1,1 @@
+"""Constrained decoding: grammar backends (xgrammar, llguidance) and the packed vocabulary masks."""

@@ -1,0 +1,169 @@
+"""The grammar objects a constrained request carries, and the backend that compiles them.
+
+A grammar is compiled once per (kind, text) key on a thread pool, so a long compile never stalls
+the scheduler: the request waits in the scheduler's grammar queue until its future is done. Each
+request gets its own matcher (`copy()` of the compiled grammar), advanced by `accept_token` with
+every sampled token, asked for the allowed tokens by `fill_vocab_mask`.
+
+The vocabulary mask is SGLang's (and xgrammar's) packed layout: int32 [rows, ceil(vocab / 32)],
+bit j of word w allows token 32 w + j. llguidance fills the same layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
+MAX_CACHED_GRAMMARS = 1024
+GrammarKey = tuple[str, str]  # (json_schema | regex | ebnf | structural_tag, text)
+
+
+class BaseGrammarObject:
+    """One request's matcher."""
+
+    def accept_token(self, token: int) -> None:
+        """Advance by `token`; a ValueError when the grammar does not allow it."""
+        raise NotImplementedError
+
+    def is_terminated(self) -> bool:
+        raise NotImplementedError
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
+        raise NotImplementedError
+
+    def copy(self) -> BaseGrammarObject:
+        """A fresh matcher of the same compiled grammar (at its start)."""
+        raise NotImplementedError
+
+
+@dataclass
+class InvalidGrammarObject:
+    """A grammar that failed to compile: the request gets a 400 with this message."""
+
+    error_message: str
+
+
+class BaseGrammarBackend:
+    def __init__(self, num_threads: int = 2) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile")
+        self.cache: OrderedDict[GrammarKey, Future] = OrderedDict()
+
+    def get_future(self, key: GrammarKey) -> Future:
+        """The compile of `key` (cached by key, failures included): a Future of a grammar object
+        (at its start; callers `copy()` it) or an InvalidGrammarObject."""
+        future = self.cache.get(key)
+        if future is not None:
+            self.cache.move_to_end(key)
+            return future
+        future = self.executor.submit(self._compile, key)
+        self.cache[key] = future
+        if len(self.cache) > MAX_CACHED_GRAMMARS:
+            self.cache.popitem(last=False)
+        return future
+
+    def _compile(self, key: GrammarKey) -> BaseGrammarObject | InvalidGrammarObject:
+        kind, text = key
+        try:
+            return getattr(self, f"dispatch_{kind}")(text)
+        except Exception as e:  # a compile error is the request's, never the scheduler's
+            logger.info("invalid %s grammar: %s", kind, e)
+            return InvalidGrammarObject(f"Failed to compile the {kind} grammar: {e}")
+
+    def dispatch_json_schema(self, text: str) -> BaseGrammarObject:
+        raise NotImplementedError
+
+    def dispatch_regex(self, text: str) -> BaseGrammarObject:
+        raise NotImplementedError
+
+    def dispatch_ebnf(self, text: str) -> BaseGrammarObject:
+        raise NotImplementedError
+
+    def dispatch_structural_tag(self, text: str) -> BaseGrammarObject:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        self.cache.clear()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def create_grammar_backend(
+    name: str,
+    tokenizer,
+    vocab_size: int,
+    eos_token_ids: list[int],
+    any_whitespace: bool = True,
+) -> BaseGrammarBackend | None:
+    """The backend `--grammar-backend` names (None for `none`), its tokenizer info built once from
+    the HF tokenizer; tokens past the tokenizer's vocabulary (the model's padding) are never allowed."""
+    if name == "none":
+        return None
+    if name == "xgrammar":
+        from radixengine.constrained.xgrammar_backend import XGrammarGrammarBackend
+
+        return XGrammarGrammarBackend(tokenizer, vocab_size, eos_token_ids, any_whitespace)
+    if name == "llguidance":
+        from radixengine.constrained.llguidance_backend import GuidanceBackend
+
+        return GuidanceBackend(tokenizer, vocab_size, eos_token_ids, any_whitespace)
+    raise ValueError(f"unknown grammar backend {name!r}; choose from {', '.join(GRAMMAR_BACKENDS)}")
+
+
+def allocate_vocab_mask(batch_size: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
+    """All tokens allowed: int32 [batch_size, ceil(vocab_size / 32)] of -1 (every bit set)."""
+    words = (vocab_size + 31) // 32
+    return torch.full((batch_size, words), -1, dtype=torch.int32, pin_memory=pin_memory)
+
+
+def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor, rows: list[int]) -> None:
+    """In place: the disallowed tokens of `rows` at -inf; the other rows are not touched."""
+    import xgrammar
+
+    if vocab_mask.device != logits.device:
+        vocab_mask = vocab_mask.to(logits.device, non_blocking=True)
+    xgrammar.apply_token_bitmask_inplace(logits, vocab_mask, vocab_size=logits.shape[-1], indices=rows)
+
+
+def validate_grammar(backend: str, kind: str, text: str) -> str | None:
+    """Why the grammar cannot be used (a message naming the problem), or None. Parses it without
+    the tokenizer, so the front end can refuse a bad grammar before it reaches the scheduler."""
+    if backend == "none":
+        return (
+            f"{kind}: constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported "
+            f"when the server is launched with --grammar-backend none"
+        )
+    if kind in ("json_schema", "structural_tag") and text != "$$ANY$$":
+        import json
+
+        try:
+            json.loads(text)
+        except ValueError as e:
+            return f"{kind} is not valid JSON: {e}"
+    if backend == "xgrammar":
+        from radixengine.constrained.xgrammar_backend import validate
+    else:
+        from radixengine.constrained.llguidance_backend import validate
+    try:
+        validate(kind, text)
+    except Exception as e:
+        return f"invalid {kind}: {_first_line(str(e))}"
+    return None
+
+
+def _first_line(message: str) -> str:
+    """The message's first line, without xgrammar's "[hh:mm:ss] /path/file.cc:83: " prefix."""
+    line = (message.strip().splitlines() or [""])[0]
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]
+        head, sep, rest = line.partition(": ")
+        if sep and ".cc:" in head:
+            line = rest
+    return line

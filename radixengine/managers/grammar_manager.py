@@ -1,0 +1,88 @@
+"""GrammarManager: the scheduler's side of constrained decoding (SGLang's). A request whose
+grammar is still compiling waits in the grammar queue (the compile runs on the backend's thread
+pool, so running batches go on); once its future is done it joins the waiting queue with its own
+matcher, or fails with a 400 naming the compile error."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+from radixengine.constrained.base_grammar_backend import InvalidGrammarObject, create_grammar_backend
+from radixengine.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.005  # how long an otherwise idle scheduler waits for a compile per step
+
+
+class GrammarManager:
+    def __init__(self, server_args, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.backend_name = server_args.grammar_backend
+        self.backend = None
+        if self.backend_name != "none" and tokenizer is not None:
+            self.backend = create_grammar_backend(
+                self.backend_name,
+                tokenizer,
+                vocab_size,
+                sorted(eos_token_ids),
+                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
+            )
+        self.grammar_queue: list[Req] = []
+
+    def __len__(self) -> int:
+        return len(self.grammar_queue)
+
+    def process_req_with_grammar(self, req: Req) -> str | None:
+        """Start the request's grammar: None when it is ready (`req.grammar` is its matcher) or
+        queued here (`req.grammar` is the compile's Future); else why it cannot run."""
+        kind, _ = key = req.sampling_params.grammar_key
+        if self.backend is None:
+            if self.backend_name == "none":
+                return (
+                    f"{kind}: constrained decoding (json_schema, regex, ebnf, structural_tag) is not "
+                    "supported when the server is launched with --grammar-backend none"
+                )
+            return f"{kind}: constrained decoding needs the model's tokenizer"
+        future = self.backend.get_future(key)
+        if future.done():
+            return self._resolve(req, future)
+        req.grammar = future
+        self.grammar_queue.append(req)
+        return None
+
+    def get_ready_grammar_requests(self, block: bool = False) -> list[tuple[Req, str | None]]:
+        """The queued requests whose compile is done, each with its error (None when it can run).
+        With `block` (nothing else to do), first wait a little for one to finish."""
+        if not self.grammar_queue:
+            return []
+        if block:
+            wait(
+                [r.grammar for r in self.grammar_queue], timeout=POLL_INTERVAL_S, return_when=FIRST_COMPLETED
+            )
+        ready = [r for r in self.grammar_queue if r.grammar.done()]
+        if not ready:
+            return []
+        self.grammar_queue = [r for r in self.grammar_queue if not r.grammar.done()]
+        return [(r, self._resolve(r, r.grammar)) for r in ready]
+
+    def abort_request(self, rid: str) -> Req | None:
+        for i, req in enumerate(self.grammar_queue):
+            if req.rid == rid:
+                del self.grammar_queue[i]
+                req.grammar = None  # the compile goes on: its result is cached for the next request
+                return req
+        return None
+
+    def reset(self) -> None:
+        if self.backend is not None:
+            self.backend.reset()
+
+    @staticmethod
+    def _resolve(req: Req, future: Future) -> str | None:
+        value = future.result()
+        if isinstance(value, InvalidGrammarObject):
+            req.grammar = None
+            return value.error_message
+        req.grammar = value.copy()
+        return None
