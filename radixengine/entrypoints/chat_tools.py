@@ -111,9 +111,7 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in req.tools if name is None or t.function.name == name]
 
 
-def add_tool_params(
-    req: ChatCompletionRequest, params: dict, tool_call_parser: str | None, check_grammar: Callable
-) -> None:
+def add_tool_params(req: ChatCompletionRequest, params: dict, server_args, check_grammar: Callable) -> None:
     """Sampling parameters of a request with tools: special tokens kept in the text (a format's
     markers may be special tokens, as SGLang does), and for a forced call its grammar: the
     parser's structural tag, or the JSON array schema of the calls (`check_grammar(kind, text,
@@ -130,8 +128,12 @@ def add_tool_params(
             f"{taken[0]} (constrained decoding)",
             param="tool_choice",
         )
-    detector = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
-    name, value = tool_call_constraint(detector, req.tools, forced_function(req), req.parallel_tool_calls)
+    parser = server_args.tool_call_parser
+    detector = TOOL_CALL_PARSERS[parser]() if parser else None
+    compact = server_args.constrained_json_disable_any_whitespace
+    name, value = tool_call_constraint(
+        detector, req.tools, forced_function(req), req.parallel_tool_calls, compact
+    )
     check_grammar(name, value, "tools")
     params[name] = value
 

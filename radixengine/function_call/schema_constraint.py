@@ -58,24 +58,26 @@ def json_array_schema(tools: list, forced_function: str | None, parallel_tool_ca
 
 
 def structural_tag(
-    detector: BaseFormatDetector, tools: list, forced_function: str | None, parallel_tool_calls: bool
+    detector: BaseFormatDetector,
+    tools: list,
+    forced_function: str | None,
+    parallel_tool_calls: bool,
+    compact_json: bool = False,
 ) -> dict:
     """xgrammar's structural tag: the output opens with a call in the detector's format (of the
     named function, or of any tool), its arguments held to the function's parameters schema;
-    without `parallel_tool_calls` it ends after that call."""
+    without `parallel_tool_calls` it ends after that call. `compact_json`: at most one
+    whitespace character in a row inside the arguments (what
+    --constrained-json-disable-any-whitespace asks of JSON grammars)."""
     info = detector.structure_info()
     chosen = [t for t in tools if forced_function is None or t.function.name == forced_function]
     tags, triggers = [], []
     for tool in chosen:
         s = info(tool.function.name)
-        tags.append(
-            {
-                "type": "tag",
-                "begin": s.begin,
-                "content": {"type": "json_schema", "json_schema": parameters_schema(tool)},
-                "end": s.end,
-            }
-        )
+        content = {"type": "json_schema", "json_schema": parameters_schema(tool)}
+        if compact_json:
+            content["max_whitespace_cnt"] = 1
+        tags.append({"type": "tag", "begin": s.begin, "content": content, "end": s.end})
         if s.trigger not in triggers:
             triggers.append(s.trigger)
     return {
@@ -91,12 +93,15 @@ def structural_tag(
 
 
 def tool_call_constraint(
-    detector: BaseFormatDetector | None, tools: list, forced_function: str | None, parallel_tool_calls: bool
+    detector: BaseFormatDetector | None,
+    tools: list,
+    forced_function: str | None,
+    parallel_tool_calls: bool,
+    compact_json: bool = False,
 ) -> tuple[str, str]:
     """(sampling-parameter name, its value) that forces the calls: the parser's structural tag
     where it has one, else the JSON array schema."""
     if detector is not None and detector.supports_structural_tag():
-        return "structural_tag", json.dumps(
-            structural_tag(detector, tools, forced_function, parallel_tool_calls)
-        )
+        tag = structural_tag(detector, tools, forced_function, parallel_tool_calls, compact_json)
+        return "structural_tag", json.dumps(tag)
     return "json_schema", json.dumps(json_array_schema(tools, forced_function, parallel_tool_calls))
