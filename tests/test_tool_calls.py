@@ -260,7 +260,11 @@ def test_conversation_with_calls_and_results_goes_through_the_template(tiny, tin
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.loads(PARIS)}},
     ]}  # fmt: skip
     prompt = tok.apply_chat_template(
-        rendered, tools=[WEATHER], chat_template=QWEN_STYLE_TEMPLATE, add_generation_prompt=True, tokenize=False
+        rendered,
+        tools=[WEATHER],
+        chat_template=QWEN_STYLE_TEMPLATE,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"' in prompt
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in prompt
@@ -327,7 +331,10 @@ def _calls(message) -> list[tuple[str, str]]:
 @pytest.mark.slow
 def test_smollm2_forced_calls_validate(smol):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    for choice, parallel in (("required", True), ({"type": "function", "function": {"name": "get_time"}}, False)):
+    for choice, parallel in (
+        ("required", True),
+        ({"type": "function", "function": {"name": "get_time"}}, False),
+    ):
         kwargs = dict(model="m", messages=QUESTION, tools=[WEATHER, TIME], tool_choice=choice,
                       parallel_tool_calls=parallel, temperature=0, max_tokens=96)  # fmt: skip
         r = smol.chat.completions.create(**kwargs)
@@ -370,6 +377,8 @@ def test_smollm2_tool_choice_none_and_tool_results(smol):
         forced.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
     ]
-    r = smol.chat.completions.create(model="m", messages=conversation, tools=[WEATHER], temperature=0, max_tokens=24)
+    r = smol.chat.completions.create(
+        model="m", messages=conversation, tools=[WEATHER], temperature=0, max_tokens=24
+    )
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content.strip()
     assert r.usage.prompt_tokens > forced.usage.prompt_tokens
