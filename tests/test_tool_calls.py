@@ -10,7 +10,12 @@ official openai client."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
+import subprocess
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -317,11 +322,16 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris right
 
 
 @pytest.fixture(scope="module")
-def smol(gguf_path, tmp_path_factory):
+def smol_server(gguf_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("smol_tools") / "server.log"
     proc = launch_test_server(gguf_path, log, ["--num-threads", "1"])
-    yield openai.OpenAI(base_url=proc.base_url + "/v1", api_key="none", max_retries=0)
+    yield proc
     stop_test_server(proc)
+
+
+@pytest.fixture(scope="module")
+def smol(smol_server):
+    return openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="none", max_retries=0)
 
 
 def _calls(message) -> list[tuple[str, str]]:
@@ -382,3 +392,27 @@ def test_smollm2_tool_choice_none_and_tool_results(smol):
     )
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content.strip()
     assert r.usage.prompt_tokens > forced.usage.prompt_tokens
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+
+
+def doc_example(language: str) -> str:
+    """The code block of `language` after the tool-call example marker of docs/api.md."""
+    text = DOC.read_text().split("<!-- tool-call example -->", 1)[1]
+    return re.search(rf"```{language}\n(.*?)```", text, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_docs_tool_call_example_runs(smol_server):
+    url = smol_server.base_url
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(doc_example("python").replace("http://localhost:30000", url), {})
+    first, second = out.getvalue().splitlines()[:2]
+    assert re.fullmatch(r"tool_calls get_weather \{'city': '[^']*', 'unit': '(celsius|fahrenheit)'\}", first)
+    assert second.strip()
+    curl = doc_example("bash").replace("http://localhost:30000", url)
+    body = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, check=True).stdout)
+    call = body["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
