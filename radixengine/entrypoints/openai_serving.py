@@ -95,7 +95,7 @@ def constraint_params(req: CompletionRequest | ChatCompletionRequest) -> dict[st
     if len(params) > 1:
         raise RequestError(
             f"Only one of response_format, json_schema, regex or ebnf can be set, got {', '.join(params)}",
-            param=list(params)[-1],
+            param=next(name for name in params if name != "response_format"),
         )
     if "response_format" in params:
         params["structural_tag" if kind == "structural_tag" else "json_schema"] = params.pop(

@@ -33,7 +33,7 @@ UNHONOURED = {
     "custom_logit_processor": "custom logit processors are not supported",
     "session_params": "sessions are not supported",
     "token_ids_logprob": "logprobs of chosen token ids are not supported",
-    "functions": "function calling is not supported",
+    "functions": "OpenAI's legacy function calling is not supported: give the functions as tools",
 }
 
 
