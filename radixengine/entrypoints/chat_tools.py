@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -14,7 +13,7 @@ from jsonschema.exceptions import SchemaError
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest, ToolChoice
 from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.function_call.schema_constraint import tool_call_constraint, tool_schema_defs
-from radixengine.managers.tokenizer_manager import RequestError
+from radixengine.managers.tokenizer_manager import RequestError, TokenizerManager
 
 TOOL_CHOICES = ("none", "auto", "required")
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
@@ -111,11 +110,11 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in req.tools if name is None or t.function.name == name]
 
 
-def add_tool_params(req: ChatCompletionRequest, params: dict, server_args, check_grammar: Callable) -> None:
+def add_tool_params(tm: TokenizerManager, req: ChatCompletionRequest, params: dict) -> None:
     """Sampling parameters of a request with tools: special tokens kept in the text (a format's
     markers may be special tokens, as SGLang does), and for a forced call its grammar: the
-    parser's structural tag, or the JSON array schema of the calls (`check_grammar(kind, text,
-    param)` refuses one the grammar backend cannot use)."""
+    parser's structural tag, or the JSON array schema of the calls (a 400 naming `tools` when
+    the grammar backend cannot use it)."""
     if not tools_active(req):
         return
     params["skip_special_tokens"] = False
@@ -128,13 +127,13 @@ def add_tool_params(req: ChatCompletionRequest, params: dict, server_args, check
             f"{taken[0]} (constrained decoding)",
             param="tool_choice",
         )
-    parser = server_args.tool_call_parser
+    parser = tm.server_args.tool_call_parser
     detector = TOOL_CALL_PARSERS[parser]() if parser else None
-    compact = server_args.constrained_json_disable_any_whitespace
+    compact = tm.server_args.constrained_json_disable_any_whitespace
     name, value = tool_call_constraint(
         detector, req.tools, forced_function(req), req.parallel_tool_calls, compact
     )
-    check_grammar(name, value, "tools")
+    tm.check_grammar(name, value, "tools")
     params[name] = value
 
 

@@ -227,7 +227,7 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
     check_tools(req)
     params = sampling_params_of(req, max_tokens, param)
     check_constraint(tm, req, params)
-    add_tool_params(req, params, tm.server_args, tm.check_grammar)
+    add_tool_params(tm, req, params)
     base = GenerateReqInput(
         messages=chat_messages(req),
         tools=template_tools(req),
