@@ -20,9 +20,21 @@ INSTALL_REQUIRES = [
     "prometheus-client",
     "tqdm",
     "psutil",
+    "xgrammar==0.2.8",
 ]
 EXTRAS = {
-    "test": ["pytest", "pytest-timeout", "openai", "httpx", "requests", "ruff", "matplotlib"],
+    "test": [
+        "pytest",
+        "pytest-timeout",
+        "openai",
+        "httpx",
+        "requests",
+        "ruff",
+        "matplotlib",
+        "jsonschema",
+        "llguidance==1.9.1",
+    ],
+    "llguidance": ["llguidance==1.9.1"],
     "cuda": ["flashinfer-python", "sgl-kernel"],
 }
 

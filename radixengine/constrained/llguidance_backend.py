@@ -32,6 +32,7 @@ class GuidanceGrammar(BaseGrammarObject):
         if not self.matcher.consume_token(token):
             raise ValueError(f"token {token} is not allowed by the grammar: {self.matcher.get_error()}")
         self._check_err()
+        self.finished = token in self.eos_tokens and self.matcher.is_stopped()
 
     def is_terminated(self) -> bool:
         return self.finished
