@@ -416,3 +416,37 @@ def test_docs_tool_call_example_runs(smol_server):
     body = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, check=True).stdout)
     call = body["choices"][0]["message"]["tool_calls"][0]
     assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("backend, kind", [("xgrammar", "structural_tag"), ("llguidance", "json_schema")])
+def test_forced_call_grammar_follows_the_backend(backend, kind):
+    """A backend without structural tags (llguidance) forces the JSON array instead, and the
+    answer is read as one."""
+    from types import SimpleNamespace
+
+    from radixengine.entrypoints import openai_serving as oai
+    from radixengine.entrypoints.chat_tools import add_tool_params
+    from radixengine.entrypoints.openai_protocol import ChatCompletionRequest
+    from radixengine.server_args import ServerArgs
+
+    checked = []
+    args = ServerArgs(model_path="unused", device="cpu", tool_call_parser="qwen25", grammar_backend=backend)
+    tm = SimpleNamespace(server_args=args, check_grammar=lambda *a: checked.append(a))
+    req = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required"}
+    )
+    params = {}
+    add_tool_params(tm, req, params)
+    assert list(params) == ["skip_special_tokens", kind] and checked == [(kind, params[kind], "tools")]
+    text = {
+        "structural_tag": f'<tool_call>\n{{"name": "get_weather", "arguments": {PARIS}}}\n</tool_call>',
+        "json_schema": f'[{{"name": "get_weather", "parameters": {PARIS}}}]',
+    }[kind]
+    req.model = "m"
+    meta = {"finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 1, "cached_tokens": 0,
+            "completion_tokens": 1}  # fmt: skip
+    choice = oai.chat_response(tm, req, [{"text": text, "output_ids": [1], "meta_info": meta}])["choices"][0]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
+        ("get_weather", PARIS)
+    ]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""

@@ -8,10 +8,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from radixengine.entrypoints.chat_tools import is_forced, tools_active
+from radixengine.entrypoints.chat_tools import forced_call_parser, is_forced, tools_active
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest
 from radixengine.function_call.core_types import ToolCallItem
-from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS, FunctionCallParser
+from radixengine.function_call.function_call_parser import FunctionCallParser
 from radixengine.parser.reasoning_parser import ReasoningParser
 
 _NO_PARSE = object()
@@ -31,12 +31,10 @@ class ParsedChoice:
 class ChatOutputParser:
     """The parsing a request's choices get; `new_stream()` gives one choice's streaming state."""
 
-    def __init__(
-        self, req: ChatCompletionRequest, tool_call_parser: str | None, reasoning_parser: str | None
-    ):
+    def __init__(self, req: ChatCompletionRequest, server_args) -> None:
         self.req = req
-        self.reasoning_parser = reasoning_parser if req.separate_reasoning else None
-        self.tool_parser_name = _tool_parser_name(req, tool_call_parser)
+        self.reasoning_parser = server_args.reasoning_parser if req.separate_reasoning else None
+        self.tool_parser_name = _tool_parser_name(req, server_args)
 
     @property
     def active(self) -> bool:
@@ -132,14 +130,12 @@ def _tool_call(index: int, name: str, arguments: str, call_id: str | None = None
     }
 
 
-def _tool_parser_name(req: ChatCompletionRequest, tool_call_parser: str | None):
+def _tool_parser_name(req: ChatCompletionRequest, server_args):
     """Which parser reads the calls: for a forced call, the one whose format the grammar forced
-    (the JSON array, `None`, unless the parser has a structural tag); for `auto`, the server's
-    `--tool-call-parser` (none: the text is left as it is, as in SGLang)."""
+    (`None`: the JSON array); for `auto`, the server's `--tool-call-parser` (none: the text is
+    left as it is, as in SGLang)."""
     if not tools_active(req):
         return _NO_PARSE
     if is_forced(req):
-        if tool_call_parser and TOOL_CALL_PARSERS[tool_call_parser]().supports_structural_tag():
-            return tool_call_parser
-        return None
-    return tool_call_parser if tool_call_parser else _NO_PARSE
+        return forced_call_parser(server_args)
+    return server_args.tool_call_parser or _NO_PARSE

@@ -110,6 +110,16 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in req.tools if name is None or t.function.name == name]
 
 
+def forced_call_parser(server_args) -> str | None:
+    """The parser whose format a forced call's grammar holds the output to: the server's
+    `--tool-call-parser` where it has a structural tag and the grammar backend (xgrammar) takes
+    one; else None, the JSON array of calls."""
+    parser = server_args.tool_call_parser
+    if parser is None or server_args.grammar_backend != "xgrammar":
+        return None
+    return parser if TOOL_CALL_PARSERS[parser]().supports_structural_tag() else None
+
+
 def add_tool_params(tm: TokenizerManager, req: ChatCompletionRequest, params: dict) -> None:
     """Sampling parameters of a request with tools: special tokens kept in the text (a format's
     markers may be special tokens, as SGLang does), and for a forced call its grammar: the
@@ -127,7 +137,7 @@ def add_tool_params(tm: TokenizerManager, req: ChatCompletionRequest, params: di
             f"{taken[0]} (constrained decoding)",
             param="tool_choice",
         )
-    parser = tm.server_args.tool_call_parser
+    parser = forced_call_parser(tm.server_args)
     detector = TOOL_CALL_PARSERS[parser]() if parser else None
     compact = tm.server_args.constrained_json_disable_any_whitespace
     name, value = tool_call_constraint(

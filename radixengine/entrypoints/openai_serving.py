@@ -339,8 +339,7 @@ def completion_response(
 
 
 def output_parser(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatOutputParser:
-    args = tm.server_args
-    return ChatOutputParser(req, args.tool_call_parser, args.reasoning_parser)
+    return ChatOutputParser(req, tm.server_args)
 
 
 def chat_message(parsing: ChatOutputParser, text: str) -> dict:
