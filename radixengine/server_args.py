@@ -8,6 +8,9 @@ import os
 import random
 from dataclasses import dataclass, field
 
+from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
+from radixengine.parser.reasoning_parser import REASONING_PARSERS
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -18,6 +21,8 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer", "trito
 CPU_FORWARD_STREAMS = ("auto", "thread", "inline")
 SAMPLING_DEFAULTS = ("openai", "model")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
+TOOL_CALL_PARSER_NAMES = tuple(TOOL_CALL_PARSERS)
+REASONING_PARSER_NAMES = tuple(REASONING_PARSERS)
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 
 
@@ -37,6 +42,8 @@ class ServerArgs:
     quantization: str = "auto"  # see _HELP
     chat_template: str | None = None  # see _HELP
     sampling_defaults: str = "model"  # see _HELP
+    tool_call_parser: str | None = None  # see _HELP
+    reasoning_parser: str | None = None  # see _HELP
     grammar_backend: str = "xgrammar"  # see _HELP
     constrained_json_disable_any_whitespace: bool = False
 
@@ -105,6 +112,10 @@ class ServerArgs:
         _check_choice("--quantization", self.quantization, QUANTIZATIONS)
         _check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("--sampling-defaults", self.sampling_defaults, SAMPLING_DEFAULTS)
+        if self.tool_call_parser is not None:
+            _check_choice("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSER_NAMES)
+        if self.reasoning_parser is not None:
+            _check_choice("--reasoning-parser", self.reasoning_parser, REASONING_PARSER_NAMES)
         _check_choice("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS)
         if self.chat_template is not None and not (
             os.path.isfile(self.chat_template) or "{{" in self.chat_template or "{%" in self.chat_template
@@ -223,12 +234,27 @@ _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "cpu_forward_stream": CPU_FORWARD_STREAMS,
     "sampling_defaults": SAMPLING_DEFAULTS,
+    "tool_call_parser": TOOL_CALL_PARSER_NAMES,
+    "reasoning_parser": REASONING_PARSER_NAMES,
     "grammar_backend": GRAMMAR_BACKENDS,
     "log_level": ("debug", "info", "warning", "error"),
     "log_requests_level": LOG_REQUESTS_LEVELS,
 }
 
 _HELP = {
+    "tool_call_parser": (
+        "How /v1/chat/completions reads tool calls in the model's text into `tool_calls` (SGLang's "
+        "names): llama3 (Llama 3.x, <|python_tag|> / JSON), qwen25 or qwen (Qwen2.5 / Qwen3, "
+        "<tool_call>...</tool_call>), pythonic ([f(x=1)]). Without it, tool_choice auto leaves the text "
+        "as it is; tool_choice required or a named function always works: a grammar forces a JSON "
+        "array of calls (or the parser's own format where it has a structural tag)."
+    ),
+    "reasoning_parser": (
+        "Split a reasoning model's <think>...</think> block into `reasoning_content` on "
+        "/v1/chat/completions (SGLang's names): qwen3 (thinking unless chat_template_kwargs "
+        "enable_thinking is false), qwen3-thinking and deepseek-r1 (always thinking, the opening "
+        "<think> optional)."
+    ),
     "grammar_backend": (
         "The backend of constrained decoding (response_format json_object / json_schema, and the "
         "json_schema, regex, ebnf and structural_tag sampling parameters): xgrammar (default), "

@@ -24,6 +24,7 @@ class StubTokenizerManager:
 
     def __init__(self, outcome: str) -> None:
         self.outcome = outcome
+        self.server_args = ServerArgs(model_path="stub")
 
     def ensure_started(self) -> None:
         pass
@@ -43,7 +44,8 @@ class StubTokenizerManager:
 
 
 async def call(outcome: str, path: str, body: dict) -> httpx.Response:
-    app = create_app(StubTokenizerManager(outcome), ServerArgs(model_path="stub"))
+    tm = StubTokenizerManager(outcome)
+    app = create_app(tm, tm.server_args)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         return await client.post(path, json=body)

@@ -11,15 +11,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "radixengine"
 ABOVE_THE_WORKER = {"managers", "engine", "entrypoints", "launch_server"}
 BELOW_MANAGERS = {
-    "mem_cache",
-    "constrained",
-    "sampling",
-    "layers",
-    "models",
-    "model_loader",
-    "model_executor",
-    "utils",
-}
+    "mem_cache", "constrained", "sampling", "layers", "models", "model_loader", "model_executor", "utils",
+    "function_call", "parser",
+}  # fmt: skip
 
 
 def imported_subpackages(path: Path) -> set[str]:

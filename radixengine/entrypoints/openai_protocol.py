@@ -96,11 +96,60 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+_NESTED = ConfigDict(strict=True, extra="ignore")
+
+
+class FunctionCall(BaseModel):
+    """A call in an assistant message of the conversation: `arguments` is JSON text (OpenAI's)
+    or an object."""
+
+    model_config = _NESTED
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = _NESTED
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning (for templates that show it)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _NESTED
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _NESTED
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = _NESTED
+    name: str
+
+
+class ToolChoice(BaseModel):
+    """`{"type": "function", "function": {"name": ...}}`: call this function."""
+
+    model_config = _NESTED
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -108,14 +157,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | str | None = None  # none, auto (the default with tools), required
+    parallel_tool_calls: bool = True
     # SGLang's extras
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    separate_reasoning: bool = True  # no reasoning parser here: the text is not split either way
-    stream_reasoning: bool = True
+    separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart from content
+    stream_reasoning: bool = True  # stream the reasoning as it comes (else in one piece at its end)
 
 
 class UsageInfo(BaseModel):

@@ -7,6 +7,13 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 
+from radixengine.entrypoints.chat_output_parser import ChatOutputParser, StreamParser
+from radixengine.entrypoints.chat_tools import (
+    add_tool_params,
+    check_tools,
+    template_tool_calls,
+    template_tools,
+)
 from radixengine.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,9 +37,6 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise RequestError("best_of is not supported (only 1)", param="best_of")
         if req.suffix:
             raise RequestError("suffix is not supported", param="suffix")
-    else:
-        if req.tools:
-            raise RequestError("tools are not supported", param="tools")
 
 
 def sampling_params_of(
@@ -193,7 +197,14 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                         param=f"messages[{i}].content[{j}].type",
                     )
             content = "".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        tool_calls = template_tool_calls(i, m)
+        if tool_calls is not None:
+            message["tool_calls"] = tool_calls
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, name) is not None:
+                message[name] = getattr(m, name)
+        messages.append(message)
     return messages
 
 
@@ -213,10 +224,13 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, param = req.max_tokens, "max_tokens"
+    check_tools(req)
     params = sampling_params_of(req, max_tokens, param)
     check_constraint(tm, req, params)
+    add_tool_params(tm, req, params)
     base = GenerateReqInput(
         messages=chat_messages(req),
+        tools=template_tools(req),
         stream=req.stream,
         return_logprob=req.logprobs,
         top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
@@ -324,21 +338,37 @@ def completion_response(
     }
 
 
+def output_parser(tm: TokenizerManager, req: ChatCompletionRequest) -> ChatOutputParser:
+    return ChatOutputParser(req, tm.server_args)
+
+
+def chat_message(parsing: ChatOutputParser, text: str) -> dict:
+    """The assistant message of a whole answer: its content, and with the parsers its
+    reasoning_content and tool_calls."""
+    if not parsing.active:
+        return {"role": "assistant", "content": text}
+    parsed = parsing.parse(text)
+    message = {"role": "assistant", "content": parsed.content}
+    if parsing.reports_reasoning:
+        message["reasoning_content"] = parsed.reasoning_content
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+    return message
+
+
 def chat_response(tm: TokenizerManager, req: ChatCompletionRequest, outs: list[dict]) -> dict:
     choices = []
+    parsing = output_parser(tm, req)
     for i, out in enumerate(outs):
         reason, matched = finish_reason_of(out)
         lp = None
         if req.logprobs:
             lp = chat_logprobs(*_logprobs_of(out, "output"), req.top_logprobs or 0)
+        message = chat_message(parsing, out["text"])
+        if message.get("tool_calls") and reason == "stop":
+            reason, matched = "tool_calls", None
         choices.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": out["text"]},
-                "logprobs": lp,
-                "finish_reason": reason,
-                "matched_stop": matched,
-            }
+            {"index": i, "message": message, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
         )
     return {
         "id": make_id("chatcmpl"),
@@ -416,7 +446,12 @@ async def completion_stream(
 async def chat_stream(
     tm: TokenizerManager, req: ChatCompletionRequest, outs: AsyncIterator[tuple[int, dict]]
 ) -> AsyncIterator[dict]:
+    """Per step and choice: its new text as deltas (with the parsers: `reasoning_content`,
+    `content` and `tool_calls` pieces, SGLang's shapes), the step's logprobs on the first, the
+    finish reason (`tool_calls` once a call was streamed) on the last."""
     rid, created, deltas, finals, started = make_id("chatcmpl"), now(), _Deltas(), {}, set()
+    parsing = output_parser(tm, req)
+    streams: dict[int, StreamParser] = {}
 
     def chunk(choices: list[dict], **extra) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
@@ -427,6 +462,7 @@ async def chat_stream(
             raise abort_to_error(out)
         if i not in started:
             started.add(i)
+            streams[i] = parsing.new_stream()
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])  # fmt: skip
         text, ids, lps = deltas.take(i, out)
@@ -434,15 +470,19 @@ async def chat_stream(
         if not text and not ids and reason is None:
             continue
         lp = chat_logprobs(*lps, req.top_logprobs or 0) if req.logprobs else None
-        choice = {
-            "index": i,
-            "delta": {"content": text} if text else {},
-            "logprobs": lp,
-            "finish_reason": reason,
-        }
-        if reason is not None:
-            choice["matched_stop"] = matched
-            finals[i] = out
-        yield chunk([choice])
+        if parsing.active:
+            pieces = streams[i].step(text, reason is not None)
+            if reason is None and not pieces and lp is None:
+                continue  # held back by a parser
+        else:
+            pieces = [{"content": text}] if text else []
+        if reason == "stop" and streams[i].has_tool_calls:
+            reason, matched = "tool_calls", None
+        for k, delta in enumerate(pieces or [{}]):
+            choice = {"index": i, "delta": delta, "logprobs": lp if k == 0 else None, "finish_reason": None}
+            if k == max(len(pieces), 1) - 1 and reason is not None:
+                choice.update(finish_reason=reason, matched_stop=matched)
+                finals[i] = out
+            yield chunk([choice])
     if req.stream_options and req.stream_options.include_usage:
         yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n))

@@ -33,7 +33,7 @@ UNHONOURED = {
     "custom_logit_processor": "custom logit processors are not supported",
     "session_params": "sessions are not supported",
     "token_ids_logprob": "logprobs of chosen token ids are not supported",
-    "functions": "function calling is not supported",
+    "functions": "OpenAI's legacy function calling is not supported: give the functions as tools",
 }
 
 
@@ -85,6 +85,8 @@ def _loc_to_param(loc: tuple) -> str:
             parts.append(f"[{item}]")
         elif "[" in item or item in ("str", "int", "float", "bool", "dict", "list", "none") or "-" in item:
             continue  # pydantic's union-member tags
+        elif item[:1].isupper():
+            continue  # a model's name: the union member it tried
         else:
             parts.append(("." if parts else "") + item)
     return "".join(parts) or "body"

@@ -14,8 +14,8 @@ from radixengine.sampling.sampling_params import SamplingParams
 class GenerateReqInput:
     """One request as the front end hands it to the tokenizer manager: exactly one of `text`,
     `input_ids` or `messages` (chat, rendered with the tokenizer's chat template, given
-    `chat_template_kwargs`; `continue_final_message` continues the last assistant message
-    instead of opening a new one). `log_metrics=False` keeps it out of the metrics (SGLang's
+    `chat_template_kwargs` and `tools`; `continue_final_message` continues the last assistant
+    message instead of opening a new one). `log_metrics=False` keeps it out of the metrics (SGLang's
     health checks)."""
 
     text: str | None = None
@@ -34,6 +34,7 @@ class GenerateReqInput:
     priority: int | None = None
     chat_template_kwargs: dict | None = None
     continue_final_message: bool = False
+    tools: list[dict] | None = None  # OpenAI tool definitions, for the chat template
     log_metrics: bool = True
 
 

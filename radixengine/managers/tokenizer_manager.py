@@ -344,7 +344,7 @@ class TokenizerManager:
             raise RequestError("give exactly one of text, input_ids or messages", param="text")
         if obj.messages is not None:
             text = self.apply_chat_template(
-                obj.messages, obj.chat_template_kwargs, obj.continue_final_message
+                obj.messages, obj.chat_template_kwargs, obj.continue_final_message, obj.tools
             )
             return text, self.tokenizer.encode(text, add_special_tokens=False), "messages"
         if obj.text is not None:
@@ -362,10 +362,15 @@ class TokenizerManager:
         return None, list(ids), "input_ids"
 
     def apply_chat_template(
-        self, messages: list[dict], kwargs: dict | None = None, continue_final_message: bool = False
+        self,
+        messages: list[dict],
+        kwargs: dict | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> str:
         """The conversation rendered by the chat template; `kwargs` go to the template (e.g.
-        Qwen3's enable_thinking); `continue_final_message` leaves the last (assistant) message
+        Qwen3's enable_thinking), and `tools` (OpenAI function definitions; a template without
+        tool support ignores them); `continue_final_message` leaves the last (assistant) message
         open for the model to continue instead of starting a new turn."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", param="messages")
@@ -382,6 +387,8 @@ class TokenizerManager:
         options.update(add_generation_prompt=not continue_final_message, tokenize=False)
         if continue_final_message:
             options["continue_final_message"] = True
+        if tools:
+            options["tools"] = tools
         try:
             return self.tokenizer.apply_chat_template(messages, **options)
         except Exception as e:  # a template that rejects the conversation
