@@ -51,6 +51,7 @@ def _transformers_greedy(path) -> dict[str, list[int]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # all NEW_TOKENS tokens, as ours
     out = {}
     for rid, tokens in PROMPTS.items():
         ids = torch.tensor([tokens])

@@ -92,8 +92,9 @@ def load_gguf_block_weights(model: nn.Module, model_config: ModelConfig) -> int:
     fallback_modules: set[str] = set()
     tensors = gguf_block_weights_iterator(model_config.model_path, model_config.hf_config, frozenset(FORMATS))
     for name, gguf_name, qtype, rows in tensors:
-        if getattr(model, "tie_word_embeddings", False) and name == "lm_head.weight":
-            continue
+        tied = getattr(model, "tie_word_embeddings", False)
+        if name == ("lm_head.weight" if tied else "model.embed_tokens.weight"):
+            continue  # the embedding's blocks serve only as a tied LM head
         param_name, shard_id = model._param_for(name)
         module_name = param_name.rsplit(".", 1)[0]
         module = model.get_submodule(module_name)
