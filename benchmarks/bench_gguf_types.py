@@ -137,9 +137,15 @@ def main() -> None:
     runs = [("float32", "original", "none")] + [(name, name, "gguf") for name in files]
     for label, name, quantization in runs:
         ns = argparse.Namespace(
-            model_path=str(files[name]), prefill_len=16, cached_len=args.cached_len,
-            decode_steps=args.decode_steps, attention_backend="torch_native", threads=args.threads,
-            load_format="auto", kv_cache_dtype="auto", quantization=quantization,
+            model_path=str(files[name]),
+            prefill_len=16,
+            cached_len=args.cached_len,
+            decode_steps=args.decode_steps,
+            attention_backend="torch_native",
+            threads=args.threads,
+            load_format="auto",
+            kv_cache_dtype="auto",
+            quantization=quantization,
         )
         models[label] = OurModel(ns, "float32", max(batch_sizes))
     vocab = 49152
@@ -155,19 +161,32 @@ def main() -> None:
         median = statistics.median(ms)
         counts = type_counts(files[label]) if label in files else {}
         rows.append(
-            {"weights": label, "batch": bs, "decode_ms": median, "min_ms": min(ms),
-             "speedup_vs_float32": float_ms / median, "tensor_types": counts}
+            {
+                "weights": label,
+                "batch": bs,
+                "decode_ms": median,
+                "min_ms": min(ms),
+                "speedup_vs_float32": float_ms / median,
+                "tensor_types": counts,
+            }
         )
     rows.sort(key=lambda r: (r["batch"], r["weights"] != "float32", r["weights"]))
     print(f"{'weights':<10} {'batch':>5} {'decode ms':>10} {'vs fp32':>8}  tensor types")
     for r in rows:
         types = ", ".join(f"{k} {v}" for k, v in r["tensor_types"].items())
-        print(f"{r['weights']:<10} {r['batch']:>5} {r['decode_ms']:>10.2f} {r['speedup_vs_float32']:>8.2f}  {types}")
+        print(
+            f"{r['weights']:<10} {r['batch']:>5} {r['decode_ms']:>10.2f} {r['speedup_vs_float32']:>8.2f}  {types}"
+        )
     if args.out:
         meta = {
-            "command": " ".join(sys.argv), "cpu": _cpu_name(), "threads": args.threads,
-            "time": time.ctime(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
-            "cached_len": args.cached_len, "torch": torch.__version__,
+            "command": " ".join(sys.argv),
+            "cpu": _cpu_name(),
+            "threads": args.threads,
+            "time": time.ctime(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "cached_len": args.cached_len,
+            "torch": torch.__version__,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -33,7 +33,9 @@ def _write(tmp_path, qtype: int, qtypes: dict[str, int] | None = None, seed: int
 
 
 def _block_modules(model) -> dict[str, object]:
-    return {n: m.block_weight for n, m in model.named_modules() if getattr(m, "block_weight", None) is not None}
+    return {
+        n: m.block_weight for n, m in model.named_modules() if getattr(m, "block_weight", None) is not None
+    }
 
 
 def _our_greedy(runner) -> dict[str, list[int]]:
@@ -55,7 +57,9 @@ def _transformers_greedy(path) -> dict[str, list[int]]:
     out = {}
     for rid, tokens in PROMPTS.items():
         ids = torch.tensor([tokens])
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
         out[rid] = ref[0, len(tokens) :].tolist()
     return out
 
@@ -103,4 +107,3 @@ def test_mixed_types_each_linear_reads_its_own(tmp_path, monkeypatch, caplog):
     w = qkv.parts[1].rows
     assert torch.equal(ops.dequantize_reference(w, ops.GGML_Q6_K), layer0.self_attn.qkv_proj.weight[384:])
     assert _our_greedy(runner) == _transformers_greedy(path)
-

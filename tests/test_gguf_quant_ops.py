@@ -224,7 +224,9 @@ def test_native_every_type_on_every_isa_level(level):
     )
     env = {k: v for k, v in os.environ.items() if k != "RADIXENGINE_JIT_BUILD"}
     env[cpu_isa.ENV_VAR] = level
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-1] == level
 

@@ -80,14 +80,6 @@ inline float fp16_at(const uint8_t* p) {
 // with an offset rounds once, as gguf-py's product (exact) and separate sum do.
 
 #if RADIX_QUANT_AVX2
-// The 32 bytes at p widened to four vectors of 32-bit lanes: bytes 0-7, 8-15, 16-23, 24-31.
-inline void widen_u8x32(const uint8_t* p, __m256i out[4]) {
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    out[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
-  }
-}
-
 // The 16 nibble bytes of a 32-weight block as the block's four vectors of quants: weights 0-7
 // and 8-15 are the low nibbles of bytes 0-7 and 8-15, weights 16-31 their high nibbles.
 inline void nibbles_x16(const uint8_t* qs, __m256i q[4]) {
@@ -101,17 +93,48 @@ inline void nibbles_x16(const uint8_t* qs, __m256i q[4]) {
   q[3] = _mm256_srli_epi32(hi, 4);
 }
 
-// Q5_0 / Q5_1: bit j of the 32-bit qh is weight j's fifth bit; adds it (x 16) to q[4].
-inline void add_fifth_bits(const uint8_t* qh_bytes, __m256i q[4]) {
-  uint32_t qh;
-  std::memcpy(&qh, qh_bytes, sizeof(qh));
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i one = _mm256_set1_epi32(1);
+// The 32 bytes at p widened to four vectors of 32-bit lanes: bytes 0-7, 8-15, 16-23, 24-31.
+inline void widen_u8x32(const uint8_t* p, __m256i out[4]) {
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
-    const __m256i bits = _mm256_and_si256(
-        _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh >> (8 * i))), lanes), one);
-    q[i] = _mm256_or_si256(q[i], _mm256_slli_epi32(bits, 4));
+    out[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
+  }
+}
+
+// Q5_K and Q6_K assemble the quants of 32 weights as 32 bytes, then
+// widen them: fn(i, q) gets bytes 8i .. 8i + 7 (signed) as 32-bit lanes.
+template <typename Fn>
+inline void widen_i8x32(__m256i bytes, const Fn& fn) {
+  const __m128i lo = _mm256_castsi256_si128(bytes);
+  const __m128i hi = _mm256_extracti128_si256(bytes, 1);
+  fn(0, _mm256_cvtepi8_epi32(lo));
+  fn(1, _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+  fn(2, _mm256_cvtepi8_epi32(hi));
+  fn(3, _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+// kFifthBits[b][j] = 16 if bit j of byte b is set, else 0: byte i of a Q5 block's qh gives the
+// fifth bits of its vector i in one load (8 KiB, stays in L1 beside the streamed weights).
+struct FifthBitTable {
+  alignas(32) int32_t lanes[256][8];
+};
+
+constexpr FifthBitTable make_fifth_bit_table() {
+  FifthBitTable t{};
+  for (int b = 0; b < 256; ++b) {
+    for (int j = 0; j < 8; ++j) t.lanes[b][j] = (b >> j) & 1 ? 16 : 0;
+  }
+  return t;
+}
+
+inline constexpr FifthBitTable kFifthBits = make_fifth_bit_table();
+
+// Adds the fifth bits of the 32-bit qh (x 16) to the nibbles q[4] of a Q5_0 / Q5_1 block.
+inline void add_fifth_bits(const uint8_t* qh, __m256i q[4]) {
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    q[i] = _mm256_or_si256(
+        q[i], _mm256_load_si256(reinterpret_cast<const __m256i*>(kFifthBits.lanes[qh[i]])));
   }
 }
 
@@ -304,6 +327,33 @@ inline SubScales k_sub_scales(const uint8_t* block) {
   return out;
 }
 
+#if RADIX_QUANT_AVX2
+// The same d * sc and dmin * m as two vectors of the 8 sub-blocks (the 6-bit fields unpacked four
+// bytes at a time); sub-block j's value is spread with one permute.
+struct SubScaleVectors {
+  __m256 scale;
+  __m256 min;
+};
+
+inline SubScaleVectors k_sub_scale_vectors(const uint8_t* block) {
+  uint32_t a, b, c;
+  std::memcpy(&a, block + 4, 4);
+  std::memcpy(&b, block + 8, 4);
+  std::memcpy(&c, block + 12, 4);
+  const uint64_t sc = (a & 0x3f3f3f3fu) |
+                      static_cast<uint64_t>((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  const uint64_t m = (b & 0x3f3f3f3fu) |
+                     static_cast<uint64_t>(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+  const auto widen = [](uint64_t bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+  };
+  return {_mm256_mul_ps(_mm256_set1_ps(fp16_at(block)), widen(sc)),
+          _mm256_mul_ps(_mm256_set1_ps(fp16_at(block + 2)), widen(m))};
+}
+
+inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
+#endif
+
 // Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of scales, 128 bytes of nibbles: sub-blocks 2c
 // and 2c + 1 are the low and high nibbles of bytes 32c .. 32c + 31.
 // Q5_K (176 bytes): as Q4_K with 32 bytes qh between the scales and the nibbles: bit j of
@@ -317,11 +367,20 @@ struct QK_4_5 {
 #if RADIX_QUANT_AVX2
   template <typename Fn>
   static void vectors(const uint8_t* block, const Fn& fn) {
-    const SubScales s = k_sub_scales(block);
+    if constexpr (kFifthBit) {
+      bytes_vectors(block, fn);
+    } else {
+      lane_vectors(block, fn);
+    }
+  }
+
+  // Q4_K: bytes widened to 32-bit lanes straight from memory, the nibbles split there (measured
+  // faster than splitting them as bytes and widening those).
+  template <typename Fn>
+  static void lane_vectors(const uint8_t* block, const Fn& fn) {
+    const SubScaleVectors s = k_sub_scale_vectors(block);
     const uint8_t* qs = block + kQsOffset;
     const __m256i mask = _mm256_set1_epi32(0x0f);
-    __m256i qh[4];
-    if constexpr (kFifthBit) widen_u8x32(block + 16, qh);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       __m256i bytes[4];
@@ -329,18 +388,39 @@ struct QK_4_5 {
 #pragma GCC unroll 2
       for (int half = 0; half < 2; ++half) {
         const int j = 2 * c + half;
-        const __m256 dv = _mm256_set1_ps(s.scale[j]);
-        const __m256 mv = _mm256_set1_ps(s.min[j]);
+        const __m256 dv = lane(s.scale, j);
+        const __m256 mv = lane(s.min, j);
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) {
           __m256i q = half ? _mm256_srli_epi32(bytes[v], 4) : _mm256_and_si256(bytes[v], mask);
-          if constexpr (kFifthBit) {
-            const __m256i bit = _mm256_and_si256(
-                _mm256_srl_epi32(qh[v], _mm_cvtsi32_si128(j)), _mm256_set1_epi32(1));
-            q = _mm256_or_si256(q, _mm256_slli_epi32(bit, 4));
-          }
           fn(4 * j + v, _mm256_fmsub_ps(dv, _mm256_cvtepi32_ps(q), mv));
         }
+      }
+    }
+  }
+
+  // Q5_K: the quants assembled as bytes (nibble and fifth bit), then widened.
+  template <typename Fn>
+  static void bytes_vectors(const uint8_t* block, const Fn& fn) {
+    const SubScaleVectors s = k_sub_scale_vectors(block);
+    const uint8_t* qs = block + kQsOffset;
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, mask);
+        const __m256i bit =
+            _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+        const __m256 dv = lane(s.scale, j);
+        const __m256 mv = lane(s.min, j);
+        widen_i8x32(q, [&](int v, __m256i q32) {
+          fn(4 * j + v, _mm256_fmsub_ps(dv, _mm256_cvtepi32_ps(q32), mv));
+        });
       }
     }
   }
@@ -380,29 +460,32 @@ struct Q6_K {
 #if RADIX_QUANT_AVX2
   template <typename Fn>
   static void vectors(const uint8_t* block, const Fn& fn) {
-    float scale[16];
-    sub_scales(block, scale);
-    const __m256i mask = _mm256_set1_epi32(0x0f);
-    const __m256i three = _mm256_set1_epi32(3);
-    const __m256i thirty_two = _mm256_set1_epi32(32);
+    // The 16 sub-block scales d * sc as two vectors; each is spread with one permute.
+    const __m256 dv = _mm256_set1_ps(fp16_at(block + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    const __m256 scales[2] = {_mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                              _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                    _mm_unpackhi_epi64(sc, sc))))};
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i three = _mm256_set1_epi8(3);
+    const __m256i thirty_two = _mm256_set1_epi8(32);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      __m256i qh[4], ql[2][4];
-      widen_u8x32(block + 128 + 32 * h, qh);
-      widen_u8x32(block + 64 * h, ql[0]);
-      widen_u8x32(block + 64 * h + 32, ql[1]);
+      const __m256i ql[2] = {
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32))};
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
-          const __m256i lo = s < 2 ? _mm256_and_si256(ql[s % 2][v], mask)
-                                   : _mm256_srli_epi32(ql[s % 2][v], 4);
-          const __m256i hi =
-              _mm256_and_si256(_mm256_srl_epi32(qh[v], _mm_cvtsi32_si128(2 * s)), three);
-          const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), thirty_two);
-          const int w = 128 * h + 32 * s + 8 * v;
-          fn(w / 8, _mm256_mul_ps(_mm256_set1_ps(scale[w / 16]), _mm256_cvtepi32_ps(q)));
-        }
+        const __m256i lo = _mm256_and_si256(
+            _mm256_srl_epi16(ql[s % 2], _mm_cvtsi32_si128(4 * (s / 2))), mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * s)), three);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), thirty_two);
+        const __m256 scale_lo = lane(scales[h], 2 * s);
+        const __m256 scale_hi = lane(scales[h], 2 * s + 1);
+        widen_i8x32(q, [&](int v, __m256i q32) {
+          fn(16 * h + 4 * s + v, _mm256_mul_ps(v < 2 ? scale_lo : scale_hi, _mm256_cvtepi32_ps(q32)));
+        });
       }
     }
   }

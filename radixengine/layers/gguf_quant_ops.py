@@ -248,9 +248,7 @@ def _check_x(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> None:
         raise ValueError("x must have at least one dimension (..., K)")
     in_features, block_weights = x.shape[-1], BLOCK_WEIGHTS[qtype]
     if in_features % block_weights != 0:
-        raise ValueError(
-            f"in_features K = {in_features} is not a multiple of the block size {block_weights}"
-        )
+        raise ValueError(f"in_features K = {in_features} is not a multiple of the block size {block_weights}")
     expected = in_features // block_weights * block_bytes
     if qweight.shape[1] != expected:
         raise ValueError(
