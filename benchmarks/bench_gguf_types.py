@@ -13,6 +13,12 @@ ffn_down in the first and last eighth of the layers and every third between, Q4_
 
 Types and the float run alternate round by round (load from other processes falls on all alike);
 times are the median over rounds of each round's median step, in ms.
+
+Kernel pass (`--kernel-layers N`, 0 skips it): SmolLM2's rows of 576 weights leave the K-quants
+only ffn_down, so the kernels alone are also timed at M = 1 (one decode token) over N layers of a
+Llama-3.2-1B shape (qkv 3072x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192; random
+blocks with sane scales, which stream from memory as in a real step), every linear in one type,
+or mixed as llama.cpp's Q4_K_M (Q6_K v and down in the layers `_use_more_bits` picks).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per round")
     p.add_argument("--repeats", type=int, default=5, help="rounds")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernel-layers", type=int, default=8, help="layers of the kernel pass (0: none)")
     p.add_argument("--write-only", action="store_true")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
@@ -118,6 +125,75 @@ def type_counts(path: Path) -> dict[str, int]:
     return counts
 
 
+KERNEL_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
+# Byte offsets of each block type's fp16 scales (d, and m / dmin where it has one).
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,)}
+SCALE_OFFSETS |= {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(n: int, k: int, name: str, gen: torch.Generator) -> torch.Tensor:
+    from radixengine.layers import gguf_quant_ops as gq
+
+    qtype = gq.GGML_TYPES[name]
+    nblocks, size = k // gq.BLOCK_WEIGHTS[qtype], gq.BLOCK_BYTES[qtype]
+    blocks = torch.randint(0, 256, (n, nblocks, size), dtype=torch.uint8, generator=gen)
+    for offset in SCALE_OFFSETS[name]:
+        scales = (torch.rand(n, nblocks, generator=gen) * 0.01).half().view(torch.uint8)
+        blocks[..., offset : offset + 2] = scales.reshape(n, nblocks, 2)
+    return blocks.reshape(n, -1).contiguous()
+
+
+def kernel_layers(recipe: str, num_layers: int) -> list[tuple[torch.Tensor, int]]:
+    from radixengine.layers import gguf_quant_ops as gq
+
+    gen = torch.Generator().manual_seed(0)
+    weights = []
+    for layer in range(num_layers):
+        for part, (n, k) in KERNEL_SHAPES.items():
+            name = recipe
+            if recipe == "Q4_K_M":
+                name = "Q6_K" if part == "down" and _use_more_bits(layer, num_layers) else "Q4_K"
+            if recipe == "Q4_K_M" and part == "qkv" and _use_more_bits(layer, num_layers):
+                q, v = random_blocks(n - 512, k, "Q4_K", gen), random_blocks(512, k, "Q6_K", gen)
+                weights += [(q, gq.GGML_Q4_K), (v, gq.GGML_Q6_K)]  # the fused qkv's two parts
+                continue
+            weights.append((random_blocks(n, k, name, gen), gq.GGML_TYPES[name]))
+    return weights
+
+
+def bench_kernels(types: list[str], num_layers: int, repeats: int, threads: int) -> list[dict]:
+    from radixengine.layers import gguf_quant_ops as gq
+
+    torch.set_num_threads(threads)
+    passes = {t: kernel_layers(t, num_layers) for t in types}
+    xs = {k: torch.randn(1, k) for k in (2048, 8192)}
+    times: dict[str, list[float]] = {t: [] for t in types}
+    for _ in range(repeats):
+        for t, weights in passes.items():
+            start = time.perf_counter()
+            for q, qtype in weights:
+                gq.quant_linear(xs[q.shape[1] // gq.BLOCK_BYTES[qtype] * gq.BLOCK_WEIGHTS[qtype]], q, qtype)
+            times[t].append((time.perf_counter() - start) * 1e3)
+    rows = []
+    for t in types:
+        nbytes = sum(q.numel() for q, _ in passes[t])
+        ms = statistics.median(times[t])
+        rows.append(
+            {
+                "weights": t,
+                "pass_ms": ms,
+                "min_ms": min(times[t]),
+                "MB": nbytes / 1e6,
+                "GB_s": nbytes / ms / 1e6,
+            }
+        )
+    print(f"\nkernel pass, M = 1, {num_layers} Llama-3.2-1B layers")
+    print(f"{'weights':<10} {'ms':>8} {'MB':>8} {'GB/s':>6}")
+    for r in rows:
+        print(f"{r['weights']:<10} {r['pass_ms']:>8.2f} {r['MB']:>8.1f} {r['GB_s']:>6.1f}")
+    return rows
+
+
 def main() -> None:
     args = parse_args()
     from radixengine.model_loader import default_model_path
@@ -131,8 +207,12 @@ def main() -> None:
         print(f"{recipe}: {files[recipe]} {type_counts(files[recipe])}", file=sys.stderr)
     if args.write_only:
         return
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     load_before = os.getloadavg()
+    kernel_rows = []
+    if args.kernel_layers:
+        kernel_types = [t for t in args.types.split(",") if t]
+        kernel_rows = bench_kernels(kernel_types, args.kernel_layers, args.repeats, args.threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     models = {}
     runs = [("float32", "original", "none")] + [(name, name, "gguf") for name in files]
     for label, name, quantization in runs:
@@ -189,7 +269,8 @@ def main() -> None:
             "torch": torch.__version__,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        result = {"meta": meta, "rows": rows, "kernel_rows": kernel_rows}
+        Path(args.out).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

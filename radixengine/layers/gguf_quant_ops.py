@@ -48,6 +48,7 @@ __all__ = [
     "GGML_Q5_K",
     "GGML_Q6_K",
     "GGML_Q8_0",
+    "GGML_TYPES",
     "QK",
     "QK_K",
     "QTYPE_NAMES",
@@ -90,6 +91,7 @@ FORMATS = {
 BLOCK_BYTES = {qtype: f.bytes for qtype, f in FORMATS.items()}
 BLOCK_WEIGHTS = {qtype: f.weights for qtype, f in FORMATS.items()}
 QTYPE_NAMES = {qtype: f.name for qtype, f in FORMATS.items()}
+GGML_TYPES = {f.name: qtype for qtype, f in FORMATS.items()}
 
 
 def _native_quant_module() -> ModuleType | None:
