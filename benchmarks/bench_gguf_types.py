@@ -14,6 +14,10 @@ ffn_down in the first and last eighth of the layers and every third between, Q4_
 Types and the float run alternate round by round (load from other processes falls on all alike);
 times are the median over rounds of each round's median step, in ms.
 
+One weight (always): `quant_linear` at M = 1 on one 2048 x 2048 weight of each type, 1 thread,
+the weight warm in cache: the dequantization's instruction cost alone (the minimum over rounds
+of 30 calls' median; the least disturbed by other processes).
+
 Kernel pass (`--kernel-layers N`, 0 skips it): SmolLM2's rows of 576 weights leave the K-quants
 only ffn_down, so the kernels alone are also timed at M = 1 (one decode token) over N layers of a
 Llama-3.2-1B shape (qkv 3072x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192; random
@@ -57,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="rounds")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kernel-layers", type=int, default=8, help="layers of the kernel pass (0: none)")
+    p.add_argument("--single-only", action="store_true", help="only the one-weight kernel timing")
     p.add_argument("--write-only", action="store_true")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
@@ -161,6 +166,32 @@ def kernel_layers(recipe: str, num_layers: int) -> list[tuple[torch.Tensor, int]
     return weights
 
 
+def bench_single(types: list[str], repeats: int) -> list[dict]:
+    from radixengine.layers import gguf_quant_ops as gq
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1)
+    names = [t for t in types if t in gq.GGML_TYPES]
+    weights = {t: random_blocks(2048, 2048, t, gen) for t in names}
+    x = torch.randn(1, 2048)
+    times: dict[str, list[float]] = {t: [] for t in names}
+    for _ in range(repeats):
+        for t, q in weights.items():
+            qtype = gq.GGML_TYPES[t]
+            gq.quant_linear(x, q, qtype)
+            calls = []
+            for _ in range(30):
+                start = time.perf_counter()
+                gq.quant_linear(x, q, qtype)
+                calls.append((time.perf_counter() - start) * 1e3)
+            times[t].append(statistics.median(calls))
+    rows = [{"weights": t, "ms": min(v), "median_ms": statistics.median(v)} for t, v in times.items()]
+    print("\none 2048 x 2048 weight, M = 1, 1 thread, in cache")
+    for r in rows:
+        print(f"{r['weights']:<10} {r['ms']:>8.3f} ms")
+    return rows
+
+
 def bench_kernels(types: list[str], num_layers: int, repeats: int, threads: int) -> list[dict]:
     from radixengine.layers import gguf_quant_ops as gq
 
@@ -208,6 +239,10 @@ def main() -> None:
     if args.write_only:
         return
     load_before = os.getloadavg()
+    single_rows = bench_single([t for t in args.types.split(",") if t], max(args.repeats, 3))
+    if args.single_only:
+        _write(args, {"load_average_before": load_before}, {"single_rows": single_rows})
+        return
     kernel_rows = []
     if args.kernel_layers:
         kernel_types = [t for t in args.types.split(",") if t]
@@ -257,20 +292,23 @@ def main() -> None:
         print(
             f"{r['weights']:<10} {r['batch']:>5} {r['decode_ms']:>10.2f} {r['speedup_vs_float32']:>8.2f}  {types}"
         )
+    meta = {"load_average_before": load_before, "cached_len": args.cached_len}
+    _write(args, meta, {"rows": rows, "kernel_rows": kernel_rows, "single_rows": single_rows})
+
+
+def _write(args: argparse.Namespace, meta: dict, results: dict) -> None:
     if args.out:
         meta = {
             "command": " ".join(sys.argv),
             "cpu": _cpu_name(),
             "threads": args.threads,
             "time": time.ctime(),
-            "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
-            "cached_len": args.cached_len,
             "torch": torch.__version__,
+            **meta,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        result = {"meta": meta, "rows": rows, "kernel_rows": kernel_rows}
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        Path(args.out).write_text(json.dumps({"meta": meta, **results}, indent=2))
 
 
 if __name__ == "__main__":
