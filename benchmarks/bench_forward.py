@@ -67,6 +67,7 @@ class OurModel:
                 num_threads=args.threads,
                 load_format=args.load_format,
                 kv_cache_dtype=args.kv_cache_dtype,
+                quantization=getattr(args, "quantization", "auto"),
             )
         )
 

@@ -119,7 +119,12 @@ class EngineConfig:
 
 
 def run_radixengine(
-    items: list[dict], config: EngineConfig, dtype: str, threads: int, model_path: str | None
+    items: list[dict],
+    config: EngineConfig,
+    dtype: str,
+    threads: int,
+    model_path: str | None,
+    quantization: str = "auto",
 ) -> dict:
     from radixengine import Engine
 
@@ -132,6 +137,7 @@ def run_radixengine(
         disable_overlap_schedule=not config.overlap,
         cpu_forward_stream=config.cpu_forward_stream,
         kv_cache_dtype=config.kv_cache_dtype,
+        quantization=quantization,
     ) as engine:
         engine.generate("Warm-up.", {"max_new_tokens": 8, "temperature": 0})
         engine.flush_cache()
@@ -264,7 +270,9 @@ def bench_workload(name: str, items: list[dict], dtype: str, args, hf_path: str,
                 config = EngineConfig(policy, overlap == "on", args.cpu_forward_stream, kv_dtype)
                 print(f"[{name} {dtype}] {config.label(ablation)} ...", file=sys.stderr, flush=True)
                 row = {"system": config.label(ablation)}
-                row.update(run_radixengine(items, config, dtype, args.threads, args.model_path))
+                row.update(
+                    run_radixengine(items, config, dtype, args.threads, args.model_path, args.quantization)
+                )
                 rows.append(row)
     exact = next((r["output_ids"] for r in rows if r["kv_cache_dtype"] == "auto"), None)
     for row in rows:
@@ -330,6 +338,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         choices=CPU_FORWARD_STREAMS,
         help="the engine's --cpu-forward-stream",
+    )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "gguf", "none"],
+        help="the engine's --quantization (none: float32 weights even for a GGUF's blocks)",
     )
     parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_offline.json"))
     args = parser.parse_args(argv)

@@ -399,7 +399,8 @@ _HELP = {
         "logits move slightly (float16 keeps 3 more mantissa bits than bfloat16). CPU only."
     ),
     "quantization": (
-        "gguf: for a GGUF model, the linears also keep their GGUF blocks (Q4_1, Q8_0) and small batches "
+        "gguf: for a GGUF model, the linears also keep their GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+        "Q4_K, Q5_K, Q6_K; a linear in another type keeps float weights only) and small batches "
         "(decode) read those instead of the float32 weights: the same values, 4-6x fewer bytes (CPU, "
         "float32, native kernels built; an error where that does not hold). none: float weights only. "
         "auto (default): gguf wherever it applies."

@@ -65,11 +65,14 @@ def write_llama_gguf(
     rope_freqs: np.ndarray | None = None,
     tensors: dict[str, np.ndarray] | None = None,
     rope_scaling: tuple[str, float] | None = None,
+    qtypes: dict[str, int] | None = None,
 ) -> Path:
     """`hf_model` (a transformers LlamaForCausalLM) as a GGUF: matrices in `qtype` (a
-    `gguf.GGMLQuantizationType`, F32 by default), norms in F32. `tensors` overrides the float
-    values of some HF-named tensors before they are written; `rope_scaling` is written as the
-    `rope.scaling.type` and `.factor` metadata."""
+    `gguf.GGMLQuantizationType`, F32 by default), norms in F32. `qtypes` gives some matrices
+    another type, keyed by their GGUF name without suffix (`blk.0.ffn_up`) or also without layer
+    (`attn_v`, `ffn_down`, `token_embd`, `output`). `tensors` overrides the float values of some HF-named tensors before
+    they are written; `rope_scaling` is written as the `rope.scaling.type` and `.factor`
+    metadata."""
     import gguf
 
     config = hf_model.config
@@ -89,7 +92,11 @@ def write_llama_gguf(
             w = permute_qk(w, config.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             w = permute_qk(w, config.num_key_value_heads)
-        _add_tensor(writer, gguf_name(name), np.ascontiguousarray(w, dtype=np.float32), qtype)
+        target = gguf_name(name)
+        base = target.rsplit(".", 1)[0]
+        types = qtypes or {}
+        target_type = types.get(base, types.get(base.rsplit(".", 1)[-1], qtype))
+        _add_tensor(writer, target, np.ascontiguousarray(w, dtype=np.float32), target_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -103,8 +110,99 @@ def _add_tensor(writer, name: str, w: np.ndarray, qtype: int) -> None:
     if w.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
         writer.add_tensor(name, w)
         return
-    q = gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))
+    q = quantize(w, qtype)
     writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType(qtype))
+
+
+def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
+    """`w` [rows, cols] float32 as GGUF blocks, uint8 [rows, row bytes]: gguf-py's quantizer where
+    it has one, else (Q4_K, Q5_K, Q6_K) `quantize_k`."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(qtype)
+    if qtype in K_QUANTIZERS:
+        return quantize_k(w, qtype)
+    return gguf.quants.quantize(w, qtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# K-quants, which gguf-py reads but does not write: blocks made by the format's definition (round
+# to nearest with per-sub-block scales; not llama.cpp's error-minimising search).
+
+QK_K = 256
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def _scale_codes(values: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-super-block fp16 `d` and integer codes with `d * code ~ values` (codes 0..levels)."""
+    top = values.max(axis=-1, keepdims=True)
+    d = _f16(top / levels)
+    safe = np.where(d == 0, 1, d.astype(np.float32))
+    codes = np.clip(np.rint(values / safe), 0, levels).astype(np.int32)
+    return d, np.where(d == 0, 0, codes)
+
+
+def _quants(x: np.ndarray, scale: np.ndarray, offset: np.ndarray, top: int) -> np.ndarray:
+    safe = np.where(scale == 0, 1, scale)
+    return np.where(scale == 0, 0, np.clip(np.rint((x + offset) / safe), 0, top)).astype(np.uint8)
+
+
+def _q45_k_blocks(x: np.ndarray, bits: int) -> np.ndarray:
+    """x [n, 256] -> Q4_K (bits 4) or Q5_K (bits 5) super-blocks."""
+    n, top = x.shape[0], (1 << bits) - 1
+    sub = x.reshape(n, 8, 32)
+    low = np.minimum(sub.min(axis=-1), 0)
+    d, sc = _scale_codes((sub.max(axis=-1) - low) / top, 63)
+    dmin, m = _scale_codes(-low, 63)
+    scale = (d.astype(np.float32) * sc)[..., None]
+    offset = (dmin.astype(np.float32) * m)[..., None]
+    q = _quants(sub, scale, offset, top)
+    packed = np.zeros((n, 12), dtype=np.uint8)
+    packed[:, 0:4] = (sc[:, :4] | (sc[:, 4:] >> 4) << 6).astype(np.uint8)
+    packed[:, 4:8] = (m[:, :4] | (m[:, 4:] >> 4) << 6).astype(np.uint8)
+    packed[:, 8:12] = ((sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4).astype(np.uint8)
+    nib = q & 15
+    qs = (nib[:, 0::2] | nib[:, 1::2] << 4).reshape(n, 128)
+    parts = [d.view(np.uint8), dmin.view(np.uint8), packed]
+    if bits == 5:
+        high = (q >> 4).astype(np.uint8)  # [n, 8, 32]
+        parts.append((high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8))
+    return np.concatenate([*parts, qs], axis=-1)
+
+
+def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    sub = x.reshape(n, 16, 16)
+    amax = np.abs(sub).max(axis=-1)
+    d = _f16(amax.max(axis=-1, keepdims=True) / 31 / 127)
+    safe = np.where(d == 0, 1, d.astype(np.float32))
+    sc = np.where(d == 0, 0, np.clip(np.rint(amax / 31 / safe), 0, 127)).astype(np.int8)
+    scale = (d.astype(np.float32) * sc)[..., None]
+    q = _quants(sub, scale, 32 * scale, 63).reshape(n, 2, 4, 32)  # [n, h, s, i]
+    ql = np.zeros((n, 2, 2, 32), dtype=np.uint8)  # [n, h, s % 2, i]
+    for s in range(4):
+        ql[:, :, s % 2] |= (q[:, :, s] & 15) << (4 * (s // 2))
+    qh = np.zeros((n, 2, 32), dtype=np.uint8)
+    for s in range(4):
+        qh |= (q[:, :, s] >> 4) << (2 * s)
+    return np.concatenate(
+        [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8)], axis=-1
+    )
+
+
+K_QUANTIZERS = {12: lambda x: _q45_k_blocks(x, 4), 13: lambda x: _q45_k_blocks(x, 5), 14: _q6_k_blocks}
+
+
+def quantize_k(w: np.ndarray, qtype: int) -> np.ndarray:
+    """`w` [rows, cols] (cols a multiple of 256) as Q4_K (12), Q5_K (13) or Q6_K (14) blocks."""
+    rows, cols = w.shape
+    if cols % QK_K:
+        raise ValueError(f"{cols} columns are not a whole number of {QK_K}-weight super-blocks")
+    blocks = K_QUANTIZERS[int(qtype)](np.asarray(w, dtype=np.float32).reshape(-1, QK_K))
+    return np.ascontiguousarray(blocks.reshape(rows, cols // QK_K * blocks.shape[-1]))
 
 
 def _write_metadata(writer, config) -> None:

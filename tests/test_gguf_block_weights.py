@@ -34,9 +34,9 @@ def test_smollm2_blocks_equal_float_weights(gguf_path):
     layers = model.config.num_hidden_layers
     assert len(blocks) == 4 * layers + 1  # qkv, o, gate_up, down per layer; the tied embedding
     for name, module in blocks.items():
-        block = module.block_weight
-        assert block.qtype == (GGML_Q8_0 if "embed_tokens" in name else GGML_Q4_1), name
-        assert torch.equal(dequantize_reference(block.rows, block.qtype), module.weight), name
+        (part,) = module.block_weight.parts
+        assert part.qtype == (GGML_Q8_0 if "embed_tokens" in name else GGML_Q4_1), name
+        assert torch.equal(dequantize_reference(part.rows, part.qtype), module.weight), name
 
 
 @needs_native
@@ -67,9 +67,10 @@ def test_quantization_gguf_needs_a_gguf_model(tmp_path):
         make_runner(str(tmp_path), max_total_tokens=64, quantization="gguf")
 
 
-def test_block_rows_follow_shards_and_mixed_types_fall_back(tmp_path):
+def test_block_rows_follow_shards_and_mixed_types_fall_back(tmp_path, caplog):
     """q, k in Q4_1 but v in F32: the fused qkv keeps float weights only; o, gate/up and down
-    keep blocks, with llama's q/k row permutation undone like the float weights'."""
+    keep blocks, with llama's q/k row permutation undone like the float weights'; F32 (the float
+    weights' own type) is not named in the no-kernel log line."""
     import gguf
 
     config = tiny_config(
@@ -108,16 +109,18 @@ def test_block_rows_follow_shards_and_mixed_types_fall_back(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
 
-    kept = load_gguf_block_weights(model, SimpleNamespace(model_path=str(path), hf_config=config))
+    with caplog.at_level("INFO", logger="radixengine.model_loader.loader"):
+        kept = load_gguf_block_weights(model, SimpleNamespace(model_path=str(path), hf_config=config))
+    assert "without a block kernel" not in caplog.text
     layer = model.model.layers[0]
     assert kept == 3 * config.num_hidden_layers
     assert layer.self_attn.qkv_proj.block_weight is None
-    assert layer.self_attn.o_proj.block_weight.qtype == GGML_Q4_1
+    assert [p.qtype for p in layer.self_attn.o_proj.block_weight.parts] == [GGML_Q4_1]
     gate_up = layer.mlp.gate_up_proj.block_weight
-    assert gate_up.qtype == GGML_Q8_0 and gate_up.max_tokens == GGUF_BLOCK_MAX_TOKENS
+    assert [p.qtype for p in gate_up.parts] == [GGML_Q8_0] and gate_up.max_tokens == GGUF_BLOCK_MAX_TOKENS
     gate, up = raw["blk.0.ffn_gate.weight"][0], raw["blk.0.ffn_up.weight"][0]
-    assert torch.equal(gate_up.rows, torch.from_numpy(np.concatenate([gate, up])))
-    o_rows = layer.self_attn.o_proj.block_weight.rows
+    assert torch.equal(gate_up.parts[0].rows, torch.from_numpy(np.concatenate([gate, up])))
+    o_rows = layer.self_attn.o_proj.block_weight.parts[0].rows
     assert torch.equal(o_rows, torch.from_numpy(raw["blk.0.attn_output.weight"][0]))
 
 

@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), py::arg("rotary_dim"));
   m.def("silu_and_mul", &cpu::silu_and_mul, "silu(x[:, :d]) * x[:, d:] for x [T, 2d]", py::arg("x"));
   m.def("quant_linear", &cpu::quant_linear,
-        "x [M, K] float32 times the transpose of a GGUF Q4_1 / Q8_0 weight given as raw blocks",
+        "x [M, K] float32 times the transpose of a GGUF block-quantized weight given as raw blocks",
         py::arg("x"), py::arg("qweight"), py::arg("qtype"));
   m.def("moe_grouped_linear", &cpu::moe_grouped_linear,
         "Rows of x grouped by expert (offsets [E + 1]) times each expert's weight w [E, K, N]",

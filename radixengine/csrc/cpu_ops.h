@@ -58,8 +58,9 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& x,
 at::Tensor silu_and_mul(const at::Tensor& x);
 
 // out [M, N] = x [M, K] (float32, contiguous) times the transpose of a GGUF block-quantized
-// weight [N, K] given as its raw blocks: qweight uint8 [N, K / 32 * block bytes], qtype the
-// GGML type id (Q4_1 = 3, Q8_0 = 8). Dequantized exactly as gguf-py does; no bias.
+// weight [N, K] given as its raw blocks: qweight uint8 [N, K / block weights * block bytes],
+// qtype the GGML type id (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12,
+// Q5_K = 13, Q6_K = 14). Dequantized exactly as gguf-py does; no bias.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype);
 
 // The routed experts' grouped linear: rows offsets[e] .. offsets[e + 1] of x [M, K] (float32)

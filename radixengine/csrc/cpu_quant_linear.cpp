@@ -1,20 +1,16 @@
 // Linear layers over GGUF block-quantized weights: out[M, N] = x[M, K] * W[N, K]^T, with W read
 // in its GGUF blocks and computed in fp32.
 //
-// A block holds 32 consecutive weights of a row:
-//   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; weight j < 16 = d * (qs[j] & 15) + m,
-//                    weight 16 + j = d * (qs[j] >> 4) + m.
-//   Q8_0 (34 bytes): fp16 d, 32 int8 q; weight j = q[j] * d.
-// d * q is exact in fp32 (11 significant bits of d times at most 8 of q, far from the subnormal
-// range), so a fused multiply-add rounds d * q + m exactly as gguf-py's separate multiply and add
-// do: the dequantized weights are bit-identical to `gguf.quants.dequantize`, and out differs
-// from fp32 matmul with them only in summation order.
+// A row is a run of blocks, each of 32 consecutive weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or a
+// K-quant super-block of 256 (Q4_K, Q5_K, Q6_K); the formats are described at their structs.
+// The dequantized weights are bit-identical to `gguf.quants.dequantize` (see "Block formats"),
+// and out differs from fp32 matmul with them only in summation order.
 //
 // Two paths; each reads a weight block from memory once per task, in row order:
 //   fused (M <= kFusedMaxM, AVX2): each block is dequantized into registers and multiplied at
 //     once with up to four x rows; a few consecutive weight rows stay in L1 while all x rows pass.
-//     Decode is bound by reading the weights (5/8 of a byte per weight for Q4_1, 17/16 for Q8_0,
-//     against 4 for fp32), and by the dequantization's instructions on a single x row.
+//     Decode is bound by reading the weights (5/8 of a byte per weight for Q4_1, 9/16 for Q4_K,
+//     17/16 for Q8_0, against 4 for fp32), and by the dequantization's instructions on a single x row.
 //   tiled (more rows, and the build without AVX2): a tile of weight rows is dequantized into
 //     per-thread fp32 scratch and multiplied with x, packed transposed into panels, by 6 x 16
 //     register tiles that broadcast the weights (no horizontal sums); x is split into blocks
@@ -39,9 +35,15 @@
 namespace radixengine::cpu {
 namespace {
 
-constexpr int64_t kBlockWeights = 32;
+// GGML type ids
+constexpr int64_t kGgmlQ4_0 = 2;
 constexpr int64_t kGgmlQ4_1 = 3;
+constexpr int64_t kGgmlQ5_0 = 6;
+constexpr int64_t kGgmlQ5_1 = 7;
 constexpr int64_t kGgmlQ8_0 = 8;
+constexpr int64_t kGgmlQ4_K = 12;
+constexpr int64_t kGgmlQ5_K = 13;
+constexpr int64_t kGgmlQ6_K = 14;
 
 // Fused path (measured on Zen 3: it beats the tiled one up to M = 12; the tiled one pads M to 16).
 constexpr int64_t kFusedMaxM = 12;
@@ -68,37 +70,131 @@ inline float fp16_at(const uint8_t* p) {
 #endif
 }
 
-// Block formats. dequantize() writes a block's 32 weights to dst; on AVX2, quarters() hands the
-// four 8-weight vectors of a block to fn(i, w) as they are dequantized.
+// Block formats. Each has kBlockWeights (32, or 256 for a K-quant super-block) and kBlockBytes;
+// dequantize() writes a block's weights to dst in order; on AVX2, vectors() hands the block's
+// kBlockWeights / 8 vectors of 8 weights to fn(i, w), vector i holding weights 8i .. 8i + 7.
+//
+// Every weight is one rounding of an exact product and sum, as in gguf-py: the products of the
+// fp16 scales (11 significant bits) with the quants (and the K-quants' 6-bit or int8 sub-block
+// scales) have at most 23 significant bits, so they are exact in fp32, and a fused multiply-add
+// with an offset rounds once, as gguf-py's product (exact) and separate sum do.
+
+#if RADIX_QUANT_AVX2
+// The 16 nibble bytes of a 32-weight block as the block's four vectors of quants: weights 0-7
+// and 8-15 are the low nibbles of bytes 0-7 and 8-15, weights 16-31 their high nibbles.
+inline void nibbles_x16(const uint8_t* qs, __m256i q[4]) {
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i hi =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0f);
+  q[0] = _mm256_and_si256(lo, mask);
+  q[1] = _mm256_and_si256(hi, mask);
+  q[2] = _mm256_srli_epi32(lo, 4);
+  q[3] = _mm256_srli_epi32(hi, 4);
+}
+
+// The 32 bytes at p widened to four vectors of 32-bit lanes: bytes 0-7, 8-15, 16-23, 24-31.
+inline void widen_u8x32(const uint8_t* p, __m256i out[4]) {
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    out[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
+  }
+}
+
+// Q5_K and Q6_K assemble the quants of 32 weights as 32 bytes, then
+// widen them: fn(i, q) gets bytes 8i .. 8i + 7 (signed) as 32-bit lanes.
+template <typename Fn>
+inline void widen_i8x32(__m256i bytes, const Fn& fn) {
+  const __m128i lo = _mm256_castsi256_si128(bytes);
+  const __m128i hi = _mm256_extracti128_si256(bytes, 1);
+  fn(0, _mm256_cvtepi8_epi32(lo));
+  fn(1, _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo)));
+  fn(2, _mm256_cvtepi8_epi32(hi));
+  fn(3, _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)));
+}
+
+// kFifthBits[b][j] = 16 if bit j of byte b is set, else 0: byte i of a Q5 block's qh gives the
+// fifth bits of its vector i in one load (8 KiB, stays in L1 beside the streamed weights).
+struct FifthBitTable {
+  alignas(32) int32_t lanes[256][8];
+};
+
+constexpr FifthBitTable make_fifth_bit_table() {
+  FifthBitTable t{};
+  for (int b = 0; b < 256; ++b) {
+    for (int j = 0; j < 8; ++j) t.lanes[b][j] = (b >> j) & 1 ? 16 : 0;
+  }
+  return t;
+}
+
+inline constexpr FifthBitTable kFifthBits = make_fifth_bit_table();
+
+// Adds the fifth bits of the 32-bit qh (x 16) to the nibbles q[4] of a Q5_0 / Q5_1 block.
+inline void add_fifth_bits(const uint8_t* qh, __m256i q[4]) {
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    q[i] = _mm256_or_si256(
+        q[i], _mm256_load_si256(reinterpret_cast<const __m256i*>(kFifthBits.lanes[qh[i]])));
+  }
+}
+
+// Stores a format's vectors as its dequantize().
+template <typename Format>
+inline void store_vectors(const uint8_t* block, float* dst) {
+  Format::vectors(block, [&](int i, __m256 w) { _mm256_storeu_ps(dst + 8 * i, w); });
+}
+#endif
+
+// Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles; weight j = d * (q_j - 8), q_j as in Q4_1.
+struct Q4_0 {
+  static constexpr int64_t kBlockWeights = 32;
+  static constexpr int64_t kBlockBytes = 18;
+
+#if RADIX_QUANT_AVX2
+  template <typename Fn>
+  static void vectors(const uint8_t* block, const Fn& fn) {
+    const __m256 dv = _mm256_set1_ps(fp16_at(block));
+    __m256i q[4];
+    nibbles_x16(block + 2, q);
+    const __m256i eight = _mm256_set1_epi32(8);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      fn(i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], eight))));
+    }
+  }
+  static void dequantize(const uint8_t* block, float* dst) { store_vectors<Q4_0>(block, dst); }
+#else
+  static void dequantize(const uint8_t* block, float* dst) {
+    const float d = fp16_at(block);
+    const uint8_t* qs = block + 2;
+    for (int j = 0; j < 16; ++j) {
+      dst[j] = d * static_cast<float>((qs[j] & 0x0f) - 8);
+      dst[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+    }
+  }
+#endif
+};
+
+// Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; weight j < 16 = d * (qs[j] & 15) + m,
+// weight 16 + j = d * (qs[j] >> 4) + m.
 struct Q4_1 {
+  static constexpr int64_t kBlockWeights = 32;
   static constexpr int64_t kBlockBytes = 20;
 
 #if RADIX_QUANT_AVX2
-  // Weights 0-7 and 16-23 are the low and high nibbles of bytes 0-7, 8-15 and 24-31 those of
-  // bytes 8-15: widening each byte half to 32-bit lanes first leaves one mask or shift each.
   template <typename Fn>
-  static void quarters(const uint8_t* block, const Fn& fn) {
+  static void vectors(const uint8_t* block, const Fn& fn) {
     // d, m, d, m, ... widened together: one conversion, then each spread to all lanes.
     const __m256 dm = _mm256_cvtph_ps(
         _mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(block))));
     const __m256 dv = _mm256_moveldup_ps(dm);
     const __m256 mv = _mm256_movehdup_ps(dm);
-    const uint8_t* qs = block + 4;
-    const __m256i bytes_lo =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
-    const __m256i bytes_hi =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
-    const __m256i low_nibble = _mm256_set1_epi32(0x0f);
-    const __m256i q32[4] = {_mm256_and_si256(bytes_lo, low_nibble),
-                            _mm256_and_si256(bytes_hi, low_nibble), _mm256_srli_epi32(bytes_lo, 4),
-                            _mm256_srli_epi32(bytes_hi, 4)};
+    __m256i q[4];
+    nibbles_x16(block + 4, q);
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) fn(i, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q32[i]), mv));
+    for (int i = 0; i < 4; ++i) fn(i, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q[i]), mv));
   }
-
-  static void dequantize(const uint8_t* block, float* dst) {
-    quarters(block, [&](int i, __m256 w) { _mm256_storeu_ps(dst + 8 * i, w); });
-  }
+  static void dequantize(const uint8_t* block, float* dst) { store_vectors<Q4_1>(block, dst); }
 #else
   static void dequantize(const uint8_t* block, float* dst) {
     const float d = fp16_at(block);
@@ -112,12 +208,81 @@ struct Q4_1 {
 #endif
 };
 
+inline int fifth_bit(const uint8_t* qh_bytes, int j) { return (qh_bytes[j / 8] >> (j % 8)) & 1; }
+
+// Q5_0 (22 bytes): fp16 d, 32 bits qh, 16 bytes of nibbles; weight j = d * (q_j - 16) with q_j
+// its nibble (as in Q4_1) plus 16 x bit j of qh.
+struct Q5_0 {
+  static constexpr int64_t kBlockWeights = 32;
+  static constexpr int64_t kBlockBytes = 22;
+
+#if RADIX_QUANT_AVX2
+  template <typename Fn>
+  static void vectors(const uint8_t* block, const Fn& fn) {
+    const __m256 dv = _mm256_set1_ps(fp16_at(block));
+    __m256i q[4];
+    nibbles_x16(block + 6, q);
+    add_fifth_bits(block + 2, q);
+    const __m256i sixteen = _mm256_set1_epi32(16);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      fn(i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], sixteen))));
+    }
+  }
+  static void dequantize(const uint8_t* block, float* dst) { store_vectors<Q5_0>(block, dst); }
+#else
+  static void dequantize(const uint8_t* block, float* dst) {
+    const float d = fp16_at(block);
+    const uint8_t* qh = block + 2;
+    const uint8_t* qs = block + 6;
+    for (int j = 0; j < 16; ++j) {
+      dst[j] = d * static_cast<float>(((qs[j] & 0x0f) | fifth_bit(qh, j) << 4) - 16);
+      dst[j + 16] = d * static_cast<float>(((qs[j] >> 4) | fifth_bit(qh, j + 16) << 4) - 16);
+    }
+  }
+#endif
+};
+
+// Q5_1 (24 bytes): fp16 d, fp16 m, 32 bits qh, 16 bytes of nibbles; weight j = d * q_j + m, q_j
+// as in Q5_0.
+struct Q5_1 {
+  static constexpr int64_t kBlockWeights = 32;
+  static constexpr int64_t kBlockBytes = 24;
+
+#if RADIX_QUANT_AVX2
+  template <typename Fn>
+  static void vectors(const uint8_t* block, const Fn& fn) {
+    const __m256 dv = _mm256_set1_ps(fp16_at(block));
+    const __m256 mv = _mm256_set1_ps(fp16_at(block + 2));
+    __m256i q[4];
+    nibbles_x16(block + 8, q);
+    add_fifth_bits(block + 4, q);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) fn(i, _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q[i]), mv));
+  }
+  static void dequantize(const uint8_t* block, float* dst) { store_vectors<Q5_1>(block, dst); }
+#else
+  static void dequantize(const uint8_t* block, float* dst) {
+    const float d = fp16_at(block);
+    const float m = fp16_at(block + 2);
+    const uint8_t* qh = block + 4;
+    const uint8_t* qs = block + 8;
+    for (int j = 0; j < 16; ++j) {
+      dst[j] = d * static_cast<float>((qs[j] & 0x0f) | fifth_bit(qh, j) << 4) + m;
+      dst[j + 16] = d * static_cast<float>((qs[j] >> 4) | fifth_bit(qh, j + 16) << 4) + m;
+    }
+  }
+#endif
+};
+
+// Q8_0 (34 bytes): fp16 d, 32 int8 q; weight j = q[j] * d.
 struct Q8_0 {
+  static constexpr int64_t kBlockWeights = 32;
   static constexpr int64_t kBlockBytes = 34;
 
 #if RADIX_QUANT_AVX2
   template <typename Fn>
-  static void quarters(const uint8_t* block, const Fn& fn) {
+  static void vectors(const uint8_t* block, const Fn& fn) {
     const __m256 dv = _mm256_set1_ps(fp16_at(block));
     const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
 #pragma GCC unroll 4
@@ -126,15 +291,219 @@ struct Q8_0 {
       fn(i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), dv));
     }
   }
-
-  static void dequantize(const uint8_t* block, float* dst) {
-    quarters(block, [&](int i, __m256 w) { _mm256_storeu_ps(dst + 8 * i, w); });
-  }
+  static void dequantize(const uint8_t* block, float* dst) { store_vectors<Q8_0>(block, dst); }
 #else
   static void dequantize(const uint8_t* block, float* dst) {
     const float d = fp16_at(block);
     const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
     for (int j = 0; j < kBlockWeights; ++j) dst[j] = static_cast<float>(qs[j]) * d;
+  }
+#endif
+};
+
+// K-quants: super-blocks of 256 weights (llama.cpp's QK_K).
+constexpr int64_t kSuperBlockWeights = 256;
+
+// Q4_K / Q5_K sub-block scales: 8 sub-blocks of 32 weights, each with a 6-bit scale sc and a
+// 6-bit min m packed in 12 bytes (sc 0-3 and m 0-3 in the low 6 bits of bytes 0-3 and 4-7;
+// sc 4-7 and m 4-7 from the nibbles of bytes 8-11 and the top 2 bits of bytes 0-3 and 4-7).
+// Sub-block j's weights are d * sc[j] * q - dmin * m[j]; returns d * sc and dmin * m (exact).
+struct SubScales {
+  float scale[8];
+  float min[8];
+};
+
+inline SubScales k_sub_scales(const uint8_t* block) {
+  const float d = fp16_at(block);
+  const float dmin = fp16_at(block + 2);
+  const uint8_t* s = block + 4;
+  SubScales out;
+  for (int j = 0; j < 4; ++j) {
+    out.scale[j] = d * static_cast<float>(s[j] & 0x3f);
+    out.min[j] = dmin * static_cast<float>(s[j + 4] & 0x3f);
+    out.scale[j + 4] = d * static_cast<float>((s[j + 8] & 0x0f) | ((s[j] >> 2) & 0x30));
+    out.min[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30));
+  }
+  return out;
+}
+
+#if RADIX_QUANT_AVX2
+// The same d * sc and dmin * m as two vectors of the 8 sub-blocks (the 6-bit fields unpacked four
+// bytes at a time); sub-block j's value is spread with one permute.
+struct SubScaleVectors {
+  __m256 scale;
+  __m256 min;
+};
+
+inline SubScaleVectors k_sub_scale_vectors(const uint8_t* block) {
+  uint32_t a, b, c;
+  std::memcpy(&a, block + 4, 4);
+  std::memcpy(&b, block + 8, 4);
+  std::memcpy(&c, block + 12, 4);
+  const uint64_t sc = (a & 0x3f3f3f3fu) |
+                      static_cast<uint64_t>((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32;
+  const uint64_t m = (b & 0x3f3f3f3fu) |
+                     static_cast<uint64_t>(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32;
+  const auto widen = [](uint64_t bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+  };
+  return {_mm256_mul_ps(_mm256_set1_ps(fp16_at(block)), widen(sc)),
+          _mm256_mul_ps(_mm256_set1_ps(fp16_at(block + 2)), widen(m))};
+}
+
+inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
+#endif
+
+// Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of scales, 128 bytes of nibbles: sub-blocks 2c
+// and 2c + 1 are the low and high nibbles of bytes 32c .. 32c + 31.
+// Q5_K (176 bytes): as Q4_K with 32 bytes qh between the scales and the nibbles: bit j of
+// qh[i] is the fifth bit (x 16) of weight i of sub-block j.
+template <bool kFifthBit>
+struct QK_4_5 {
+  static constexpr int64_t kBlockWeights = kSuperBlockWeights;
+  static constexpr int64_t kBlockBytes = kFifthBit ? 176 : 144;
+  static constexpr int64_t kQsOffset = kFifthBit ? 48 : 16;
+
+#if RADIX_QUANT_AVX2
+  template <typename Fn>
+  static void vectors(const uint8_t* block, const Fn& fn) {
+    if constexpr (kFifthBit) {
+      bytes_vectors(block, fn);
+    } else {
+      lane_vectors(block, fn);
+    }
+  }
+
+  // Q4_K: bytes widened to 32-bit lanes straight from memory, the nibbles split there (measured
+  // faster than splitting them as bytes and widening those).
+  template <typename Fn>
+  static void lane_vectors(const uint8_t* block, const Fn& fn) {
+    const SubScaleVectors s = k_sub_scale_vectors(block);
+    const uint8_t* qs = block + kQsOffset;
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      __m256i bytes[4];
+      widen_u8x32(qs + 32 * c, bytes);
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        const __m256 dv = lane(s.scale, j);
+        const __m256 mv = lane(s.min, j);
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          __m256i q = half ? _mm256_srli_epi32(bytes[v], 4) : _mm256_and_si256(bytes[v], mask);
+          fn(4 * j + v, _mm256_fmsub_ps(dv, _mm256_cvtepi32_ps(q), mv));
+        }
+      }
+    }
+  }
+
+  // Q5_K: the quants assembled as bytes (nibble and fifth bit), then widened.
+  template <typename Fn>
+  static void bytes_vectors(const uint8_t* block, const Fn& fn) {
+    const SubScaleVectors s = k_sub_scale_vectors(block);
+    const uint8_t* qs = block + kQsOffset;
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, mask);
+        const __m256i bit =
+            _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+        const __m256 dv = lane(s.scale, j);
+        const __m256 mv = lane(s.min, j);
+        widen_i8x32(q, [&](int v, __m256i q32) {
+          fn(4 * j + v, _mm256_fmsub_ps(dv, _mm256_cvtepi32_ps(q32), mv));
+        });
+      }
+    }
+  }
+  static void dequantize(const uint8_t* block, float* dst) { store_vectors<QK_4_5>(block, dst); }
+#else
+  static void dequantize(const uint8_t* block, float* dst) {
+    const SubScales s = k_sub_scales(block);
+    const uint8_t* qh = block + 16;
+    const uint8_t* qs = block + kQsOffset;
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* bytes = qs + 32 * (j / 2);
+      for (int i = 0; i < 32; ++i) {
+        int q = j % 2 ? bytes[i] >> 4 : bytes[i] & 0x0f;
+        if constexpr (kFifthBit) q |= ((qh[i] >> j) & 1) << 4;
+        dst[32 * j + i] = s.scale[j] * static_cast<float>(q) - s.min[j];
+      }
+    }
+  }
+#endif
+};
+using Q4_K = QK_4_5<false>;
+using Q5_K = QK_4_5<true>;
+
+// Q6_K (210 bytes): 128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d. Weight
+// w = 128h + 32s + i (h < 2, s < 4, i < 32) is d * scales[w / 16] * (q - 32), q the nibble
+// (shifted by 4 x (s / 2)) of ql[64h + 32 (s % 2) + i] plus 16 x bits 2s, 2s + 1 of qh[32h + i].
+struct Q6_K {
+  static constexpr int64_t kBlockWeights = kSuperBlockWeights;
+  static constexpr int64_t kBlockBytes = 210;
+
+  static void sub_scales(const uint8_t* block, float out[16]) {
+    const float d = fp16_at(block + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+    for (int k = 0; k < 16; ++k) out[k] = d * static_cast<float>(sc[k]);
+  }
+
+#if RADIX_QUANT_AVX2
+  template <typename Fn>
+  static void vectors(const uint8_t* block, const Fn& fn) {
+    // The 16 sub-block scales d * sc as two vectors; each is spread with one permute.
+    const __m256 dv = _mm256_set1_ps(fp16_at(block + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    const __m256 scales[2] = {_mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                              _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                    _mm_unpackhi_epi64(sc, sc))))};
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    const __m256i three = _mm256_set1_epi8(3);
+    const __m256i thirty_two = _mm256_set1_epi8(32);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql[2] = {
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32))};
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const __m256i lo = _mm256_and_si256(
+            _mm256_srl_epi16(ql[s % 2], _mm_cvtsi32_si128(4 * (s / 2))), mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * s)), three);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), thirty_two);
+        const __m256 scale_lo = lane(scales[h], 2 * s);
+        const __m256 scale_hi = lane(scales[h], 2 * s + 1);
+        widen_i8x32(q, [&](int v, __m256i q32) {
+          fn(16 * h + 4 * s + v, _mm256_mul_ps(v < 2 ? scale_lo : scale_hi, _mm256_cvtepi32_ps(q32)));
+        });
+      }
+    }
+  }
+  static void dequantize(const uint8_t* block, float* dst) { store_vectors<Q6_K>(block, dst); }
+#else
+  static void dequantize(const uint8_t* block, float* dst) {
+    float scale[16];
+    sub_scales(block, scale);
+    for (int h = 0; h < 2; ++h) {
+      for (int s = 0; s < 4; ++s) {
+        for (int i = 0; i < 32; ++i) {
+          const int lo = (block[64 * h + 32 * (s % 2) + i] >> (4 * (s / 2))) & 0x0f;
+          const int hi = (block[128 + 32 * h + i] >> (2 * s)) & 3;
+          const int w = 128 * h + 32 * s + i;
+          dst[w] = scale[w / 16] * static_cast<float>((lo | hi << 4) - 32);
+        }
+      }
+    }
   }
 #endif
 };
@@ -153,12 +522,12 @@ struct QuantLinearArgs {
 // tile[r * K + k] = W[n0 + r, k] for r < rows.
 template <typename Format>
 void dequantize_rows(const QuantLinearArgs& a, int64_t n0, int64_t rows, float* tile) {
-  const int64_t blocks = a.K / kBlockWeights;
+  const int64_t blocks = a.K / Format::kBlockWeights;
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row = a.w + (n0 + r) * a.row_bytes;
     float* dst = tile + r * a.K;
     for (int64_t b = 0; b < blocks; ++b) {
-      Format::dequantize(row + b * Format::kBlockBytes, dst + b * kBlockWeights);
+      Format::dequantize(row + b * Format::kBlockBytes, dst + b * Format::kBlockWeights);
     }
   }
 }
@@ -325,8 +694,8 @@ inline void fused_row(const QuantLinearArgs& a, const float* x, int64_t n, float
   const int64_t K = a.K;
   const uint8_t* row = a.w + n * a.row_bytes;
 #pragma GCC unroll 1
-  for (int64_t k = 0; k < K; k += kBlockWeights, row += Format::kBlockBytes) {
-    Format::quarters(row, [&](int i, __m256 w) {
+  for (int64_t k = 0; k < K; k += Format::kBlockWeights, row += Format::kBlockBytes) {
+    Format::vectors(row, [&](int i, __m256 w) {
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
         acc[g][i % A] = _mm256_fmadd_ps(_mm256_loadu_ps(x + g * K + k + 8 * i), w, acc[g][i % A]);
@@ -401,11 +770,27 @@ void run_quant_linear(const QuantLinearArgs& a) {
   }
 }
 
-int64_t block_bytes_of(int64_t qtype) {
+struct BlockLayout {
+  int64_t weights;  // per block
+  int64_t bytes;
+};
+
+template <typename Format>
+constexpr BlockLayout layout_of() {
+  return {Format::kBlockWeights, Format::kBlockBytes};
+}
+
+BlockLayout block_layout_of(int64_t qtype) {
   switch (qtype) {
-    case kGgmlQ4_1: return Q4_1::kBlockBytes;
-    case kGgmlQ8_0: return Q8_0::kBlockBytes;
-    default: return 0;
+    case kGgmlQ4_0: return layout_of<Q4_0>();
+    case kGgmlQ4_1: return layout_of<Q4_1>();
+    case kGgmlQ5_0: return layout_of<Q5_0>();
+    case kGgmlQ5_1: return layout_of<Q5_1>();
+    case kGgmlQ8_0: return layout_of<Q8_0>();
+    case kGgmlQ4_K: return layout_of<Q4_K>();
+    case kGgmlQ5_K: return layout_of<Q5_K>();
+    case kGgmlQ6_K: return layout_of<Q6_K>();
+    default: return {0, 0};
   }
 }
 
@@ -418,15 +803,14 @@ void check_quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t 
               qweight.scalar_type());
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(),
               "quant_linear: qweight must be a contiguous [N, row_bytes]");
-  const int64_t block_bytes = block_bytes_of(qtype);
-  TORCH_CHECK(block_bytes > 0, "quant_linear: unsupported GGML type ", qtype, " (Q4_1 = ",
-              kGgmlQ4_1, ", Q8_0 = ", kGgmlQ8_0, ")");
+  const BlockLayout block = block_layout_of(qtype);
+  TORCH_CHECK(block.bytes > 0, "quant_linear: unsupported GGML type ", qtype,
+              " (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % kBlockWeights == 0, "quant_linear: K = ", K, " is not a multiple of ",
-              kBlockWeights);
-  TORCH_CHECK(qweight.size(1) == K / kBlockWeights * block_bytes,
-              "quant_linear: qweight rows hold ", qweight.size(1), " bytes; K = ", K, " needs ",
-              K / kBlockWeights * block_bytes);
+  TORCH_CHECK(K % block.weights == 0, "quant_linear: K = ", K, " is not a multiple of ",
+              block.weights);
+  TORCH_CHECK(qweight.size(1) == K / block.weights * block.bytes, "quant_linear: qweight rows hold ",
+              qweight.size(1), " bytes; K = ", K, " needs ", K / block.weights * block.bytes);
 }
 
 }  // namespace
@@ -439,10 +823,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t 
   if (K == 0) return out.zero_();
   const QuantLinearArgs a{x.data_ptr<float>(), qweight.data_ptr<uint8_t>(), out.data_ptr<float>(),
                           M, N, K, qweight.size(1)};
-  if (qtype == kGgmlQ4_1) {
-    run_quant_linear<Q4_1>(a);
-  } else {
-    run_quant_linear<Q8_0>(a);
+  switch (qtype) {
+    case kGgmlQ4_0: run_quant_linear<Q4_0>(a); break;
+    case kGgmlQ4_1: run_quant_linear<Q4_1>(a); break;
+    case kGgmlQ5_0: run_quant_linear<Q5_0>(a); break;
+    case kGgmlQ5_1: run_quant_linear<Q5_1>(a); break;
+    case kGgmlQ8_0: run_quant_linear<Q8_0>(a); break;
+    case kGgmlQ4_K: run_quant_linear<Q4_K>(a); break;
+    case kGgmlQ5_K: run_quant_linear<Q5_K>(a); break;
+    default: run_quant_linear<Q6_K>(a); break;
   }
   return out;
 }

@@ -2,8 +2,8 @@
 
 A linear may also hold its weight as GGUF blocks (`BlockWeight`, loaded beside the float
 weight when the model comes from a GGUF): on a CPU, batches of at most `max_tokens` rows (decode)
-then read the blocks (6x fewer bytes than float32 for Q4_1) and larger ones (prefill) use the
-float weight. Both compute with the same dequantized values.
+then read the blocks (6x fewer bytes than float32 for Q4_1, 7x for Q4_K) and larger ones
+(prefill) use the float weight. Both compute with the same dequantized values.
 """
 
 from __future__ import annotations
@@ -16,12 +16,51 @@ from torch import nn
 
 
 @dataclass
-class BlockWeight:
-    """A weight as GGUF blocks: uint8 rows `[out_features, in_features / 32 * block_bytes]`."""
+class BlockPart:
+    """Output rows `[start, start + rows.shape[0])` of a weight as GGUF blocks of one type: uint8
+    rows `[rows, in_features / block_weights * block_bytes]`."""
 
+    start: int
     rows: torch.Tensor
     qtype: int
+
+
+@dataclass
+class BlockWeight:
+    """A weight as GGUF blocks, in parts of one block type each (a fused projection whose shards
+    come in different types, as q/k in Q4_K and v in Q6_K, has one part per run of a type)."""
+
+    parts: list[BlockPart]
     max_tokens: int  # the block kernel runs for inputs of at most this many rows
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, qtype: int, max_tokens: int) -> BlockWeight:
+        return cls([BlockPart(0, rows, qtype)], max_tokens)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.rows.shape[0] for p in self.parts)
+
+    def add(self, start: int, rows: torch.Tensor, qtype: int) -> None:
+        """Adds rows `[start, start + len(rows))`; a part next to one of the same type joins it."""
+        parts = sorted([*self.parts, BlockPart(start, rows.contiguous(), qtype)], key=lambda p: p.start)
+        merged = [parts[0]]
+        for part in parts[1:]:
+            last = merged[-1]
+            if last.qtype == part.qtype and last.start + last.rows.shape[0] == part.start:
+                merged[-1] = BlockPart(last.start, torch.cat([last.rows, part.rows]), last.qtype)
+            else:
+                merged.append(part)
+        self.parts = merged
+
+    def covers(self, out_features: int) -> bool:
+        """Whether the parts are exactly rows `[0, out_features)`, each once."""
+        end = 0
+        for part in self.parts:
+            if part.start != end:
+                return False
+            end += part.rows.shape[0]
+        return end == out_features
 
     def applies_to(self, x: torch.Tensor) -> bool:
         return (
@@ -31,7 +70,9 @@ class BlockWeight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         from radixengine.layers.gguf_quant_ops import quant_linear
 
-        return quant_linear(x, self.rows, self.qtype)
+        if len(self.parts) == 1:
+            return quant_linear(x, self.parts[0].rows, self.parts[0].qtype)
+        return torch.cat([quant_linear(x, p.rows, p.qtype) for p in self.parts], dim=-1)
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, block: BlockWeight | None) -> torch.Tensor:
@@ -65,17 +106,13 @@ class Linear(nn.Module):
         return 0, self.output_size
 
     def block_weight_loader(self, rows: torch.Tensor, qtype: int, max_tokens: int, shard_id=None) -> None:
-        """Place one shard's GGUF block rows; every shard must come in the same block type."""
-        block = self.block_weight
-        if block is None:
-            empty = torch.zeros(self.output_size, rows.shape[1], dtype=torch.uint8)
-            block = self.block_weight = BlockWeight(empty, qtype, max_tokens)
-        if block.qtype != qtype or block.rows.shape[1] != rows.shape[1]:
-            raise ValueError(
-                f"shard {shard_id!r} is stored as GGUF type {qtype}, the others as {block.qtype}"
-            )
+        """Place one shard's GGUF block rows (each shard in its own block type)."""
         start, size = self.shard_range(shard_id)
-        _copy(block.rows.narrow(0, start, size), rows)
+        if rows.shape[0] != size:
+            raise ValueError(f"shard {shard_id!r} has {rows.shape[0]} GGUF rows, expected {size}")
+        if self.block_weight is None:
+            self.block_weight = BlockWeight([], max_tokens)
+        self.block_weight.add(start, rows, qtype)
 
 
 class MergedLinear(Linear):

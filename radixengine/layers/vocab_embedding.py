@@ -27,7 +27,7 @@ class VocabEmbedding(nn.Module):
     def block_weight_loader(self, rows: torch.Tensor, qtype: int, max_tokens: int, shard_id=None) -> None:
         if rows.shape[0] != self.num_embeddings:
             raise ValueError(f"GGUF rows {tuple(rows.shape)} do not match {self.num_embeddings} embeddings")
-        self.block_weight = BlockWeight(rows.contiguous(), qtype, max_tokens)
+        self.block_weight = BlockWeight.of(rows.contiguous(), qtype, max_tokens)
 
 
 class LMHead(VocabEmbedding):

@@ -193,10 +193,11 @@ def gguf_weights_iterator(path: str | os.PathLike, config) -> Iterator[tuple[str
 
 def gguf_block_weights_iterator(
     path: str | os.PathLike, config, qtypes: frozenset[int]
-) -> Iterator[tuple[str, int, torch.Tensor]]:
-    """The tensors stored in one of `qtypes`, as they are in the file: `(hf_name, qtype, rows)`
-    with `rows` uint8 `[out_features, in_features / block_size * block_bytes]` (each row its
-    blocks), llama q/k rows un-permuted as in `gguf_weights_iterator`."""
+) -> Iterator[tuple[str, str, int, torch.Tensor | None]]:
+    """Every matrix of the file as `(hf_name, gguf_name, qtype, rows)`: for a type in `qtypes`,
+    `rows` are its blocks as they are in the file, uint8 `[out_features, in_features /
+    block_size * block_bytes]` (each row its blocks), llama q/k rows un-permuted as in
+    `gguf_weights_iterator`; for another type `rows` is None."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -204,7 +205,10 @@ def gguf_block_weights_iterator(
     for t in reader.tensors:
         qtype = int(t.tensor_type)
         name = hf_tensor_name(t.name)
-        if qtype not in qtypes or name is None or t.data.ndim != 2:
+        if name is None or len(t.shape) != 2:
+            continue
+        if qtype not in qtypes:
+            yield name, t.name, qtype, None
             continue
         rows = t.data
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -212,7 +216,7 @@ def gguf_block_weights_iterator(
                 config.num_key_value_heads if name.endswith("k_proj.weight") else config.num_attention_heads
             )
             rows = unpermute_qk(rows, heads)
-        yield name, qtype, torch.from_numpy(np.array(rows, dtype=np.uint8, order="C"))
+        yield name, t.name, qtype, torch.from_numpy(np.array(rows, dtype=np.uint8, order="C"))
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

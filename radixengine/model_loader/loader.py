@@ -90,33 +90,53 @@ def init_dummy_weights(model: nn.Module, std: float = 0.02) -> None:
 
 
 def load_gguf_block_weights(model: nn.Module, model_config: ModelConfig) -> int:
-    """Attach the GGUF blocks of every linear (and LM head) stored in a type the block kernel
-    runs; a module keeps them only if all its shards came that way. Returns the modules kept."""
-    from radixengine.layers.gguf_quant_ops import GGML_Q4_1, GGML_Q8_0
+    """Attach the GGUF blocks of every linear (and LM head), each shard in its own block type; a
+    module keeps them only if every shard is in a type the block kernel runs, else it computes
+    with its dequantized float weights (one log line names those tensors and their types).
+    Returns the modules kept."""
+    import gguf
 
-    rows_loaded: dict[str, int] = {}
-    tensors = gguf_block_weights_iterator(
-        model_config.model_path, model_config.hf_config, frozenset({GGML_Q4_1, GGML_Q8_0})
-    )
-    for name, qtype, rows in tensors:
-        if getattr(model, "tie_word_embeddings", False) and name == "lm_head.weight":
-            continue
+    from radixengine.layers.gguf_quant_ops import FORMATS
+
+    no_kernel: dict[str, list[str]] = {}  # type name -> GGUF tensors
+    fallback_modules: set[str] = set()
+    tensors = gguf_block_weights_iterator(model_config.model_path, model_config.hf_config, frozenset(FORMATS))
+    for name, gguf_name, qtype, rows in tensors:
+        tied = getattr(model, "tie_word_embeddings", False)
+        if name == ("lm_head.weight" if tied else "model.embed_tokens.weight"):
+            continue  # the embedding's blocks serve only as a tied LM head
         param_name, shard_id = model._param_for(name)
         module_name = param_name.rsplit(".", 1)[0]
         module = model.get_submodule(module_name)
         if not hasattr(module, "block_weight_loader"):
             continue
+        if rows is None:
+            if qtype != gguf.GGMLQuantizationType.F32:
+                no_kernel.setdefault(gguf.GGMLQuantizationType(qtype).name, []).append(gguf_name)
+            fallback_modules.add(module_name)
+            continue
         module.block_weight_loader(rows, qtype, GGUF_BLOCK_MAX_TOKENS, shard_id)
-        rows_loaded[module_name] = rows_loaded.get(module_name, 0) + rows.shape[0]
     kept = 0
-    for module_name, count in rows_loaded.items():
-        module = model.get_submodule(module_name)
-        if count == module.block_weight.rows.shape[0]:
-            kept += 1
-        else:
-            logger.info(
-                "%s: not every shard is in a block type the kernel runs; float weights only", module_name
-            )
+    for module_name, module in model.named_modules():
+        block = getattr(module, "block_weight", None)
+        if block is None:
+            continue
+        if module_name in fallback_modules or not block.covers(module.weight.shape[0]):
             module.block_weight = None
+        else:
+            kept += 1
+    if no_kernel:
+        logger.info(
+            "GGUF tensors in types without a block kernel use dequantized float32 weights: %s",
+            "; ".join(f"{t}: {_names(names)}" for t, names in sorted(no_kernel.items())),
+        )
     logger.info("GGUF block weights for %d modules (batches of at most %d rows)", kept, GGUF_BLOCK_MAX_TOKENS)
     return kept
+
+
+NAMES_SHOWN = 6
+
+
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
+    return ", ".join(names[:NAMES_SHOWN]) + more
