@@ -261,6 +261,27 @@ def test_grammar_backend_none_refuses_constrained_requests(model_dir, tokenizer)
     assert results["f"].finished_reason["type"] in ("length", "stop")
 
 
+class _NoVocabTokenizer:
+    """A tokenizer the grammar backend cannot read (no get_vocab)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.inner = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def decode(self, ids, **kwargs):
+        return self.inner.decode(ids, **kwargs)
+
+
+def test_a_tokenizer_the_backend_cannot_read_fails_only_constrained_requests(model_dir, tokenizer):
+    """The backend is built on the first constrained request: a scheduler whose tokenizer it cannot
+    use starts and serves free requests; constrained ones get a 400 with the reason."""
+    sched = make_scheduler(model_dir, _NoVocabTokenizer(tokenizer), overlap=False)
+    results = run(sched, [req(tokenizer, "c", PROMPTS[0], regex=REGEX), req(tokenizer, "f", PROMPTS[0])])
+    reason = results["c"].finished_reason
+    assert reason["status_code"] == 400 and "cannot use this tokenizer" in reason["message"]
+    assert results["f"].finished_reason["type"] in ("length", "stop")
+
+
 def test_the_mask_goes_after_penalties_and_logprobs_are_of_the_masked_distribution(model_dir, tokenizer):
     """A logit_bias that favours a token the grammar forbids changes nothing; the constrained
     row's logprob is over the allowed tokens only (their probabilities sum to 1)."""

@@ -17,17 +17,18 @@ POLL_INTERVAL_S = 0.005  # how long an otherwise idle scheduler waits for a comp
 
 
 class GrammarManager:
+    """The backend is built on the first constrained request (its tokenizer info costs time and
+    memory a server that never sees one need not pay); a tokenizer it cannot read fails those
+    requests with the reason, never the scheduler."""
+
     def __init__(self, server_args, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self.backend_name = server_args.grammar_backend
+        self.any_whitespace = not server_args.constrained_json_disable_any_whitespace
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
         self.backend = None
-        if self.backend_name != "none" and tokenizer is not None:
-            self.backend = create_grammar_backend(
-                self.backend_name,
-                tokenizer,
-                vocab_size,
-                sorted(eos_token_ids),
-                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
-            )
+        self.backend_error: str | None = None
         self.grammar_queue: list[Req] = []
 
     def __len__(self) -> int:
@@ -37,19 +38,39 @@ class GrammarManager:
         """Start the request's grammar: None when it is ready (`req.grammar` is its matcher) or
         queued here (`req.grammar` is the compile's Future); else why it cannot run."""
         kind, _ = key = req.sampling_params.grammar_key
-        if self.backend is None:
-            if self.backend_name == "none":
-                return (
-                    f"{kind}: constrained decoding (json_schema, regex, ebnf, structural_tag) is not "
-                    "supported when the server is launched with --grammar-backend none"
-                )
-            return f"{kind}: constrained decoding needs the model's tokenizer"
+        error = self._ensure_backend()
+        if error is not None:
+            return f"{kind}: {error}"
         future = self.backend.get_future(key)
         if future.done():
             return self._resolve(req, future)
         req.grammar = future
         self.grammar_queue.append(req)
         return None
+
+    def _ensure_backend(self) -> str | None:
+        if self.backend is not None:
+            return None
+        if self.backend_name == "none":
+            return (
+                "constrained decoding (json_schema, regex, ebnf, structural_tag) is not supported "
+                "when the server is launched with --grammar-backend none"
+            )
+        if self.tokenizer is None:
+            return "constrained decoding needs the model's tokenizer"
+        if self.backend_error is None:
+            try:
+                self.backend = create_grammar_backend(
+                    self.backend_name,
+                    self.tokenizer,
+                    self.vocab_size,
+                    self.eos_token_ids,
+                    any_whitespace=self.any_whitespace,
+                )
+            except Exception as e:  # a tokenizer the backend cannot read
+                logger.error("cannot build the %s grammar backend: %s", self.backend_name, e)
+                self.backend_error = f"the {self.backend_name} grammar backend cannot use this tokenizer: {e}"
+        return self.backend_error
 
     def get_ready_grammar_requests(self, block: bool = False) -> list[tuple[Req, str | None]]:
         """The queued requests whose compile is done, each with its error (None when it can run).
