@@ -4,7 +4,8 @@
 // A row is a run of blocks, each of 32 consecutive weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or a
 // K-quant super-block of 256 (Q4_K, Q5_K, Q6_K); the formats are described at their structs.
 // The dequantized weights are bit-identical to `gguf.quants.dequantize` (see "Block formats"),
-// and out differs from fp32 matmul with them only in summation order.
+// and out differs from fp32 matmul with them only in summation order (and, on the K-quants' fused
+// path, in applying each sub-block scale and min to sums of products: see byte_planes, plane_x).
 //
 // Two paths; each reads a weight block from memory once per task, in row order:
 //   fused (M <= kFusedMaxM, AVX2): each block is dequantized into registers and multiplied at
@@ -16,6 +17,7 @@
 //     register tiles that broadcast the weights (no horizontal sums); x is split into blocks
 //     that stay in L2, and one task is a tile times a block.
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -352,6 +354,20 @@ inline SubScaleVectors k_sub_scale_vectors(const uint8_t* block) {
 }
 
 inline __m256 lane(__m256 v, int j) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(j)); }
+
+// The K-quants' fused path: 32 quants as bytes (as dword t: weights 4t .. 4t + 3) split into four
+// planes, plane k holding weight 4t + k x 2^(8k) in lane t: the byte masked in place, no shifts
+// or shuffles, exact in fp32 (see plane_x for the x they meet).
+struct BytePlanes {
+  __m256 v[4];
+};
+
+inline BytePlanes byte_planes(__m256i q) {
+  return {{_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0xff))),
+           _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0xff00))),
+           _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0xff0000))),
+           _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(static_cast<int>(0xff000000u))))}};
+}
 #endif
 
 // Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of scales, 128 bytes of nibbles: sub-blocks 2c
@@ -425,6 +441,36 @@ struct QK_4_5 {
     }
   }
   static void dequantize(const uint8_t* block, float* dst) { store_vectors<QK_4_5>(block, dst); }
+
+  // Fused path: sub-block j as Q6_K::planes gives a chunk (byte i of its nibbles and qh bits is
+  // weight 32j + i), with the scale d * sc and, as the offset, dmin * m / 32 against plane_x's
+  // -32 x sums.
+  static constexpr bool kPlanes = true;
+  static constexpr bool kPlaneOffset = true;
+  template <typename Fn>
+  static void planes(const uint8_t* block, const Fn& fn) {
+    const SubScaleVectors s = k_sub_scale_vectors(block);
+    const __m256 offsets = _mm256_mul_ps(s.min, _mm256_set1_ps(1.0f / 32));
+    const uint8_t* qs = block + kQsOffset;
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * c + half;
+        __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(bytes, 4) : bytes, low_nibbles);
+        if constexpr (kFifthBit) {
+          const __m256i at = j < 4    ? _mm256_slli_epi16(qh, 4 - j)
+                             : j == 4 ? qh
+                                      : _mm256_srli_epi16(qh, j - 4);
+          q = _mm256_or_si256(q, _mm256_and_si256(at, _mm256_set1_epi8(0x10)));
+        }
+        fn(j, lane(s.scale, j), lane(offsets, j), byte_planes(q));
+      }
+    }
+  }
 #else
   static void dequantize(const uint8_t* block, float* dst) {
     const SubScales s = k_sub_scales(block);
@@ -490,6 +536,45 @@ struct Q6_K {
     }
   }
   static void dequantize(const uint8_t* block, float* dst) { store_vectors<Q6_K>(block, dst); }
+
+  // Fused path: chunk c = 4h + s (weights 32c .. 32c + 31, byte i of the (h, s) quants above) as
+  // four vectors of quants (without the - 32, which the x plane chunk carries) and one of scales.
+  // Plane k holds weights 32c + 4t + k (t < 8) as q x 2^(8k): the byte masked in place (no
+  // shifts or shuffles; exact in fp32), read against x in that order and scaled by 2^(-8k) (see
+  // plane_x). Lanes 0-3 lie in sub-block 2s of half h, lanes 4-7 in 2s + 1, so fn applies the
+  // scale once to the sum of the four planes' products.
+  static constexpr bool kPlanes = true;
+  static constexpr bool kPlaneOffset = false;  // the - 32 is in the sum the scale multiplies
+  template <typename Fn>
+  static void planes(const uint8_t* block, const Fn& fn) {
+    const __m256 dv = _mm256_set1_ps(fp16_at(block + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    const __m256 scales[2] = {_mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                              _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                    _mm_unpackhi_epi64(sc, sc))))};
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+    const __m256i high_bits = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql[2] = {
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32))};
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const __m256i lo =
+            _mm256_and_si256(s < 2 ? ql[s] : _mm256_srli_epi16(ql[s - 2], 4), low_nibbles);
+        const __m256i hi_at = s < 2    ? _mm256_slli_epi16(qh, 4 - 2 * s)
+                              : s == 2 ? qh
+                                       : _mm256_srli_epi16(qh, 2);
+        const __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hi_at, high_bits));
+        const __m256 scale = _mm256_permutevar8x32_ps(
+            scales[h], _mm256_setr_epi32(2 * s, 2 * s, 2 * s, 2 * s, 2 * s + 1, 2 * s + 1,
+                                         2 * s + 1, 2 * s + 1));
+        fn(4 * h + s, scale, scale, byte_planes(q));
+      }
+    }
+  }
 #else
   static void dequantize(const uint8_t* block, float* dst) {
     float scale[16];
@@ -514,6 +599,7 @@ struct QuantLinearArgs {
   float* out;        // [M, N]
   int64_t M, N, K;
   int64_t row_bytes;
+  bool x_planes = false;  // x arranged by plane_x (fused path, M = 1)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -678,12 +764,39 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// At M = 1, a format with planes() (the K-quants) reads x as plane_x chunks (with more x rows the
+// planes' work per x row costs more than their cheaper dequantization saves: 1.6x at M = 4):
+// for each 32 floats x[0..31], the 32 floats [8k + t] = x[4t + k] x 2^(-8k) (k < 4, t < 8;
+// exact unless that falls below fp32's normal range), then 8 floats [32 + t] = -32 x (x[4t] +
+// x[4t + 1] + x[4t + 2] + x[4t + 3]).
+template <typename Format, typename = void>
+struct HasPlanes : std::false_type {};
+template <typename Format>
+struct HasPlanes<Format, std::void_t<decltype(Format::kPlanes)>> : std::true_type {};
+
+constexpr int64_t kPlaneChunkFloats = 40;
+
+std::vector<float> plane_x(const float* x, int64_t M, int64_t K) {
+  constexpr float kPlaneScale[4] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-24f};
+  std::vector<float> out(M * K / 32 * kPlaneChunkFloats);
+  for (int64_t b = 0; b < M * K / 32; ++b) {
+    const float* src = x + 32 * b;
+    float* dst = out.data() + kPlaneChunkFloats * b;
+    for (int t = 0; t < 8; ++t) {
+      for (int k = 0; k < 4; ++k) dst[8 * k + t] = src[4 * t + k] * kPlaneScale[k];
+      dst[32 + t] = -32.0f * (src[4 * t] + src[4 * t + 1] + src[4 * t + 2] + src[4 * t + 3]);
+    }
+  }
+  return out;
+}
+
 // out[g * N] = dot(x[g * K ...], W[n]) for G x rows and one weight row, read front to back (the
 // hardware prefetcher follows one stream through a task's rows; rows side by side, each a few
 // cache lines long, were twice as slow from memory). A accumulators per x row keep enough FMA
 // chains in flight.
-template <typename Format, int G>
+template <typename Format, int G, bool kXPlanes>
 inline void fused_row(const QuantLinearArgs& a, const float* x, int64_t n, float* out) {
+  static_assert(!kXPlanes || G == 1);
   constexpr int A = G <= 2 ? 4 : 2;
   __m256 acc[G][A];
 #pragma GCC unroll 4
@@ -695,12 +808,28 @@ inline void fused_row(const QuantLinearArgs& a, const float* x, int64_t n, float
   const uint8_t* row = a.w + n * a.row_bytes;
 #pragma GCC unroll 1
   for (int64_t k = 0; k < K; k += Format::kBlockWeights, row += Format::kBlockBytes) {
-    Format::vectors(row, [&](int i, __m256 w) {
+    if constexpr (kXPlanes) {
+      Format::planes(row, [&](int c, __m256 scale, __m256 offset, const BytePlanes& q) {
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) {
-        acc[g][i % A] = _mm256_fmadd_ps(_mm256_loadu_ps(x + g * K + k + 8 * i), w, acc[g][i % A]);
-      }
-    });
+        for (int g = 0; g < G; ++g) {
+          const float* xc = x + (k / 32 + c) * kPlaneChunkFloats;
+          const __m256 x_sums = _mm256_loadu_ps(xc + 32);
+          __m256 p = Format::kPlaneOffset ? _mm256_mul_ps(q.v[0], _mm256_loadu_ps(xc))
+                                          : _mm256_fmadd_ps(q.v[0], _mm256_loadu_ps(xc), x_sums);
+#pragma GCC unroll 3
+          for (int v = 1; v < 4; ++v) p = _mm256_fmadd_ps(q.v[v], _mm256_loadu_ps(xc + 8 * v), p);
+          acc[g][c % A] = _mm256_fmadd_ps(scale, p, acc[g][c % A]);
+          if constexpr (Format::kPlaneOffset) acc[g][c % A] = _mm256_fmadd_ps(offset, x_sums, acc[g][c % A]);
+        }
+      });
+    } else {
+      Format::vectors(row, [&](int i, __m256 w) {
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          acc[g][i % A] = _mm256_fmadd_ps(_mm256_loadu_ps(x + g * K + k + 8 * i), w, acc[g][i % A]);
+        }
+      });
+    }
   }
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
@@ -714,7 +843,13 @@ inline void fused_row(const QuantLinearArgs& a, const float* x, int64_t n, float
 template <typename Format, int G>
 void fused_rows(const QuantLinearArgs& a, int64_t m, int64_t n0, int64_t rows) {
   for (int64_t n = n0; n < n0 + rows; ++n) {
-    fused_row<Format, G>(a, a.x + m * a.K, n, a.out + m * a.N + n);
+    if constexpr (HasPlanes<Format>::value && G == 1) {
+      if (a.x_planes) {
+        fused_row<Format, G, true>(a, a.x, n, a.out + n);
+        continue;
+      }
+    }
+    fused_row<Format, G, false>(a, a.x + m * a.K, n, a.out + m * a.N + n);
   }
 }
 
@@ -745,9 +880,18 @@ void run_fused(const QuantLinearArgs& a) {
       std::clamp<int64_t>(round_up((a.N + target_tasks - 1) / target_tasks, 8), kFusedMinTileRows,
                           kFusedMaxTileRows);
   const int64_t num_tiles = (a.N + tile_rows - 1) / tile_rows;
+  std::vector<float> x_planes;
+  QuantLinearArgs args = a;
+  if constexpr (HasPlanes<Format>::value) {
+    if (a.M == 1) {
+      x_planes = plane_x(a.x, a.M, a.K);
+      args.x = x_planes.data();
+      args.x_planes = true;
+    }
+  }
   run_tasks(num_tiles, [&](int64_t task) {
     const int64_t n0 = task * tile_rows;
-    fused_task<Format>(a, n0, std::min(tile_rows, a.N - n0));
+    fused_task<Format>(args, n0, std::min(tile_rows, a.N - n0));
   });
 }
 #else
