@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from radixengine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput  # noqa: E402
 from radixengine.managers.scheduler import Scheduler  # noqa: E402
 from radixengine.managers.scheduler_io import InProcessIO  # noqa: E402
-from radixengine.managers.tp_worker import TpModelWorker  # noqa: E402
+from radixengine.model_executor.tp_worker import TpModelWorker  # noqa: E402
 from radixengine.model_loader import get_tokenizer  # noqa: E402
 from radixengine.sampling.sampling_params import SamplingParams  # noqa: E402
 from radixengine.server_args import ServerArgs  # noqa: E402

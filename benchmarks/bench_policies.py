@@ -150,7 +150,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON file for the results")
     args = p.parse_args()
 
-    from radixengine.managers.tp_worker import TpModelWorker
+    from radixengine.model_executor.tp_worker import TpModelWorker
 
     tmp = tempfile.TemporaryDirectory()
     model_path = {"tiny": None, "default": None}.get(args.model, args.model)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.parser.reasoning_parser import REASONING_PARSERS
+from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -18,7 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch_native", "native_cpu", "flashinfer", "triton")
-CPU_FORWARD_STREAMS = ("auto", "thread", "inline")
+CPU_FORWARD_STREAMS = CPU_STREAM_LAYOUTS
 SAMPLING_DEFAULTS = ("openai", "model")
 LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
 TOOL_CALL_PARSER_NAMES = tuple(TOOL_CALL_PARSERS)

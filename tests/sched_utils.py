@@ -18,8 +18,8 @@ import torch
 from radixengine.managers.io_struct import AbortReq, BatchTokenIDOut, TokenizedGenerateReqInput
 from radixengine.managers.scheduler import Scheduler
 from radixengine.managers.scheduler_io import InProcessIO
-from radixengine.managers.tp_worker import TpModelWorker
 from radixengine.mem_cache.accounting import check_token_accounting
+from radixengine.model_executor.tp_worker import TpModelWorker
 from radixengine.sampling.sampling_params import SamplingParams
 from radixengine.server_args import ServerArgs
 

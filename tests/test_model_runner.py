@@ -8,10 +8,10 @@ import torch
 from model_utils import ModelDriver, make_runner, save_tiny_model
 
 from radixengine.layers.attention import create_attention_backend, resolve_attention_backend
-from radixengine.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from radixengine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixengine.model_executor import model_runner as model_runner_module
 from radixengine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
+from radixengine.model_executor.tp_worker import GenerationBatchResult, TpModelWorker
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
 from radixengine.sampling.sampling_params import SamplingParams
 

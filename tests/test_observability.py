@@ -23,8 +23,8 @@ from test_engine_utils import build_tiny_model, launch_test_server, stop_test_se
 from radixengine.launch_server import parse_args
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_logger import RequestLogger
-from radixengine.managers.tp_worker import TEST_FORWARD_STALL_ENV
 from radixengine.model_executor.runtime_support import runtime_support_error
+from radixengine.model_executor.tp_worker import TEST_FORWARD_STALL_ENV
 from radixengine.server_args import ServerArgs
 from radixengine.utils.network import get_free_port
 from radixengine.utils.random_seed import set_random_seed

@@ -76,7 +76,7 @@ class Scheduler:
     ) -> None:
         self.server_args = server_args
         if tp_worker is None:
-            from radixengine.managers.tp_worker import TpModelWorker
+            from radixengine.model_executor.tp_worker import TpModelWorker
 
             tp_worker = TpModelWorker(server_args)
         self.tp_worker = tp_worker

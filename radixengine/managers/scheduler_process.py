@@ -62,7 +62,7 @@ def build_scheduler(server_args, io: ZmqSchedulerIO):
     """The TpModelWorker and the Scheduler, with the scheduler's outputs going to `io`."""
     from radixengine.managers.scheduler import Scheduler
     from radixengine.managers.tokenizer_manager import load_tokenizer
-    from radixengine.managers.tp_worker import TpModelWorker
+    from radixengine.model_executor.tp_worker import TpModelWorker
 
     tp_worker = TpModelWorker(server_args)
     scheduler = Scheduler(server_args, tp_worker=tp_worker, tokenizer=load_tokenizer(server_args), io=io)

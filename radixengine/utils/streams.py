@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from radixengine.server_args import CPU_FORWARD_STREAMS
+from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
 
 class StreamError(RuntimeError):
@@ -258,9 +258,6 @@ def get_default_stream(device: torch.device | str) -> Stream:
     if device.type == "cuda":
         return CudaStream(stream=torch.cuda.current_stream(device))
     return HostStream()
-
-
-CPU_STREAM_LAYOUTS = CPU_FORWARD_STREAMS  # --cpu-forward-stream
 
 
 def new_stream(device: torch.device | str, name: str = "forward", cpu_layout: str = "thread") -> Stream:
