@@ -26,7 +26,6 @@ class FakeReq:
     req_pool_idx: int = -1
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
-    last_matched_prefix_len: int = 0
 
 
 class Setup:
@@ -34,7 +33,6 @@ class Setup:
         self,
         page_size: int = 1,
         size: int = 256,
-        disable: bool = False,
         chunk: bool = False,
         device: str = "cpu",
     ):
@@ -47,7 +45,7 @@ class Setup:
         if chunk:
             self.tree = ChunkCache(self.pool, self.alloc, page_size)
         else:
-            self.tree = RadixCache(self.pool, self.alloc, page_size, disable=disable)
+            self.tree = RadixCache(self.pool, self.alloc, page_size)
 
     def row(self, req: FakeReq, length: int) -> list[int]:
         return self.pool.req_to_token[req.req_pool_idx, :length].tolist()
@@ -226,22 +224,6 @@ def test_bad_keys_and_sizes_raise():
         RadixCache(s.pool, s.alloc, page_size=0)
 
 
-def test_disabled_cache_matches_nothing_and_frees_on_finish():
-    s = Setup(disable=True)
-    req = s.start([1, 2, 3, 4])
-    assert req.prefix_indices.numel() == 0 and req.last_node is s.tree.root_node
-    s.extend(req, [1, 2, 3, 4])
-    s.tree.cache_unfinished_req(req)
-    assert req.prefix_indices.tolist() == s.row(req, 4)
-    s.decode(req, 9)
-    s.decode(req, 10)
-    assert s.tree.insert([1, 2, 3]) == 0
-    s.tree.cache_finished_req(req)
-    assert s.tree.match_prefix([1, 2, 3, 4]).device_indices.numel() == 0
-    assert s.tree.total_size() == 0
-    s.check()
-
-
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_request_lifecycle_shares_prefixes_and_keeps_accounting(page_size):
     check_lifecycle(page_size, "cpu")
@@ -254,7 +236,7 @@ def check_lifecycle(page_size: int, device: str) -> None:
     s.extend(a, prompt)
     s.tree.cache_unfinished_req(a)
     aligned = len(prompt) // page_size * page_size
-    assert a.last_matched_prefix_len == aligned and len(a.prefix_indices) == len(prompt)
+    assert len(a.prefix_indices) == len(prompt)
     assert s.tree.protected_size() == aligned and s.tree.evictable_size() == 0
     for token in (1, 2, 3):
         s.decode(a, token)
@@ -324,8 +306,10 @@ def test_accounting_error_names_the_difference():
         check_token_accounting(s.alloc, s.tree)
 
 
-def test_chunk_cache_shares_nothing():
-    s = Setup(page_size=4, chunk=True)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_chunk_cache_shares_nothing(page_size):
+    s = Setup(page_size=page_size, chunk=True)
+    assert s.tree.disable and not RadixCache.disable
     prompt = list(range(10))
     req = s.start(prompt)
     assert req.prefix_indices.numel() == 0 and req.last_node is None
@@ -340,6 +324,7 @@ def test_chunk_cache_shares_nothing():
     assert s.tree.evict(100) == 0 and s.tree.evictable_size() == 0 and s.tree.insert([1]) == 0
     s.tree.cache_finished_req(req)
     assert s.tree.match_prefix(prompt).device_indices.numel() == 0
+    assert s.tree.total_size() == 0
     s.check()
     with pytest.raises(TypeError):
         s.tree.match_prefix("abc")

@@ -123,9 +123,7 @@ def test_unknown_policy_raises_and_cache_aware_degrades_without_tree():
         SchedulePolicy("sjf", make_tree())
     chunk = ChunkCache(None, None)
     assert SchedulePolicy("lpm", chunk).policy == CacheAgnosticPolicy.FCFS
-    assert (
-        SchedulePolicy("dfs-weight", RadixCache(None, None, disable=True)).policy == CacheAgnosticPolicy.FCFS
-    )
+    assert SchedulePolicy("dfs-weight", chunk).policy == CacheAgnosticPolicy.FCFS
 
 
 def test_prefix_trie():

@@ -159,21 +159,6 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     """Hands out whole pages: page p covers slots `p * page_size + [0, page_size)`. Freeing any slot
     of a page frees the page."""
 
-    def __init__(
-        self,
-        size: int,
-        page_size: int,
-        dtype: torch.dtype,
-        device: str | torch.device,
-        kvcache: Any = None,
-        *,
-        need_sort: bool = False,
-        check_frees: bool = True,
-    ):
-        super().__init__(
-            size, page_size, dtype, device, kvcache, need_sort=need_sort, check_frees=check_frees
-        )
-
     def _pages_of(self, free_index: torch.Tensor) -> torch.Tensor:
         return torch.unique(free_index // self.page_size)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -28,10 +28,6 @@ class MatchResult(NamedTuple):
 
     device_indices: torch.Tensor
     last_node: Any
-
-    @property
-    def last_device_node(self) -> Any:
-        return self.last_node
 
 
 def as_token_key(key: Any) -> tuple[int, ...]:
@@ -80,6 +76,10 @@ class BasePrefixCache(ABC):
     Accounting: `evictable_size() + protected_size()` is every token the cache holds; with the
     allocator's `available_size()` it adds up to the pool size whenever no request is running.
     """
+
+    # True for a cache that never shares a prefix (ChunkCache, `--disable-radix-cache`): nothing
+    # matches, so cache-aware scheduling and in-batch prefix dedup have nothing to work with.
+    disable: ClassVar[bool]
 
     @abstractmethod
     def reset(self) -> None:

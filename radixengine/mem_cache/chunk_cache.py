@@ -7,7 +7,7 @@ them in `req.prefix_indices` (so the next chunk reuses them) and `cache_finished
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 
 class ChunkCache(BasePrefixCache):
+    disable: ClassVar[bool] = True
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool | None,
@@ -36,7 +38,6 @@ class ChunkCache(BasePrefixCache):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = check_count("page_size", page_size, 1)
-        self.disable = True
         self.device = getattr(token_to_kv_pool_allocator, "device", "cpu")
         self.reset()
 
@@ -81,7 +82,6 @@ class ChunkCache(BasePrefixCache):
         kv = req_kv_indices(self.req_to_token_pool, req, len(req.fill_ids))
         self.protected_size_ += len(kv) - len(req.prefix_indices)
         req.prefix_indices = kv
-        req.last_matched_prefix_len = len(kv)
 
     def pretty_print(self) -> None:
         print(f"ChunkCache: no tree; {self.protected_size_} tokens recorded for running requests")

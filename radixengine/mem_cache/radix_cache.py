@@ -10,7 +10,7 @@ import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -22,7 +22,6 @@ from radixengine.mem_cache.base_prefix_cache import (
     finished_kv_len,
     req_kv_indices,
 )
-from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.memory_pool import check_count
 
 if TYPE_CHECKING:
@@ -70,20 +69,18 @@ def _common_prefix_len(stored: tuple[int, ...], key: tuple[int, ...], start: int
 
 
 class RadixCache(BasePrefixCache):
+    disable: ClassVar[bool] = False
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool | None,
         token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator | None,
         page_size: int = 1,
-        disable: bool = False,
     ):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = check_count("page_size", page_size, 1)
-        self.disable = disable
         self.device = getattr(token_to_kv_pool_allocator, "device", "cpu")
-        # With the tree disabled, requests are handed over as ChunkCache does.
-        self._no_share = ChunkCache(req_to_token_pool, token_to_kv_pool_allocator, self.page_size)
         self.reset()
 
     def reset(self) -> None:
@@ -96,13 +93,12 @@ class RadixCache(BasePrefixCache):
         # be stale: evict() skips or refreshes those.
         self._evictable_leaves: set[TreeNode] = set()
         self._leaf_heap: list[tuple[int, int, TreeNode]] = []
-        self._no_share.reset()
 
     # ---- lookups ----
 
     def match_prefix(self, key: list[int] | tuple[int, ...]) -> MatchResult:
         key = self._page_aligned(as_token_key(key))
-        if self.disable or not key:
+        if not key:
             return MatchResult(self._empty(), self.root_node)
         values, node = self._match_prefix_helper(key)
         indices = torch.cat(values) if values else self._empty()
@@ -133,8 +129,6 @@ class RadixCache(BasePrefixCache):
             value = torch.tensor(key_tokens, dtype=torch.int64, device=self.device)
         if len(value) != len(key_tokens):
             raise ValueError(f"insert: value has {len(value)} slots for {len(key_tokens)} tokens")
-        if self.disable:
-            return 0
         aligned = self._page_aligned(key_tokens)
         return self._insert_helper(
             aligned, value if len(aligned) == len(key_tokens) else value[: len(aligned)]
@@ -204,8 +198,6 @@ class RadixCache(BasePrefixCache):
 
     def evict(self, num_tokens: int) -> int:
         num_tokens = check_count("num_tokens", num_tokens)
-        if self.disable:
-            return 0
         freed: list[torch.Tensor] = []
         evicted = 0
         while evicted < num_tokens and self._leaf_heap:
@@ -223,7 +215,7 @@ class RadixCache(BasePrefixCache):
         return evicted
 
     def inc_lock_ref(self, node: TreeNode | None) -> int:
-        if self.disable or node is None:
+        if node is None:
             return 0
         delta = 0
         for path_node in self._path_to_root(node):
@@ -236,7 +228,7 @@ class RadixCache(BasePrefixCache):
         return delta
 
     def dec_lock_ref(self, node: TreeNode | None) -> int:
-        if self.disable or node is None:
+        if node is None:
             return 0
         path = self._path_to_root(node)
         if path and node.lock_ref <= 0:
@@ -268,13 +260,9 @@ class RadixCache(BasePrefixCache):
         return self.evictable_size_
 
     def protected_size(self) -> int:
-        if self.disable:
-            return self._no_share.protected_size()
         return self.protected_size_
 
     def total_size(self) -> int:
-        if self.disable:
-            return self._no_share.total_size()
         return sum(len(node.key) for node in self._iter_nodes())
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
@@ -304,9 +292,6 @@ class RadixCache(BasePrefixCache):
     # ---- requests ----
 
     def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
-        if self.disable:
-            self._no_share.cache_finished_req(req, is_insert)
-            return
         all_len = finished_kv_len(req)
         token_ids = (list(req.origin_input_ids) + list(req.output_ids))[:all_len]
         kv = req_kv_indices(self.req_to_token_pool, req, all_len)
@@ -323,9 +308,6 @@ class RadixCache(BasePrefixCache):
         self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: CacheReq) -> None:
-        if self.disable:
-            self._no_share.cache_unfinished_req(req)
-            return
         token_ids = list(req.fill_ids)
         kv = req_kv_indices(self.req_to_token_pool, req, len(token_ids))
         aligned = len(token_ids) // self.page_size * self.page_size
@@ -340,7 +322,6 @@ class RadixCache(BasePrefixCache):
             )
         # Point the row at the tree's slots: the duplicates freed above may be handed out again.
         self.req_to_token_pool.write((req.req_pool_idx, slice(owned, aligned)), new_indices[owned:])
-        req.last_matched_prefix_len = aligned
         self.dec_lock_ref(req.last_node)
         self.inc_lock_ref(new_last_node)
         if self.page_size > 1:
