@@ -12,6 +12,7 @@ place of the one loaded at import.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -44,6 +45,27 @@ def native_level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         pytest.skip(f"the {level} build is missing (test_every_level_this_cpu_runs_is_built says so)")
     monkeypatch.setattr(ops, "_native", module)
     return level
+
+
+def _binding_parameters(kernel) -> list[tuple[str, str | None]]:
+    """(name, default) of a pybind11 function, from its signature line `name(a: T, b: T = 0) -> R`."""
+    inside = kernel.__doc__.splitlines()[0].split("(", 1)[1].rsplit(")", 1)[0]
+    params = []
+    for part in inside.split(", "):
+        name, _, rest = part.partition(": ")
+        params.append((name, rest.split(" = ")[1] if " = " in rest else None))
+    return params
+
+
+@needs_native
+@pytest.mark.parametrize("name", sorted(ops.OPS))
+def test_each_kernel_takes_the_parameters_of_its_reference(name: str) -> None:
+    """One declaration drives both paths: an op passes its arguments, keywords included, to the
+    kernel or to the reference as they come."""
+    reference = inspect.signature(ops.OPS[name]).parameters.values()
+    expected = [(p.name, None if p.default is p.empty else repr(p.default)) for p in reference]
+    assert _binding_parameters(getattr(ops.require_native(), name)) == expected
+    assert inspect.signature(getattr(ops, name)) == inspect.signature(ops.OPS[name])
 
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2}}
@@ -493,7 +515,7 @@ def test_references_window_and_cap_match_explicit_softmax() -> None:
     pool = (batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
     window, cap = 4, 1.5
     out = ops.extend_attention_reference(q, *pool, ext, start, 0.3, window, cap)
-    out_d = ops.decode_attention_reference(qd, *pool, 0.3, window, cap)
+    out_d = ops.decode_attention_reference(qd, *pool, 0.3, window_left=window, logit_cap=cap)
 
     def explicit(qv: torch.Tensor, row: int, visible: int, head: int) -> torch.Tensor:
         slots = batch.req_to_token[row, max(0, visible - 1 - window) : visible].long()
@@ -531,10 +553,10 @@ def test_window_and_cap_match_reference(dtype: torch.dtype, group: int, window_l
         ops.extend_attention(q, *pool, ext, start, 0.125, *extra).float(), expected.float(), **TOL[dtype]
     )
     qd = torch.randn(7, 2 * group, 64, generator=gen).to(dtype)
-    expected = ops.decode_attention_reference(qd, *pool, 0.125, *extra)
+    expected = ops.decode_attention_reference(qd, *pool, 0.125, window_left=window_left, logit_cap=logit_cap)
     for splits in (0, 1, 3, 7):
         out = ops.decode_attention(qd, *pool, 0.125, splits, *extra)
         torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype], msg=f"splits={splits}")
     if window_left >= 0:  # the window matters on these lengths
-        whole = ops.decode_attention_reference(qd, *pool, 0.125, -1, logit_cap)
+        whole = ops.decode_attention_reference(qd, *pool, 0.125, logit_cap=logit_cap)
         assert not torch.allclose(whole.float(), expected.float(), atol=1e-2)

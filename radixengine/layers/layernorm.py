@@ -41,11 +41,7 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
-        # Half precision: normalise in fp32, scale in the model dtype, as HF does.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.variance_epsilon)
-        return self.weight * normed.to(x.dtype)
+        return native_cpu_ops.rms_norm_reference(x, self.weight, self.variance_epsilon)
 
     def _native_norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:

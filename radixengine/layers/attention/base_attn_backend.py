@@ -16,6 +16,7 @@ request's whole KV (`seq_lens` includes the new token).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +68,49 @@ class AttentionBackend(ABC):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor: ...
+
+
+def split_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as `[num_tokens, heads, head_dim]`."""
+    return (
+        q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+        k.view(-1, layer.tp_k_head_num, layer.qk_head_dim),
+        v.view(-1, layer.tp_v_head_num, layer.v_head_dim),
+    )
+
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def paged_kernel_args(
+    qkv: QKV, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool
+) -> tuple[torch.Tensor, ...]:
+    """The leading arguments of a kernel that reads the KV pool in place through `req_to_token`
+    (native CPU, Triton): q `[num_tokens, heads, head_dim]`, the layer's K and V buffers,
+    `req_to_token`, `req_pool_indices`, `seq_lens`. The new tokens' K/V are written first."""
+    q, k, v = split_heads(*qkv, layer)
+    if save_kv_cache:
+        save_kv(k, v, layer, forward_batch)
+    k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    fb = forward_batch
+    return q, k_buf, v_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens
+
+
+def paged_decode(
+    kernel: Callable[..., torch.Tensor],
+    qkv: QKV,
+    layer: RadixAttention,
+    forward_batch: ForwardBatch,
+    save: bool,
+) -> torch.Tensor:
+    """DECODE through a paged decode kernel (`native_cpu_ops.decode_attention`, the Triton
+    `decode_attention`) called as `kernel(q, k_buffer, v_buffer, req_to_token, req_pool_indices,
+    seq_lens, scale, window_left=..., logit_cap=...)`: the one body of both backends' DECODE."""
+    args = paged_kernel_args(qkv, layer, forward_batch, save)
+    out = kernel(*args, layer.scaling, window_left=layer.sliding_window_size, logit_cap=layer.logit_cap)
+    return out.reshape(args[0].shape[0], -1)
 
 
 def save_kv(k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixengine.layers.attention import native_cpu_ops
-from radixengine.layers.attention.base_attn_backend import AttentionBackend, save_kv
-from radixengine.layers.attention.torch_native_backend import _heads
+from radixengine.layers.attention.base_attn_backend import AttentionBackend, paged_decode, paged_kernel_args
 
 if TYPE_CHECKING:
     from radixengine.model_executor.forward_batch_info import ForwardBatch
@@ -36,39 +35,16 @@ class NativeCpuAttnBackend(AttentionBackend):
         pass
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
-        q, k, v = _heads(q, k, v, layer)
-        if save_kv_cache:
-            save_kv(k, v, layer, forward_batch)
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        args = paged_kernel_args((q, k, v), layer, forward_batch, save_kv_cache)
         out = native_cpu_ops.extend_attention(
-            q,
-            k_buf,
-            v_buf,
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
+            *args,
             forward_batch.extend_seq_lens,
             forward_batch.extend_start_loc,
             layer.scaling,
             layer.sliding_window_size,
             layer.logit_cap,
         )
-        return out.reshape(q.shape[0], -1)
+        return out.reshape(args[0].shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
-        q, k, v = _heads(q, k, v, layer)
-        if save_kv_cache:
-            save_kv(k, v, layer, forward_batch)
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        out = native_cpu_ops.decode_attention(
-            q,
-            k_buf,
-            v_buf,
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            layer.scaling,
-            window_left=layer.sliding_window_size,
-            logit_cap=layer.logit_cap,
-        )
-        return out.reshape(q.shape[0], -1)
+        return paged_decode(native_cpu_ops.decode_attention, (q, k, v), layer, forward_batch, save_kv_cache)

@@ -26,11 +26,14 @@ says which. Set ``RADIXENGINE_JIT_BUILD=1`` to compile that level on import with
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import ParamSpec, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +52,10 @@ __all__ = [
     "native_available",
     "native_isa",
     "native_level",
+    "native_module_with",
     "load_native_level",
     "native_supports",
+    "native_op",
     "native_unavailable_reason",
     "require_native",
     "rms_norm",
@@ -63,6 +68,8 @@ __all__ = [
     "silu_and_mul_reference",
 ]
 
+P = ParamSpec("P")
+R = TypeVar("R")
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -148,6 +155,12 @@ def require_native() -> ModuleType:
     return _native
 
 
+def native_module_with(kernel: str) -> ModuleType | None:
+    """The native extension module when it is loaded and has `kernel` (a module built before
+    that kernel existed has not); else None."""
+    return _native if _native is not None and hasattr(_native, kernel) else None
+
+
 def native_isa() -> str | None:
     """The vector code path the loaded module was compiled with ("avx512", "avx2", "portable")."""
     return _native.isa() if _native is not None else None
@@ -209,9 +222,17 @@ def decode_attention_reference(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    num_kv_splits: int = 0,
     window_left: int = -1,
     logit_cap: float = 0.0,
 ) -> torch.Tensor:
+    """Attention of one new token per request over positions 0..seq_lens[i]-1 of its row (with
+    `window_left` >= 0, only its last `window_left + 1`); `logit_cap` > 0 soft-caps the scores.
+
+    q [bs, H, D]; k_buffer / v_buffer [num_slots, Hkv, D] (H % Hkv == 0); req_to_token int32
+    [max_reqs, max_context_len]; req_pool_indices, seq_lens int64 [bs]. Returns [bs, H, D] in
+    q's dtype. ``num_kv_splits`` > 0 forces that many KV splits (native only; 0 = automatic).
+    """
     out = torch.zeros_like(q)
     for i, (row, length) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
         if length == 0:
@@ -236,6 +257,14 @@ def extend_attention_reference(
     window_left: int = -1,
     logit_cap: float = 0.0,
 ) -> torch.Tensor:
+    """Causal attention of the new tokens of each request over its cached prefix and themselves.
+
+    q [T, H, D] holds request i's new tokens at rows extend_start_loc[i] ..
+    + extend_seq_lens[i]; its token j (absolute position seq_lens[i] - extend_seq_lens[i] + j)
+    attends over positions 0..that position, all read through the pool (the new tokens' K/V
+    already written). With `window_left` >= 0 it sees only positions from that position minus
+    `window_left`; `logit_cap` > 0 soft-caps the scores. Returns [T, H, D] in q's dtype.
+    """
     out = torch.zeros_like(q)
     for row, length, ext, start in zip(
         req_pool_indices.tolist(), seq_lens.tolist(), extend_seq_lens.tolist(), extend_start_loc.tolist()
@@ -259,13 +288,16 @@ def extend_attention_reference(
 def set_kv_buffer_reference(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
+    """k_buffer[loc] = k and v_buffer[loc] = v, in place (loc int64 [T], k/v [T, Hkv, D])."""
     k_buffer.index_copy_(0, loc, k.to(k_buffer.dtype))
     v_buffer.index_copy_(0, loc, v.to(v_buffer.dtype))
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [tokens, hidden] rows, scaled by weight [hidden] (same dtype as x)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # Half precision: normalise in fp32, scale in the model dtype, as HF does.
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return weight * normed.to(x.dtype)
 
@@ -273,11 +305,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def fused_add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> None:
+    """In place: residual = x + residual, then x = rms_norm(residual, weight, eps)."""
     residual.add_(x)
     x.copy_(rms_norm_reference(residual, weight, eps))
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :d]) * x[:, d:] for x [tokens, 2d] (the gated MLP's activation)."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
 
@@ -285,6 +319,10 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 def rotary_embedding_reference(
     positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
 ) -> None:
+    """Neox-style rotary embedding of x [tokens, heads, head_dim] in place (x may be a strided view).
+
+    cos_sin_cache [max_position, rotary_dim] holds cos | sin halves (x's dtype); positions int64 [tokens].
+    """
     cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
     half = rotary_dim // 2
     x1, x2 = x[..., :half], x[..., half:rotary_dim]
@@ -293,123 +331,32 @@ def rotary_embedding_reference(
 
 
 # ----------------------------------------------------------------------------------------------
-# Ops: native when built, else the reference
+# Ops: native when built, else the reference. Each op is declared once, by its reference: the
+# kernel of the same name takes the same parameters (radixengine/csrc/cpu_bindings.cpp).
+
+OPS: dict[str, Callable] = {}  # op name -> its reference
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_kv_splits: int = 0,
-    window_left: int = -1,
-    logit_cap: float = 0.0,
-) -> torch.Tensor:
-    """Attention of one new token per request over positions 0..seq_lens[i]-1 of its row (with
-    `window_left` >= 0, only its last `window_left + 1`); `logit_cap` > 0 soft-caps the scores.
+def native_op(reference: Callable[P, R]) -> Callable[P, R]:
+    """The op `reference` declares (its name without ``_reference``): the native kernel of that
+    name when the extension is built, else `reference`, with the arguments as they are given."""
+    name = reference.__name__.removesuffix("_reference")
+    OPS[name] = reference
 
-    q [bs, H, D]; k_buffer / v_buffer [num_slots, Hkv, D] (H % Hkv == 0); req_to_token int32
-    [max_reqs, max_context_len]; req_pool_indices, seq_lens int64 [bs]. Returns [bs, H, D] in
-    q's dtype. ``num_kv_splits`` > 0 forces that many KV splits (native only; 0 = automatic).
-    """
-    if _native is None:
-        return decode_attention_reference(
-            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, scale, window_left, logit_cap
-        )
-    return _native.decode_attention(
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        scale,
-        num_kv_splits,
-        window_left,
-        logit_cap,
-    )
+    def op(*args: P.args, **kwargs: P.kwargs) -> R:
+        if _native is None:
+            return reference(*args, **kwargs)
+        return getattr(_native, name)(*args, **kwargs)
+
+    functools.update_wrapper(op, reference)
+    op.__name__ = op.__qualname__ = name
+    return op
 
 
-def extend_attention(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    scale: float,
-    window_left: int = -1,
-    logit_cap: float = 0.0,
-) -> torch.Tensor:
-    """Causal attention of the new tokens of each request over its cached prefix and themselves.
-
-    q [T, H, D] holds request i's new tokens at rows extend_start_loc[i] ..
-    + extend_seq_lens[i]; its token j (absolute position seq_lens[i] - extend_seq_lens[i] + j)
-    attends over positions 0..that position, all read through the pool (the new tokens' K/V
-    already written). With `window_left` >= 0 it sees only positions from that position minus
-    `window_left`; `logit_cap` > 0 soft-caps the scores. Returns [T, H, D] in q's dtype.
-    """
-    fn = _native.extend_attention if _native is not None else extend_attention_reference
-    return fn(
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        extend_seq_lens,
-        extend_start_loc,
-        scale,
-        window_left,
-        logit_cap,
-    )
-
-
-def set_kv_buffer(
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """k_buffer[loc] = k and v_buffer[loc] = v, in place (loc int64 [T], k/v [T, Hkv, D])."""
-    if _native is None:
-        set_kv_buffer_reference(k_buffer, v_buffer, loc, k, v)
-    else:
-        _native.set_kv_buffer(k_buffer, v_buffer, loc, k, v)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [tokens, hidden] rows, scaled by weight [hidden] (same dtype as x)."""
-    if _native is None:
-        return rms_norm_reference(x, weight, eps)
-    return _native.rms_norm(x, weight, eps)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[:, :d]) * x[:, d:] for x [tokens, 2d] (the gated MLP's activation)."""
-    if _native is None:
-        return silu_and_mul_reference(x)
-    return _native.silu_and_mul(x)
-
-
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place: residual = x + residual, then x = rms_norm(residual, weight, eps)."""
-    if _native is None:
-        fused_add_rms_norm_reference(x, residual, weight, eps)
-    else:
-        _native.fused_add_rms_norm(x, residual, weight, eps)
-
-
-def rotary_embedding(
-    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, rotary_dim: int
-) -> None:
-    """Neox-style rotary embedding of x [tokens, heads, head_dim] in place (x may be a strided view).
-
-    cos_sin_cache [max_position, rotary_dim] holds cos | sin halves (x's dtype); positions int64 [tokens].
-    """
-    if _native is None:
-        rotary_embedding_reference(positions, x, cos_sin_cache, rotary_dim)
-    else:
-        _native.rotary_embedding(positions, x, cos_sin_cache, rotary_dim)
+decode_attention = native_op(decode_attention_reference)
+extend_attention = native_op(extend_attention_reference)
+set_kv_buffer = native_op(set_kv_buffer_reference)
+rms_norm = native_op(rms_norm_reference)
+fused_add_rms_norm = native_op(fused_add_rms_norm_reference)
+silu_and_mul = native_op(silu_and_mul_reference)
+rotary_embedding = native_op(rotary_embedding_reference)

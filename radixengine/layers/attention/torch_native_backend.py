@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixengine.layers.attention.base_attn_backend import AttentionBackend, save_kv
+from radixengine.layers.attention.base_attn_backend import AttentionBackend, save_kv, split_heads
 
 if TYPE_CHECKING:
     from radixengine.layers.radix_attention import RadixAttention
@@ -86,7 +86,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         return max(1, self.decode_chunk_bytes // (k_buf[0].numel() * k_buf.element_size()))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
-        q, k, v = _heads(q, k, v, layer)
+        q, k, v = split_heads(q, k, v, layer)
         if save_kv_cache:
             save_kv(k, v, layer, forward_batch)
         out = torch.empty_like(q)
@@ -104,7 +104,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out.reshape(q.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
-        q, k, v = _heads(q, k, v, layer)
+        q, k, v = split_heads(q, k, v, layer)
         if save_kv_cache:
             save_kv(k, v, layer, forward_batch)
         bs, num_kv, dim = q.shape[0], layer.tp_k_head_num, layer.qk_head_dim
@@ -146,14 +146,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         torch.index_select(k_rows, 0, rows, out=ks)
         torch.index_select(v_rows, 0, rows, out=vs)
         return ks, vs
-
-
-def _heads(q, k, v, layer: RadixAttention):
-    return (
-        q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
-        k.view(-1, layer.tp_k_head_num, layer.qk_head_dim),
-        v.view(-1, layer.tp_v_head_num, layer.v_head_dim),
-    )
 
 
 def _sdpa(q, k, v, mask, scale, logit_cap: float = 0.0) -> torch.Tensor:

@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from radixengine.layers.attention.base_attn_backend import save_kv
-from radixengine.layers.attention.torch_native_backend import TorchNativeAttnBackend, _heads
+from radixengine.layers.attention.base_attn_backend import paged_decode
+from radixengine.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 
 class TritonAttnBackend(TorchNativeAttnBackend):
@@ -20,7 +22,7 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         super().__init__(model_runner)
         from radixengine.layers.triton_ops.decode_attention import decode_attention
 
-        self._decode_attention = decode_attention
+        self._decode_attention = functools.partial(decode_attention, num_splits=self.num_kv_splits)
 
     def init_forward_metadata(self, forward_batch) -> None:
         if forward_batch.forward_mode.is_decode():
@@ -28,20 +30,4 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         super().init_forward_metadata(forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
-        q, k, v = _heads(q, k, v, layer)
-        if save_kv_cache:
-            save_kv(k, v, layer, forward_batch)
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        out = self._decode_attention(
-            q,
-            k_buf,
-            v_buf,
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            layer.scaling,
-            num_splits=self.num_kv_splits,
-            window_left=layer.sliding_window_size,
-            logit_cap=layer.logit_cap,
-        )
-        return out.view(q.shape[0], -1)
+        return paged_decode(self._decode_attention, (q, k, v), layer, forward_batch, save_kv_cache)
