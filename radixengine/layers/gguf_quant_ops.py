@@ -30,7 +30,6 @@ fp32 summation order. Without the native extension it falls back to the referenc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -94,14 +93,7 @@ QTYPE_NAMES = {qtype: f.name for qtype, f in FORMATS.items()}
 GGML_TYPES = {f.name: qtype for qtype, f in FORMATS.items()}
 
 
-def _native_quant_module() -> ModuleType | None:
-    if not native_cpu_ops.native_available():
-        return None
-    module = native_cpu_ops.require_native()
-    return module if hasattr(module, "quant_linear") else None  # built before the kernel existed
-
-
-_native = _native_quant_module()
+_native = native_cpu_ops.native_module_with("quant_linear")
 
 
 def quant_native_available() -> bool:

@@ -18,7 +18,6 @@ bincount) and computes each expert's group of rows at once:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -45,14 +44,7 @@ NATIVE_COLUMN_MULTIPLE = 16
 _act = SiluAndMul()
 
 
-def _native_moe_module() -> ModuleType | None:
-    if not native_cpu_ops.native_available():
-        return None
-    module = native_cpu_ops.require_native()
-    return module if hasattr(module, "moe_grouped_linear") else None  # built before the kernel existed
-
-
-_native = _native_moe_module()
+_native = native_cpu_ops.native_module_with("moe_grouped_linear")
 
 
 def moe_native_available() -> bool:

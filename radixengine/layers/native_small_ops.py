@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "RADIXENGINE_NATIVE_OPS"
 
-_switched_on: bool = os.environ.get(ENV_VAR, "1") != "0"
-_active: bool = _switched_on and native_cpu_ops.native_available()
+_switched_on: bool = False
+_active: bool = False
 
 
 def native_small_ops_enabled() -> bool:
@@ -41,6 +41,9 @@ def set_native_small_ops(enabled: bool) -> bool:
     _switched_on = enabled
     _active = enabled and native_cpu_ops.native_available()
     return previous
+
+
+set_native_small_ops(os.environ.get(ENV_VAR, "1") != "0")
 
 
 @contextmanager
