@@ -22,7 +22,8 @@ from radixengine.entrypoints.openai_protocol import (
     now,
 )
 from radixengine.managers.io_struct import GenerateReqInput
-from radixengine.managers.tokenizer_manager import RequestError, TokenizerManager, abort_to_error, is_abort
+from radixengine.managers.request_errors import RequestError, abort_to_error, is_abort
+from radixengine.managers.tokenizer_manager import TokenizerManager
 
 MAX_LOGPROBS = 20
 

@@ -31,6 +31,7 @@ from radixengine.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
 )
+from radixengine.managers.request_errors import EngineDeadError, RequestError, abort_to_error, is_abort
 from radixengine.managers.request_logger import RequestLogger
 from radixengine.managers.scheduler_process import WATCHDOG_EXIT_CODE
 from radixengine.sampling.sampling_params import SamplingParams
@@ -40,41 +41,20 @@ logger = logging.getLogger(__name__)
 WATCHDOG_INTERVAL = 0.2
 
 
-class RequestError(Exception):
-    """A request the engine refused or aborted (bad input, full queue, ...), with its HTTP status."""
-
-    def __init__(
-        self, message: str, status_code: int = 400, param: str | None = None, err_type: str | None = None
-    ):
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.param = param
-        self.err_type = err_type or ("BadRequestError" if status_code < 500 else "ServiceUnavailableError")
-
-
-class EngineDeadError(RuntimeError):
-    """A child process of the engine died; the engine cannot serve any more requests."""
-
-
 def load_tokenizer(server_args):
     from radixengine.model_loader import get_tokenizer
 
     return get_tokenizer(server_args.model_path, server_args.revision, server_args.tokenizer_path)
 
 
-def is_abort(out: dict) -> bool:
-    reason = out["meta_info"].get("finish_reason")
-    return bool(reason) and reason.get("type") == "abort"
-
-
-def abort_to_error(out: dict) -> RequestError:
-    reason = out["meta_info"]["finish_reason"]
-    return RequestError(
-        reason.get("message", "request aborted"),
-        reason.get("status_code", 400),
-        err_type=reason.get("err_type"),
-    )
+async def collect(tm: TokenizerManager, obj: GenerateReqInput) -> dict:
+    """The request's final output; a RequestError if it was refused or aborted."""
+    out = None
+    async for chunk in tm.generate_request(obj):
+        out = chunk
+    if out is None or is_abort(out):
+        raise abort_to_error(out) if out is not None else RequestError("no output", 500)
+    return out
 
 
 @dataclass
@@ -339,9 +319,7 @@ class TokenizerManager:
             raise RequestError(error, param=param or kind)
 
     def tokenize_prompt(self, obj: GenerateReqInput) -> tuple[str | None, list[int], str]:
-        given = [name for name in ("text", "input_ids", "messages") if getattr(obj, name) is not None]
-        if len(given) != 1:
-            raise RequestError("give exactly one of text, input_ids or messages", param="text")
+        obj.prompt_field()
         if obj.messages is not None:
             text = self.apply_chat_template(
                 obj.messages, obj.chat_template_kwargs, obj.continue_final_message, obj.tools

@@ -1,8 +1,10 @@
-"""What the server is and how loaded it is, in SGLang's shapes (what sglang-router,
-bench_serving and the OpenAI clients read): /model_info, /server_info, /v1/models, /v1/loads."""
+"""Operating the server: liveness (/health, /health_generate), Prometheus /metrics, and what the
+server is and how loaded it is in SGLang's shapes (what sglang-router and bench_serving read):
+/model_info, /server_info, /v1/loads, /get_load."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -14,14 +16,50 @@ from fastapi.responses import JSONResponse, Response
 
 from radixengine import __version__
 from radixengine.entrypoints.http_errors import error_response
-from radixengine.entrypoints.openai_protocol import ModelCard, ModelList
-from radixengine.managers.tokenizer_manager import TokenizerManager
+from radixengine.managers.io_struct import GenerateReqInput
+from radixengine.managers.request_errors import EngineDeadError, RequestError
+from radixengine.managers.tokenizer_manager import TokenizerManager, collect
 
 router = APIRouter()
 
 
 def _tm(request: Request) -> TokenizerManager:
     return request.app.state.tokenizer_manager
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    tm = _tm(request)
+    if tm.dead_error is not None:
+        return error_response(tm.dead_error, 503)
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    obj = GenerateReqInput(
+        input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, log_metrics=False
+    )
+    try:
+        await asyncio.wait_for(collect(_tm(request), obj), timeout=60)
+    except (RequestError, EngineDeadError, asyncio.TimeoutError) as e:
+        return error_response(f"health check failed: {e}", 503)
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    tm = _tm(request)
+    if tm.metrics is None:
+        return error_response("metrics are disabled (--enable-metrics is off)", 404)
+    try:
+        state = await tm.get_internal_state()
+    except (asyncio.TimeoutError, EngineDeadError):
+        state = None
+    return Response(tm.metrics.render(state), media_type=PROMETHEUS_TEXT)
+
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @router.get("/model_info")
@@ -77,23 +115,6 @@ async def server_info(request: Request) -> dict:
     return info
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict:
-    return ModelList(data=[_card(_tm(request))]).model_dump()
-
-
-@router.get("/v1/models/{model:path}")
-async def retrieve_model(request: Request, model: str) -> Response:
-    tm = _tm(request)
-    if model != tm.served_model_name:
-        return error_response(f"The model {model!r} does not exist", 404, param="model")
-    return JSONResponse(_card(tm).model_dump())
-
-
-def _card(tm: TokenizerManager) -> ModelCard:
-    return ModelCard(id=tm.served_model_name, root=tm.served_model_name, max_model_len=tm.context_len)
-
-
 @router.get("/v1/loads")
 async def loads(request: Request, include: str | None = None, format: str | None = None) -> Response:
     """SGLang's load snapshot (one rank; `include` takes core or all: this engine has no other
@@ -109,7 +130,7 @@ async def loads(request: Request, include: str | None = None, format: str | None
             for k, v in load.items()
             if k != "dp_rank"
         ]
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response("\n".join(lines) + "\n", media_type=PROMETHEUS_TEXT)
     aggregate = {
         "total_running_reqs": load["num_running_reqs"],
         "total_waiting_reqs": load["num_waiting_reqs"],
