@@ -28,7 +28,8 @@ from typing import Any
 
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import EngineDeadError, RequestError, abort_to_error, is_abort
-from radixengine.managers.tokenizer_manager import TokenizerManager, collect, load_tokenizer
+from radixengine.managers.served_model import load_tokenizer
+from radixengine.managers.tokenizer_manager import TokenizerManager, collect
 from radixengine.server_args import ServerArgs
 from radixengine.utils.network import PortArgs
 from radixengine.utils.process import make_ipc_dir, remove_ipc_dir, terminate_processes
@@ -369,7 +370,15 @@ class _StreamDelta:
 def _make_requests(args: dict) -> tuple[list[GenerateReqInput], bool]:
     """`generate`'s arguments (its locals) as requests, normalised (`prompt` is the `text`)."""
     fields = {("text" if name == "prompt" else name): value for name, value in args.items() if name != "self"}
-    objs, single = GenerateReqInput(**fields).normalize_batch_and_arguments()
+    try:
+        objs, single = GenerateReqInput(**fields).normalize_batch_and_arguments()
+    except RequestError as e:
+        raise ArgumentError(e.message, param=e.param) from None
     if fields["stream"] and not single:
-        raise RequestError("stream=True takes a single prompt with n == 1", param="stream")
+        raise ArgumentError("stream=True takes a single prompt with n == 1", param="stream")
     return objs, single
+
+
+class ArgumentError(RequestError, ValueError):
+    """generate's arguments are of a bad shape: a RequestError (400, the field named) that is also
+    the ValueError these have always been."""

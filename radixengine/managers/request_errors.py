@@ -4,9 +4,8 @@ and `EngineDeadError` (a child process died), and the abort finish reason read b
 from __future__ import annotations
 
 
-class RequestError(ValueError):
-    """A request the engine refused or aborted (bad input, full queue, ...), with its HTTP status.
-    A ValueError, so that the Engine's callers that catch bad arguments as ValueError still do."""
+class RequestError(Exception):
+    """A request the engine refused or aborted (bad input, full queue, ...), with its HTTP status."""
 
     def __init__(
         self, message: str, status_code: int = 400, param: str | None = None, err_type: str | None = None
