@@ -16,6 +16,7 @@ from radixengine.entrypoints.request_runner import (
     collect_all,
     merged_stream,
     sse_response,
+    tm_of,
     with_disconnect_abort,
 )
 from radixengine.managers.io_struct import GenerateReqInput
@@ -23,10 +24,6 @@ from radixengine.managers.request_errors import RequestError, abort_to_error, is
 from radixengine.managers.tokenizer_manager import TokenizerManager, collect
 
 router = APIRouter()
-
-
-def _tm(request: Request) -> TokenizerManager:
-    return request.app.state.tokenizer_manager
 
 
 # /generate ------------------------------------------------------------------------------------
@@ -42,7 +39,7 @@ NATIVE_COMPAT_FIELDS = {"model", "no_logs", "log_metrics"}
 
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request) -> Response:
-    tm = _tm(request)
+    tm = tm_of(request)
     objs, single = native_requests(await parse_json(request))
     if objs[0].stream:
         return await sse_response(request, _native_events(tm, objs, single), objs)
@@ -95,13 +92,13 @@ async def abort_request(request: Request) -> Response:
         raise RequestError("abort_all must be a boolean", param="abort_all")
     if not rid and not abort_all:
         raise RequestError("give a rid, or abort_all: true", param="rid")
-    _tm(request).abort_for_client(rid, abort_all)
+    tm_of(request).abort_for_client(rid, abort_all)
     return Response(status_code=200)
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
-    result = await _tm(request).flush_cache()
+    result = await tm_of(request).flush_cache()
     if not result.success:
         return error_response(result.message or "cannot flush the cache while requests run", 400)
     return PlainTextResponse("Cache flushed.\n")
@@ -118,7 +115,7 @@ TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "chat_te
 async def tokenize(request: Request) -> dict:
     """`{"prompt": str | [str]}` or `{"messages": [...]}` (read as chat reads them: text parts
     joined) -> `{"tokens", "count", "max_model_len"}`."""
-    tm = _tm(request)
+    tm = tm_of(request)
     body = read_fields(await parse_json(request), TOKENIZE_FIELDS, "/tokenize")
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
@@ -148,7 +145,7 @@ async def tokenize(request: Request) -> dict:
 @router.post("/v1/detokenize")
 async def detokenize(request: Request) -> dict:
     """`{"tokens": [int] | [[int]]}` -> `{"text": str | [str]}`."""
-    tm = _tm(request)
+    tm = tm_of(request)
     body = read_fields(await parse_json(request), ("model", "tokens", "skip_special_tokens"), "/detokenize")
     tokens = body.get("tokens")
     skip = _bool(body, "skip_special_tokens", True)

@@ -21,16 +21,13 @@ from radixengine.entrypoints.request_runner import (
     collect_all,
     merged_stream,
     sse_response,
+    tm_of,
     with_disconnect_abort,
 )
 from radixengine.managers.request_errors import RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
-
-
-def _tm(request: Request) -> TokenizerManager:
-    return request.app.state.tokenizer_manager
 
 
 @router.post("/v1/completions")
@@ -41,7 +38,7 @@ async def completions(request: Request) -> Response:
 
 
 async def _completions(request: Request, req: CompletionRequest) -> Response:
-    tm = _tm(request)
+    tm = tm_of(request)
     _fill_defaults(tm, req)
     objs, prompts = oai.completion_requests(tm, req)
     if req.stream:
@@ -63,7 +60,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
-    tm = _tm(request)
+    tm = tm_of(request)
     _fill_defaults(tm, req)
     oai.apply_sampling_defaults(req, tm.default_sampling_params)
     objs = oai.chat_requests(tm, req)
@@ -102,12 +99,12 @@ def openai_params(prompt_param: str, max_tokens_param: str):
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    return ModelList(data=[_card(_tm(request))]).model_dump()
+    return ModelList(data=[_card(tm_of(request))]).model_dump()
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str) -> Response:
-    tm = _tm(request)
+    tm = tm_of(request)
     if model != tm.served_model_name:
         return error_response(f"The model {model!r} does not exist", 404, param="model")
     return JSONResponse(_card(tm).model_dump())

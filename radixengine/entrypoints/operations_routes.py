@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixengine import __version__
 from radixengine.entrypoints.http_errors import error_response
+from radixengine.entrypoints.request_runner import tm_of
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import EngineDeadError, RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager, collect
@@ -23,13 +24,9 @@ from radixengine.managers.tokenizer_manager import TokenizerManager, collect
 router = APIRouter()
 
 
-def _tm(request: Request) -> TokenizerManager:
-    return request.app.state.tokenizer_manager
-
-
 @router.get("/health")
 async def health(request: Request) -> Response:
-    tm = _tm(request)
+    tm = tm_of(request)
     if tm.dead_error is not None:
         return error_response(tm.dead_error, 503)
     return Response(status_code=200)
@@ -41,7 +38,7 @@ async def health_generate(request: Request) -> Response:
         input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, log_metrics=False
     )
     try:
-        await asyncio.wait_for(collect(_tm(request), obj), timeout=60)
+        await asyncio.wait_for(collect(tm_of(request), obj), timeout=60)
     except (RequestError, EngineDeadError, asyncio.TimeoutError) as e:
         return error_response(f"health check failed: {e}", 503)
     return Response(status_code=200)
@@ -49,7 +46,7 @@ async def health_generate(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    tm = _tm(request)
+    tm = tm_of(request)
     if tm.metrics is None:
         return error_response("metrics are disabled (--enable-metrics is off)", 404)
     try:
@@ -65,7 +62,7 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 @router.get("/model_info")
 @router.get("/get_model_info")
 async def model_info(request: Request) -> dict:
-    tm = _tm(request)
+    tm = tm_of(request)
     config = _hf_config(tm)
     return {
         "model_path": tm.model_path,
@@ -95,7 +92,7 @@ def _hf_config(tm: TokenizerManager) -> dict:
 async def server_info(request: Request) -> dict:
     """The flags, the worker's limits and the scheduler's state: flat (as before) and as
     SGLang's `internal_states` list."""
-    tm = _tm(request)
+    tm = tm_of(request)
     state = await tm.get_internal_state()
     info = dataclasses.asdict(tm.server_args)
     info.update(
@@ -123,7 +120,7 @@ async def loads(request: Request, include: str | None = None, format: str | None
     if not sections <= {"core", "all"}:
         bad = sorted(sections - {"core", "all"})
         return error_response(f"include: unknown section(s) {bad}; valid: core, all", 400, param="include")
-    load = await _load(_tm(request))
+    load = await _load(tm_of(request))
     if format == "prometheus":
         lines = [
             f'# TYPE sglang_{k} gauge\nsglang_{k}{{dp_rank="0"}} {v}'
@@ -144,7 +141,7 @@ async def loads(request: Request, include: str | None = None, format: str | None
 @router.get("/get_load")
 async def get_load(request: Request) -> list[dict]:
     """SGLang's older load shape, one entry per rank."""
-    load = await _load(_tm(request))
+    load = await _load(tm_of(request))
     return [
         {
             "dp_rank": 0,

@@ -19,6 +19,11 @@ from radixengine.managers.tokenizer_manager import TokenizerManager, collect
 logger = logging.getLogger(__name__)
 
 
+def tm_of(request: Request) -> TokenizerManager:
+    """The app's TokenizerManager (create_app puts it in the app's state)."""
+    return request.app.state.tokenizer_manager
+
+
 async def collect_all(tm: TokenizerManager, objs: list[GenerateReqInput]) -> list[dict]:
     """All requests' final outputs; the first failure (or a cancel) aborts the others, and
     returns once their aborts are sent."""

@@ -25,10 +25,10 @@ class RequestLimits:
     max_req_len: int | None = None  # prompt + max_new_tokens, at most
 
     @classmethod
-    def from_scheduler_info(cls, info: dict, tokenizer_size: int) -> RequestLimits:
+    def from_scheduler_info(cls, info: dict, tokenizer) -> RequestLimits:
         context_len = info.get("context_len")
         return cls(
-            vocab_size=info.get("vocab_size") or tokenizer_size,
+            vocab_size=info.get("vocab_size") or len(tokenizer),
             context_len=context_len,
             max_req_input_len=info.get("max_req_input_len"),
             max_req_len=info.get("max_req_len") or context_len,

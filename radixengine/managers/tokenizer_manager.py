@@ -57,7 +57,7 @@ class TokenizerManager:
         if server_args.chat_template:
             self.tokenizer.chat_template = load_chat_template(server_args.chat_template)
         self.init_model_info(ServedModel.from_server_args(server_args))
-        limits = RequestLimits.from_scheduler_info(self.scheduler_info, len(self.tokenizer))
+        limits = RequestLimits.from_scheduler_info(self.scheduler_info, self.tokenizer)
         self.context_len: int | None = limits.context_len
         self.vocab_size: int = limits.vocab_size
         self.validator = RequestValidator(self.tokenizer, limits, server_args.grammar_backend)
@@ -198,14 +198,9 @@ class TokenizerManager:
         obj.rid = rid
         return tokenized
 
-    def apply_chat_template(
-        self,
-        messages: list[dict],
-        kwargs: dict | None = None,
-        continue_final_message: bool = False,
-        tools: list[dict] | None = None,
-    ) -> str:
-        return self.validator.apply_chat_template(messages, kwargs, continue_final_message, tools)
+    def apply_chat_template(self, messages: list[dict], *args, **kwargs) -> str:
+        """RequestValidator.apply_chat_template."""
+        return self.validator.apply_chat_template(messages, *args, **kwargs)
 
     def check_grammar(self, kind: str, text: str, param: str | None = None) -> None:
         self.validator.check_grammar(kind, text, param)
