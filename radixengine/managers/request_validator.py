@@ -115,11 +115,6 @@ class RequestValidator:
         ids = obj.input_ids
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise RequestError("input_ids must be a list of integers", param="input_ids")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"input_ids must be in [0, {self.vocab_size}); got {bad[0]}", param="input_ids"
-            )
         return None, list(ids), "input_ids"
 
     def apply_chat_template(
@@ -156,22 +151,26 @@ class RequestValidator:
             raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
 
     def validate_input_ids(self, input_ids: list[int], sampling_params: SamplingParams, param: str) -> None:
-        n = len(input_ids)
+        """The prompt's ids in the vocabulary (a tokenizer may know more tokens than the model), its
+        length against the context, and room for max_new_tokens."""
+        n, limits = len(input_ids), self.limits
         if n == 0:
             raise RequestError("the prompt is empty", param=param)
-        if self.limits.max_req_input_len is not None and n >= self.limits.max_req_input_len:
+        bad = next((t for t in input_ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            name = "input_ids" if param == "input_ids" else "the prompt's token ids"
+            raise RequestError(f"{name} must be in [0, {limits.vocab_size}); got {bad}", param=param)
+        if limits.max_req_input_len is not None and n >= limits.max_req_input_len:
             raise RequestError(
-                f"the prompt is too long: {n} tokens, the maximum is {self.limits.max_req_input_len - 1}",
+                f"the prompt is too long: {n} tokens, the maximum is {limits.max_req_input_len - 1}",
                 param=param,
             )
-        if (
-            self.limits.max_req_len is not None
-            and n + sampling_params.max_new_tokens > self.limits.max_req_len
-        ):
+        max_new = sampling_params.max_new_tokens
+        if limits.max_req_len is not None and n + max_new > limits.max_req_len:
             raise RequestError(
-                f"the prompt ({n} tokens) plus max_new_tokens ({sampling_params.max_new_tokens}) exceeds "
-                f"the {self.limits.max_req_len} tokens a request may have (context length {self.limits.context_len})",
-                param="max_new_tokens" if n < self.limits.max_req_len else param,
+                f"the prompt ({n} tokens) plus max_new_tokens ({max_new}) exceeds the {limits.max_req_len} "
+                f"tokens a request may have (context length {limits.context_len})",
+                param="max_new_tokens" if n < limits.max_req_len else param,
             )
 
 
