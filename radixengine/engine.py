@@ -198,6 +198,9 @@ class Engine:
         """Generate for one prompt (a dict back; raises `RequestError` if refused) or a batch (a list
         of dicts in input order, one per prompt and per choice when n > 1; a refused one carries
         `"error"`). `stream=True` (one prompt) yields chunks with the new text and ids.
+        The arguments are normalised as HTTP /generate's body is (per-prompt lists, `n`, rid
+        suffixes: `GenerateReqInput.normalize_batch_and_arguments`); a bad shape raises
+        `ArgumentError` (a RequestError naming the field, and a ValueError).
         Logprobs as SGLang's: `return_logprob` puts `output_token_logprobs` (`(logprob, id, text)`
         per output token; text only with `return_text_in_logprobs`) and `input_token_logprobs`
         (the prompt's from `logprob_start_len`, -1 for none; the first one's logprob is None) in

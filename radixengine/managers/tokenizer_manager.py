@@ -1,10 +1,12 @@
 """TokenizerManager: the front end's side of the engine (main process, asyncio).
 
-It tokenizes a request (text, chat messages through the tokenizer's chat template, or input ids),
-validates it, sends it to the scheduler process and yields the detokenized outputs as they come
-back from the detokenizer process. A watchdog polls the child processes: if one dies, every
-pending request and every later one fails at once with an `EngineDeadError` naming it; closing
-the manager (`aclose`, on shutdown) fails the pending requests the same way."""
+It takes one request at a time (the front ends normalise their calls first, see
+`GenerateReqInput.normalize_batch_and_arguments`), has it tokenized and validated once
+(request_validator), sends it to the scheduler process and yields the detokenized outputs as they
+come back from the detokenizer process, gathered in the request's ReqState (req_state). A
+watchdog polls the child processes: if one dies, every pending request and every later one fails
+at once with an `EngineDeadError` naming it; closing the manager (`aclose`, on shutdown) fails
+the pending requests the same way."""
 
 from __future__ import annotations
 
