@@ -6,22 +6,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
 from radixengine.entrypoints.http_errors import error_response
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest
 from radixengine.entrypoints.openai_serving import chat_messages
 from radixengine.entrypoints.request_fields import parse_json, parse_model, read_fields
-from radixengine.entrypoints.request_runner import (
-    collect_all,
-    merged_stream,
-    sse_response,
-    tm_of,
-    with_disconnect_abort,
-)
+from radixengine.entrypoints.request_runner import serve_requests, tm_of
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import RequestError, abort_to_error, is_abort
-from radixengine.managers.tokenizer_manager import TokenizerManager, collect
 
 router = APIRouter()
 
@@ -39,15 +32,10 @@ NATIVE_COMPAT_FIELDS = {"model", "no_logs", "log_metrics"}
 
 @router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request) -> Response:
-    tm = tm_of(request)
     objs, single = native_requests(await parse_json(request))
-    if objs[0].stream:
-        return await sse_response(request, _native_events(tm, objs, single), objs)
-    if single:
-        result = await with_disconnect_abort(request, collect(tm, objs[0]), objs)
-    else:
-        result = await with_disconnect_abort(request, collect_all(tm, objs), objs)
-    return result if isinstance(result, Response) else JSONResponse(result)
+    return await serve_requests(
+        request, objs, lambda merged: _native_events(merged, single), lambda outs: outs[0] if single else outs
+    )
 
 
 def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
@@ -62,19 +50,16 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
     return GenerateReqInput(**fields).normalize_batch_and_arguments()
 
 
-async def _native_events(
-    tm: TokenizerManager, objs: list[GenerateReqInput], single: bool
-) -> AsyncIterator[dict]:
+async def _native_events(merged: AsyncIterator[tuple[int, dict]], single: bool) -> AsyncIterator[dict]:
     """A single request's outputs, or several requests' outputs as they come, each with the
     `index` of its request (SGLang's batch stream)."""
-    gen = merged_stream(tm, objs)
     try:
-        async for i, out in gen:
+        async for i, out in merged:
             if is_abort(out):
                 raise abort_to_error(out)
             yield out if single else {**out, "index": i}
     finally:
-        await gen.aclose()
+        await merged.aclose()
 
 
 # Control --------------------------------------------------------------------------------------

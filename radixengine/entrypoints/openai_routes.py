@@ -17,13 +17,7 @@ from radixengine.entrypoints.openai_protocol import (
     ModelList,
 )
 from radixengine.entrypoints.request_fields import parse_json, parse_model
-from radixengine.entrypoints.request_runner import (
-    collect_all,
-    merged_stream,
-    sse_response,
-    tm_of,
-    with_disconnect_abort,
-)
+from radixengine.entrypoints.request_runner import serve_requests, tm_of
 from radixengine.managers.request_errors import RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager
 
@@ -41,14 +35,12 @@ async def _completions(request: Request, req: CompletionRequest) -> Response:
     tm = tm_of(request)
     _fill_defaults(tm, req)
     objs, prompts = oai.completion_requests(tm, req)
-    if req.stream:
-        return await sse_response(
-            request, oai.completion_stream(tm, req, merged_stream(tm, objs), prompts), objs
-        )
-    outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
-    if isinstance(outs, Response):
-        return outs
-    return JSONResponse(oai.completion_response(tm, req, outs, prompts))
+    return await serve_requests(
+        request,
+        objs,
+        lambda merged: oai.completion_stream(tm, req, merged, prompts),
+        lambda outs: oai.completion_response(tm, req, outs, prompts),
+    )
 
 
 @router.post("/v1/chat/completions")
@@ -64,12 +56,12 @@ async def _chat_completions(request: Request, req: ChatCompletionRequest) -> Res
     _fill_defaults(tm, req)
     oai.apply_sampling_defaults(req, tm.default_sampling_params)
     objs = oai.chat_requests(tm, req)
-    if req.stream:
-        return await sse_response(request, oai.chat_stream(tm, req, merged_stream(tm, objs)), objs)
-    outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
-    if isinstance(outs, Response):
-        return outs
-    return JSONResponse(oai.chat_response(tm, req, outs))
+    return await serve_requests(
+        request,
+        objs,
+        lambda merged: oai.chat_stream(tm, req, merged),
+        lambda outs: oai.chat_response(tm, req, outs),
+    )
 
 
 def _fill_defaults(tm: TokenizerManager, req: CompletionRequest | ChatCompletionRequest) -> None:

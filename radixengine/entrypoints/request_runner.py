@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import EngineDeadError, RequestError
@@ -22,6 +22,22 @@ logger = logging.getLogger(__name__)
 def tm_of(request: Request) -> TokenizerManager:
     """The app's TokenizerManager (create_app puts it in the app's state)."""
     return request.app.state.tokenizer_manager
+
+
+async def serve_requests(
+    request: Request,
+    objs: list[GenerateReqInput],
+    events: Callable[[AsyncIterator[tuple[int, dict]]], AsyncIterator[dict]],
+    answer: Callable[[list[dict]], object],
+) -> Response:
+    """A route's requests: when they stream, Server-Sent Events of `events` (the outputs of all,
+    merged as they come, as the route's chunks); else the JSON of `answer` (their final outputs).
+    A client that leaves gets its requests aborted."""
+    tm = tm_of(request)
+    if objs[0].stream:
+        return await sse_response(request, events(merged_stream(tm, objs)), objs)
+    outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
+    return outs if isinstance(outs, Response) else JSONResponse(answer(outs))
 
 
 async def collect_all(tm: TokenizerManager, objs: list[GenerateReqInput]) -> list[dict]:
