@@ -27,14 +27,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from radixengine.managers.io_struct import GenerateReqInput
-from radixengine.managers.tokenizer_manager import (
-    EngineDeadError,
-    RequestError,
-    TokenizerManager,
-    abort_to_error,
-    is_abort,
-    load_tokenizer,
-)
+from radixengine.managers.request_errors import EngineDeadError, RequestError, abort_to_error, is_abort
+from radixengine.managers.served_model import load_tokenizer
+from radixengine.managers.tokenizer_manager import TokenizerManager, collect
 from radixengine.server_args import ServerArgs
 from radixengine.utils.network import PortArgs
 from radixengine.utils.process import make_ipc_dir, remove_ipc_dir, terminate_processes
@@ -203,29 +198,16 @@ class Engine:
         """Generate for one prompt (a dict back; raises `RequestError` if refused) or a batch (a list
         of dicts in input order, one per prompt and per choice when n > 1; a refused one carries
         `"error"`). `stream=True` (one prompt) yields chunks with the new text and ids.
+        The arguments are normalised as HTTP /generate's body is (per-prompt lists, `n`, rid
+        suffixes: `GenerateReqInput.normalize_batch_and_arguments`); a bad shape raises
+        `ArgumentError` (a RequestError naming the field, and a ValueError).
         Logprobs as SGLang's: `return_logprob` puts `output_token_logprobs` (`(logprob, id, text)`
         per output token; text only with `return_text_in_logprobs`) and `input_token_logprobs`
         (the prompt's from `logprob_start_len`, -1 for none; the first one's logprob is None) in
         `meta_info`; `top_logprobs_num` N adds `output_top_logprobs` / `input_top_logprobs`, the N
         most likely tokens at each position."""
-        objs, single = self._make_requests(
-            prompt,
-            sampling_params,
-            input_ids,
-            priority,
-            rid,
-            messages,
-            dict(
-                return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num,
-                return_text_in_logprobs=return_text_in_logprobs,
-            ),
-        )
+        objs, single = _make_requests(locals())
         if stream:
-            if not single or len(objs) != 1:
-                raise ValueError("stream=True takes a single prompt with n == 1")
-            objs[0].stream = True
             return self._stream_sync(objs[0])
         return self._run(self._generate_all(objs, single))
 
@@ -244,27 +226,10 @@ class Engine:
         return_text_in_logprobs: bool = False,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate` for asyncio callers (any event loop); with stream=True, an async iterator."""
-        objs, single = self._make_requests(
-            prompt,
-            sampling_params,
-            input_ids,
-            priority,
-            rid,
-            messages,
-            dict(
-                return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num,
-                return_text_in_logprobs=return_text_in_logprobs,
-            ),
-        )
+        objs, single = _make_requests(locals())
         if stream:
-            if not single or len(objs) != 1:
-                raise ValueError("stream=True takes a single prompt with n == 1")
-            objs[0].stream = True
             return self._stream_async(objs[0])
-        future = self._runtime.submit(self._generate_all(objs, single))
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(self._runtime.submit(self._generate_all(objs, single)))
 
     def chat(
         self,
@@ -310,26 +275,9 @@ class Engine:
             future.cancel()
             raise
 
-    def _make_requests(self, prompt, sampling_params, input_ids, priority, rid, messages, logprob_args: dict):
-        prompts, single = _as_batch(prompt, input_ids, messages)
-        n_items = len(prompts)
-        params = _per_item(sampling_params, n_items, "sampling_params")
-        priorities = _per_item(priority, n_items, "priority")
-        rids = _per_item(rid, n_items, "rid")
-        objs = []
-        for i, (kind, value) in enumerate(prompts):
-            choices = _expand_n(params[i])
-            for j, choice_params in enumerate(choices):
-                obj = GenerateReqInput(sampling_params=choice_params, priority=priorities[i], **logprob_args)
-                setattr(obj, kind, value)
-                if rids[i] is not None:
-                    obj.rid = rids[i] if len(choices) == 1 else f"{rids[i]}-{j}"
-                objs.append(obj)
-        return objs, single and len(objs) == 1
-
     async def _generate_all(self, objs: list[GenerateReqInput], single: bool):
         if single:
-            return await _collect(self.tokenizer_manager, objs[0])
+            return await collect(self.tokenizer_manager, objs[0])
         results = await asyncio.gather(*(_collect_or_error(self.tokenizer_manager, o) for o in objs))
         return list(results)
 
@@ -338,13 +286,8 @@ class Engine:
         future = self._submit_pump(obj, items.put)
         delta = _StreamDelta()
         try:
-            while True:
-                kind, value = items.get()
-                if kind == "end":
-                    return
-                if kind == "error":
-                    raise value
-                yield delta(value)
+            while (chunk := delta.take(items.get())) is not None:
+                yield chunk
         finally:
             future.cancel()
 
@@ -369,13 +312,8 @@ class Engine:
         future = self._submit_pump(obj, put)
         delta = _StreamDelta()
         try:
-            while True:
-                kind, value = await items.get()
-                if kind == "end":
-                    return
-                if kind == "error":
-                    raise value
-                yield delta(value)
+            while (chunk := delta.take(await items.get())) is not None:
+                yield chunk
         finally:
             future.cancel()
 
@@ -384,18 +322,9 @@ async def _start(manager: TokenizerManager) -> None:
     manager.ensure_started()
 
 
-async def _collect(manager: TokenizerManager, obj: GenerateReqInput) -> dict:
-    out = None
-    async for chunk in manager.generate_request(obj):
-        out = chunk
-    if out is None or is_abort(out):
-        raise abort_to_error(out) if out is not None else RequestError("no output")
-    return out
-
-
 async def _collect_or_error(manager: TokenizerManager, obj: GenerateReqInput) -> dict:
     try:
-        return await _collect(manager, obj)
+        return await collect(manager, obj)
     except RequestError as e:
         reason = {"type": "abort", "message": e.message, "status_code": e.status_code, "err_type": e.err_type}
         meta = {"id": obj.rid, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
@@ -422,6 +351,14 @@ class _StreamDelta:
         self.text_len = 0
         self.ids_len = 0
 
+    def take(self, item: tuple[str, object]) -> dict | None:
+        """The chunk of a pumped ("out", output) item; None at the ("end", None) item; raises the
+        error of an ("error", exception) item."""
+        kind, value = item
+        if kind == "error":
+            raise value
+        return None if kind == "end" else self(value)
+
     def __call__(self, out: dict) -> dict:
         text, ids = out["text"], out["output_ids"]
         chunk = {
@@ -433,42 +370,18 @@ class _StreamDelta:
         return chunk
 
 
-def _as_batch(prompt, input_ids, messages) -> tuple[list[tuple[str, Any]], bool]:
-    given = [x for x in (prompt, input_ids, messages) if x is not None]
-    if len(given) != 1:
-        raise ValueError("give exactly one of prompt, input_ids or messages")
-    if prompt is not None:
-        if isinstance(prompt, str):
-            return [("text", prompt)], True
-        return [("text", p) for p in prompt], False
-    if input_ids is not None:
-        if input_ids and isinstance(input_ids[0], list):
-            return [("input_ids", ids) for ids in input_ids], False
-        return [("input_ids", input_ids)], True
-    if messages and isinstance(messages[0], list):
-        return [("messages", m) for m in messages], False
-    return [("messages", messages)], True
+def _make_requests(args: dict) -> tuple[list[GenerateReqInput], bool]:
+    """`generate`'s arguments (its locals) as requests, normalised (`prompt` is the `text`)."""
+    fields = {("text" if name == "prompt" else name): value for name, value in args.items() if name != "self"}
+    try:
+        objs, single = GenerateReqInput(**fields).normalize_batch_and_arguments()
+    except RequestError as e:
+        raise ArgumentError(e.message, param=e.param) from None
+    if fields["stream"] and not single:
+        raise ArgumentError("stream=True takes a single prompt with n == 1", param="stream")
+    return objs, single
 
 
-def _per_item(value, n: int, name: str) -> list:
-    if isinstance(value, list):
-        if len(value) != n:
-            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-        return list(value)
-    return [value] * n
-
-
-def _expand_n(params: dict | None) -> list[dict | None]:
-    """n > 1: that many requests, each with n = 1 (and seed + i when a seed is given)."""
-    if not params or params.get("n", 1) == 1:
-        return [params]
-    n = params["n"]
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
-    out = []
-    for i in range(n):
-        p = dict(params, n=1)
-        if p.get("sampling_seed") is not None:
-            p["sampling_seed"] += i
-        out.append(p)
-    return out
+class ArgumentError(RequestError, ValueError):
+    """generate's arguments are of a bad shape: a RequestError (400, the field named) that is also
+    the ValueError these have always been."""

@@ -8,7 +8,8 @@ import re
 import warnings
 from pathlib import Path
 
-from radixengine.entrypoints.http_server import NATIVE_COMPAT_FIELDS, NATIVE_FIELDS, create_app
+from radixengine.entrypoints.http_server import create_app
+from radixengine.entrypoints.native_routes import NATIVE_COMPAT_FIELDS, NATIVE_FIELDS
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixengine.sampling.sampling_params import SamplingParams
 from radixengine.server_args import ServerArgs

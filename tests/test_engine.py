@@ -265,6 +265,28 @@ def test_rid_that_is_not_a_string_is_refused(engine, rid):
     assert e.value.param == "rid" and e.value.status_code == 400
 
 
+def test_the_engine_normalises_its_calls_as_http_generate_does(engine, oracle):
+    """One normaliser for every front end: per-prompt lists and SGLang's rid suffixes; a call of a
+    bad shape is an ArgumentError, a RequestError naming the field that is also a ValueError."""
+    expected = oracle([oracle.encode(p) for p in PROMPTS[:2]])
+    outs = engine.generate(PROMPTS[:2], {**GREEDY, "n": 2}, rid=["a", "b"], return_logprob=[True, False])
+    assert [o["meta_info"]["id"] for o in outs] == ["a_0", "a_1", "b_0", "b_1"]
+    assert [o["output_ids"] for o in outs] == [expected[0]] * 2 + [expected[1]] * 2
+    assert ["output_token_logprobs" in o["meta_info"] for o in outs] == [True, True, False, False]
+    assert [o["meta_info"]["id"] for o in engine.generate(PROMPTS[0], {**GREEDY, "n": 2}, rid="s")] == [
+        "s_0", "s_1"
+    ]  # fmt: skip
+    for call, param in (
+        (lambda: engine.generate(PROMPTS[:2], [GREEDY]), "sampling_params"),
+        (lambda: engine.generate(PROMPTS[:2], GREEDY, stream=True), "stream"),
+        (lambda: engine.generate(PROMPTS[0], GREEDY, input_ids=[1, 2]), "text"),
+        (lambda: engine.generate(PROMPTS[:2], [{**GREEDY, "n": 2}, GREEDY]), "n"),
+    ):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert isinstance(e.value, RequestError) and e.value.param == param and e.value.status_code == 400
+
+
 def test_bad_logprob_fields_are_refused(engine):
     """A wrong top_logprobs_num or logprob_start_len is a 400 naming the field; 0 / -1 are the
     defaults (no alternatives, no prompt logprobs)."""

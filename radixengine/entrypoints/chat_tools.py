@@ -13,7 +13,8 @@ from jsonschema.exceptions import SchemaError
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest, ToolChoice
 from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.function_call.schema_constraint import tool_call_constraint, tool_schema_defs
-from radixengine.managers.tokenizer_manager import RequestError, TokenizerManager
+from radixengine.managers.request_errors import RequestError
+from radixengine.managers.tokenizer_manager import TokenizerManager
 
 TOOL_CHOICES = ("none", "auto", "required")
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule

@@ -3,7 +3,6 @@ outputs → OpenAI response objects and stream chunks."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -22,7 +21,8 @@ from radixengine.entrypoints.openai_protocol import (
     now,
 )
 from radixengine.managers.io_struct import GenerateReqInput
-from radixengine.managers.tokenizer_manager import RequestError, TokenizerManager, abort_to_error, is_abort
+from radixengine.managers.request_errors import RequestError, abort_to_error, is_abort
+from radixengine.managers.tokenizer_manager import TokenizerManager
 
 MAX_LOGPROBS = 20
 
@@ -128,17 +128,6 @@ def _response_schema(fmt: dict) -> dict | bool:
     return schema
 
 
-def expand_choices(base: GenerateReqInput, params: dict, n: int, rid: str | None) -> list[GenerateReqInput]:
-    objs = []
-    for j in range(n):
-        p = dict(params)
-        if p["sampling_seed"] is not None:
-            p["sampling_seed"] += j
-        sample_rid = None if rid is None else (rid if n == 1 else f"{rid}-{j}")
-        objs.append(dataclasses.replace(base, sampling_params=p, rid=sample_rid))
-    return objs
-
-
 def completion_prompts(prompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
@@ -156,16 +145,16 @@ def completion_requests(tm: TokenizerManager, req: CompletionRequest):
     params = sampling_params_of(req, req.max_tokens, "max_tokens")
     check_constraint(tm, req, params)
     prompts = completion_prompts(req.prompt)
-    objs = []
-    for k, prompt in enumerate(prompts):
-        base = GenerateReqInput(stream=req.stream, priority=req.priority, **completion_logprob_args(req))
-        if isinstance(prompt, str):
-            base.text = prompt
-        else:
-            base.input_ids = prompt
-        rid = None if req.rid is None else (req.rid if len(prompts) == 1 else f"{req.rid}-{k}")
-        objs += expand_choices(base, params, req.n, rid)
-    return objs, prompts
+    kind = "text" if isinstance(prompts[0], str) else "input_ids"
+    batch = GenerateReqInput(
+        **{kind: prompts[0] if len(prompts) == 1 else prompts},
+        sampling_params={**params, "n": req.n},
+        rid=req.rid,
+        stream=req.stream,
+        priority=req.priority,
+        **completion_logprob_args(req),
+    )
+    return batch.normalize_batch_and_arguments()[0], prompts
 
 
 def completion_logprob_args(req: CompletionRequest) -> dict:
@@ -228,8 +217,10 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
     params = sampling_params_of(req, max_tokens, param)
     check_constraint(tm, req, params)
     add_tool_params(tm, req, params)
-    base = GenerateReqInput(
+    batch = GenerateReqInput(
         messages=chat_messages(req),
+        sampling_params={**params, "n": req.n},
+        rid=req.rid,
         tools=template_tools(req),
         stream=req.stream,
         return_logprob=req.logprobs,
@@ -239,7 +230,7 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
         chat_template_kwargs=req.chat_template_kwargs,
         continue_final_message=req.continue_final_message,
     )
-    return expand_choices(base, params, req.n, req.rid)
+    return batch.normalize_batch_and_arguments()[0]
 
 
 # Responses ------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from radixengine.managers.tokenizer_manager import RequestError
+from radixengine.managers.request_errors import RequestError
 
 logger = logging.getLogger(__name__)
 

@@ -161,7 +161,7 @@ def load_decoder(server_args):
     path = os.path.join(server_args.tokenizer_path or "", "tokenizer.json")
     if server_args.tokenizer_path and os.path.exists(path):
         return FastDecoder(path)
-    from radixengine.managers.tokenizer_manager import load_tokenizer
+    from radixengine.managers.served_model import load_tokenizer
 
     return load_tokenizer(server_args)
 

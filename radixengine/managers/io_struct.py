@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from radixengine.managers.request_errors import RequestError
 from radixengine.sampling.sampling_params import SamplingParams
 
 # Front end (Engine, HTTP) -> tokenizer manager ------------------------------------------------
@@ -12,30 +14,141 @@ from radixengine.sampling.sampling_params import SamplingParams
 
 @dataclass
 class GenerateReqInput:
-    """One request as the front end hands it to the tokenizer manager: exactly one of `text`,
-    `input_ids` or `messages` (chat, rendered with the tokenizer's chat template, given
-    `chat_template_kwargs` and `tools`; `continue_final_message` continues the last assistant
-    message instead of opening a new one). `log_metrics=False` keeps it out of the metrics (SGLang's
+    """A generate call as the front end (Engine, HTTP /generate, the OpenAI routes) hands it over:
+    exactly one of `text`, `input_ids` or `messages` (chat, rendered with the tokenizer's chat
+    template, given `chat_template_kwargs` and `tools`; `continue_final_message` continues the
+    last assistant message instead of opening a new one). SGLang's batch form: a list of prompts,
+    with `sampling_params`, `rid`, `priority` and the logprob fields each given once or one per
+    prompt; `normalize_batch_and_arguments` turns it into one request per prompt and sample, the
+    form the tokenizer manager takes. `log_metrics=False` keeps it out of the metrics (SGLang's
     health checks)."""
 
-    text: str | None = None
-    input_ids: list[int] | None = None
-    messages: list[dict] | None = None
-    sampling_params: dict | None = None
-    rid: str | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    messages: list[dict] | list[list[dict]] | None = None
+    sampling_params: dict | list[dict] | None = None
+    rid: str | list[str] | None = None
     stream: bool = False
     # SGLang's logprob fields: with return_logprob, the chosen tokens' logprobs, the
     # top_logprobs_num most likely tokens' at each position, and the prompt's from
     # logprob_start_len (-1: none); return_text_in_logprobs decodes each token's text.
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
-    priority: int | None = None
+    priority: int | list[int] | None = None
     chat_template_kwargs: dict | None = None
     continue_final_message: bool = False
     tools: list[dict] | None = None  # OpenAI tool definitions, for the chat template
     log_metrics: bool = True
+
+    def prompt_field(self) -> str:
+        """The name of the one prompt field given (text, input_ids or messages)."""
+        given = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            names = "text, input_ids or messages" if self.messages is not None else "text or input_ids"
+            raise RequestError(f"give exactly one of {names}", param="text")
+        return given[0]
+
+    def normalize_batch_and_arguments(self) -> tuple[list[GenerateReqInput], bool]:
+        """SGLang's rules, in one place for every front end: one request per prompt and sample,
+        prompt by prompt, n samples each (`sampling_params.n`, the same for every prompt; the j-th
+        sample's seed is seed + j); a per-prompt field is given once or as a list with one entry
+        per prompt; a string `rid` names a single request and is suffixed `_k` when it stands for
+        several, a list gives one per prompt (suffixed `_j` per sample). Returns the requests and
+        whether the answer is a single object (one prompt, n == 1). A bad shape is a RequestError
+        naming the field."""
+        kind = self.prompt_field()
+        prompts, single = _prompt_batch(getattr(self, kind), kind)
+        per_prompt = {
+            name: _per_prompt(getattr(self, name), len(prompts), name) for name in PER_PROMPT_FIELDS
+        }
+        for name in ("stream", "log_metrics", "return_text_in_logprobs", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be a boolean", param=name)
+        n = _num_samples(per_prompt["sampling_params"])
+        rids = _expand_rids(self.rid, len(prompts), n, single)
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            fields_i = {name: values[i] for name, values in per_prompt.items()}
+            for j in range(n):
+                sampling_params = _sample_params(fields_i["sampling_params"], j, n)
+                fields_ij = {**NO_PROMPT, **fields_i, kind: prompt, "sampling_params": sampling_params}
+                reqs.append(dataclasses.replace(self, **fields_ij, rid=rids[i * n + j]))
+        return reqs, single and n == 1
+
+
+PROMPT_FIELDS = ("text", "input_ids", "messages")
+NO_PROMPT = dict.fromkeys(PROMPT_FIELDS)
+# Given once for every prompt, or as a list with one per prompt (SGLang's batch form).
+PER_PROMPT_FIELDS = ("sampling_params", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len")
+
+
+def _prompt_batch(value: object, kind: str) -> tuple[list, bool]:
+    """The prompts and whether one was given: a text is a string; input ids and chat messages a
+    list (a batch of them: a non-empty list of lists)."""
+    if kind == "text":
+        single = isinstance(value, str)
+    else:
+        single = not (isinstance(value, list) and value and isinstance(value[0], list))
+    prompts = [value] if single else value
+    if not isinstance(prompts, list) or not prompts:
+        raise RequestError(f"{kind} must be a prompt or a non-empty list of prompts", param=kind)
+    return prompts, single
+
+
+def _per_prompt(value: object, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for {n} prompts", param=name)
+        return value
+    return [value] * n
+
+
+def _num_samples(params: list) -> int:
+    """n of the sampling params: the same for every prompt (SGLang's rule)."""
+    values = set()
+    for p in params:
+        if p is not None and not isinstance(p, dict):
+            raise RequestError(
+                "sampling_params must be an object (or a list of them)", param="sampling_params"
+            )
+        n = (p or {}).get("n")
+        n = 1 if n is None else n
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise RequestError(f"n must be a positive integer, got {n!r}", param="n")
+        values.add(n)
+    if len(values) > 1:
+        raise RequestError("n must be the same in every prompt's sampling_params", param="n")
+    return values.pop()
+
+
+def _sample_params(params: dict | None, j: int, n: int) -> dict | None:
+    if n == 1:
+        return params
+    sample = dict(params, n=1)
+    seed = sample.get("sampling_seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):  # anything else is refused later
+        sample["sampling_seed"] = seed + j
+    return sample
+
+
+def _expand_rids(rid: object, num_prompts: int, n: int, single: bool) -> list[str | None]:
+    """One rid per request, prompt by prompt, n samples each."""
+    total = num_prompts * n
+    if rid is None:
+        return [None] * total
+    if isinstance(rid, str):
+        return [rid] if single and n == 1 else [f"{rid}_{k}" for k in range(total)]
+    if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+        raise RequestError(
+            f"rid must be a string or a list of strings, got {type(rid).__name__}", param="rid"
+        )
+    if single:
+        raise RequestError("rid must be a string for a single prompt (a list is for a batch)", param="rid")
+    if len(rid) != num_prompts:
+        raise RequestError(f"rid has {len(rid)} entries for {num_prompts} prompts", param="rid")
+    return list(rid) if n == 1 else [f"{r}_{j}" for r in rid for j in range(n)]
 
 
 # Tokenizer manager -> scheduler ---------------------------------------------------------------

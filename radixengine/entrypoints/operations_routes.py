@@ -1,8 +1,10 @@
-"""What the server is and how loaded it is, in SGLang's shapes (what sglang-router,
-bench_serving and the OpenAI clients read): /model_info, /server_info, /v1/models, /v1/loads."""
+"""Operating the server: liveness (/health, /health_generate), Prometheus /metrics, and what the
+server is and how loaded it is in SGLang's shapes (what sglang-router and bench_serving read):
+/model_info, /server_info, /v1/loads, /get_load."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -14,20 +16,53 @@ from fastapi.responses import JSONResponse, Response
 
 from radixengine import __version__
 from radixengine.entrypoints.http_errors import error_response
-from radixengine.entrypoints.openai_protocol import ModelCard, ModelList
-from radixengine.managers.tokenizer_manager import TokenizerManager
+from radixengine.entrypoints.request_runner import tm_of
+from radixengine.managers.io_struct import GenerateReqInput
+from radixengine.managers.request_errors import EngineDeadError, RequestError
+from radixengine.managers.tokenizer_manager import TokenizerManager, collect
 
 router = APIRouter()
 
 
-def _tm(request: Request) -> TokenizerManager:
-    return request.app.state.tokenizer_manager
+@router.get("/health")
+async def health(request: Request) -> Response:
+    tm = tm_of(request)
+    if tm.dead_error is not None:
+        return error_response(tm.dead_error, 503)
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    obj = GenerateReqInput(
+        input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, log_metrics=False
+    )
+    try:
+        await asyncio.wait_for(collect(tm_of(request), obj), timeout=60)
+    except (RequestError, EngineDeadError, asyncio.TimeoutError) as e:
+        return error_response(f"health check failed: {e}", 503)
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    tm = tm_of(request)
+    if tm.metrics is None:
+        return error_response("metrics are disabled (--enable-metrics is off)", 404)
+    try:
+        state = await tm.get_internal_state()
+    except (asyncio.TimeoutError, EngineDeadError):
+        state = None
+    return Response(tm.metrics.render(state), media_type=PROMETHEUS_TEXT)
+
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @router.get("/model_info")
 @router.get("/get_model_info")
 async def model_info(request: Request) -> dict:
-    tm = _tm(request)
+    tm = tm_of(request)
     config = _hf_config(tm)
     return {
         "model_path": tm.model_path,
@@ -57,7 +92,7 @@ def _hf_config(tm: TokenizerManager) -> dict:
 async def server_info(request: Request) -> dict:
     """The flags, the worker's limits and the scheduler's state: flat (as before) and as
     SGLang's `internal_states` list."""
-    tm = _tm(request)
+    tm = tm_of(request)
     state = await tm.get_internal_state()
     info = dataclasses.asdict(tm.server_args)
     info.update(
@@ -77,23 +112,6 @@ async def server_info(request: Request) -> dict:
     return info
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict:
-    return ModelList(data=[_card(_tm(request))]).model_dump()
-
-
-@router.get("/v1/models/{model:path}")
-async def retrieve_model(request: Request, model: str) -> Response:
-    tm = _tm(request)
-    if model != tm.served_model_name:
-        return error_response(f"The model {model!r} does not exist", 404, param="model")
-    return JSONResponse(_card(tm).model_dump())
-
-
-def _card(tm: TokenizerManager) -> ModelCard:
-    return ModelCard(id=tm.served_model_name, root=tm.served_model_name, max_model_len=tm.context_len)
-
-
 @router.get("/v1/loads")
 async def loads(request: Request, include: str | None = None, format: str | None = None) -> Response:
     """SGLang's load snapshot (one rank; `include` takes core or all: this engine has no other
@@ -102,14 +120,14 @@ async def loads(request: Request, include: str | None = None, format: str | None
     if not sections <= {"core", "all"}:
         bad = sorted(sections - {"core", "all"})
         return error_response(f"include: unknown section(s) {bad}; valid: core, all", 400, param="include")
-    load = await _load(_tm(request))
+    load = await _load(tm_of(request))
     if format == "prometheus":
         lines = [
             f'# TYPE sglang_{k} gauge\nsglang_{k}{{dp_rank="0"}} {v}'
             for k, v in load.items()
             if k != "dp_rank"
         ]
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response("\n".join(lines) + "\n", media_type=PROMETHEUS_TEXT)
     aggregate = {
         "total_running_reqs": load["num_running_reqs"],
         "total_waiting_reqs": load["num_waiting_reqs"],
@@ -123,7 +141,7 @@ async def loads(request: Request, include: str | None = None, format: str | None
 @router.get("/get_load")
 async def get_load(request: Request) -> list[dict]:
     """SGLang's older load shape, one entry per rank."""
-    load = await _load(_tm(request))
+    load = await _load(tm_of(request))
     return [
         {
             "dp_rank": 0,

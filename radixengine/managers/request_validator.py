@@ -1,0 +1,213 @@
+"""A generate request from the front end checked and tokenized once, here, before it goes to the
+scheduler (which keeps assertion-level checks only): the prompt (text, chat messages through the
+chat template, or input ids in the vocabulary), its length against the context, the sampling
+params (the grammar checked by the backend), priority and the logprob fields. Every refusal is a
+RequestError (a 400) naming the field."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from radixengine.constrained.base_grammar_backend import validate_grammar
+from radixengine.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from radixengine.managers.request_errors import RequestError
+from radixengine.sampling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The scheduler's limits (from its ready message); None where it gave none (test stubs)."""
+
+    vocab_size: int
+    context_len: int | None = None
+    max_req_input_len: int | None = None  # a prompt has fewer tokens than this
+    max_req_len: int | None = None  # prompt + max_new_tokens, at most
+
+    @classmethod
+    def from_scheduler_info(cls, info: dict, tokenizer) -> RequestLimits:
+        context_len = info.get("context_len")
+        return cls(
+            vocab_size=info.get("vocab_size") or len(tokenizer),
+            context_len=context_len,
+            max_req_input_len=info.get("max_req_input_len"),
+            max_req_len=info.get("max_req_len") or context_len,
+        )
+
+
+class RequestValidator:
+    def __init__(self, tokenizer, limits: RequestLimits, grammar_backend: str) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.vocab_size = limits.vocab_size
+        self.grammar_backend = grammar_backend
+
+    def tokenize_request(self, obj: GenerateReqInput, rid: str) -> TokenizedGenerateReqInput:
+        """The request for the scheduler under `rid`; a RequestError if it is refused."""
+        input_text, input_ids, param = self.tokenize_prompt(obj)
+        sampling_params = self.make_sampling_params(obj.sampling_params, len(input_ids))
+        self.validate_input_ids(input_ids, sampling_params, param)
+        if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
+            raise RequestError(f"priority must be an integer, got {obj.priority!r}", param="priority")
+        check_logprob_params(obj, len(input_ids), self.vocab_size)
+        return TokenizedGenerateReqInput(
+            rid=rid,
+            input_text=input_text,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            stream=obj.stream,
+            return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
+            logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
+            priority=obj.priority,
+        )
+
+    def make_sampling_params(self, params: dict | SamplingParams | None, prompt_len: int) -> SamplingParams:
+        """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default); any
+        other None is the field's default."""
+        if isinstance(params, SamplingParams):
+            return self._with_vocab_checked(params)
+        if params is not None and not isinstance(params, dict):
+            raise RequestError("sampling_params must be an object", param="sampling_params")
+        if params is not None:
+            params = {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
+        if params is not None and "max_new_tokens" in params and params["max_new_tokens"] is None:
+            room = (self.limits.max_req_len or prompt_len + 128) - prompt_len
+            params = dict(params, max_new_tokens=max(room, 1))
+        try:
+            sampling_params = SamplingParams.from_dict(params)
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e), param=_param_of(str(e), params)) from None
+        if sampling_params.n != 1:
+            raise RequestError(
+                "n > 1 is expanded by the front end; the tokenizer manager takes n == 1", param="n"
+            )
+        return self._with_vocab_checked(sampling_params)
+
+    def _with_vocab_checked(self, sampling_params: SamplingParams) -> SamplingParams:
+        """The checks that need the vocabulary (logit_bias's token ids) or the grammar backend."""
+        try:
+            sampling_params.verify(self.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), param="logit_bias") from None
+        if sampling_params.grammar_key is not None:
+            self.check_grammar(*sampling_params.grammar_key)
+        return sampling_params
+
+    def check_grammar(self, kind: str, text: str, param: str | None = None) -> None:
+        """A 400 naming the problem for a grammar the backend cannot use (checked here, before
+        the scheduler compiles it)."""
+        error = _grammar_error(self.grammar_backend, kind, text)
+        if error is not None:
+            raise RequestError(error, param=param or kind)
+
+    def tokenize_prompt(self, obj: GenerateReqInput) -> tuple[str | None, list[int], str]:
+        obj.prompt_field()
+        if obj.messages is not None:
+            text = self.apply_chat_template(
+                obj.messages, obj.chat_template_kwargs, obj.continue_final_message, obj.tools
+            )
+            return text, self.tokenizer.encode(text, add_special_tokens=False), "messages"
+        if obj.text is not None:
+            if not isinstance(obj.text, str):
+                raise RequestError("text must be a string", param="text")
+            return obj.text, self.tokenizer.encode(obj.text), "text"
+        ids = obj.input_ids
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise RequestError("input_ids must be a list of integers", param="input_ids")
+        return None, list(ids), "input_ids"
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        kwargs: dict | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The conversation rendered by the chat template; `kwargs` go to the template (e.g.
+        Qwen3's enable_thinking), and `tools` (OpenAI function definitions; a template without
+        tool support ignores them); `continue_final_message` leaves the last (assistant) message
+        open for the model to continue instead of starting a new turn."""
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list", param="messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        if continue_final_message and messages[-1]["role"] != "assistant":
+            raise RequestError(
+                "continue_final_message needs an assistant message last", param="continue_final_message"
+            )
+        options = dict(kwargs or {})
+        options.update(add_generation_prompt=not continue_final_message, tokenize=False)
+        if continue_final_message:
+            options["continue_final_message"] = True
+        if tools:
+            options["tools"] = tools
+        try:
+            return self.tokenizer.apply_chat_template(messages, **options)
+        except Exception as e:  # a template that rejects the conversation
+            raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
+
+    def validate_input_ids(self, input_ids: list[int], sampling_params: SamplingParams, param: str) -> None:
+        """The prompt's ids in the vocabulary (a tokenizer may know more tokens than the model), its
+        length against the context, and room for max_new_tokens."""
+        n, limits = len(input_ids), self.limits
+        if n == 0:
+            raise RequestError("the prompt is empty", param=param)
+        bad = next((t for t in input_ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            name = "input_ids" if param == "input_ids" else "the prompt's token ids"
+            raise RequestError(f"{name} must be in [0, {limits.vocab_size}); got {bad}", param=param)
+        if limits.max_req_input_len is not None and n >= limits.max_req_input_len:
+            raise RequestError(
+                f"the prompt is too long: {n} tokens, the maximum is {limits.max_req_input_len - 1}",
+                param=param,
+            )
+        max_new = sampling_params.max_new_tokens
+        if limits.max_req_len is not None and n + max_new > limits.max_req_len:
+            raise RequestError(
+                f"the prompt ({n} tokens) plus max_new_tokens ({max_new}) exceeds the {limits.max_req_len} "
+                f"tokens a request may have (context length {limits.context_len})",
+                param="max_new_tokens" if n < limits.max_req_len else param,
+            )
+
+
+def check_logprob_params(obj: GenerateReqInput, input_len: int, vocab_size: int) -> None:
+    """SGLang's logprob fields: `None` means the default; top_logprobs_num in [0, vocab size];
+    logprob_start_len -1 (no prompt logprobs) or a position in the prompt (with return_logprob)."""
+    for name, default in (("top_logprobs_num", 0), ("logprob_start_len", -1)):
+        value = getattr(obj, name)
+        if value is None:
+            setattr(obj, name, default)
+        elif not isinstance(value, int) or isinstance(value, bool):
+            raise RequestError(f"{name} must be an integer, got {value!r}", param=name)
+    for name in ("return_logprob", "return_text_in_logprobs"):
+        if getattr(obj, name) is None:
+            setattr(obj, name, False)
+        elif not isinstance(getattr(obj, name), bool):
+            raise RequestError(f"{name} must be a boolean", param=name)
+    if not 0 <= obj.top_logprobs_num <= vocab_size:
+        raise RequestError(
+            f"top_logprobs_num must be in [0, {vocab_size}] (the vocabulary size), got {obj.top_logprobs_num}",
+            param="top_logprobs_num",
+        )
+    if obj.return_logprob and not -1 <= obj.logprob_start_len <= input_len:
+        raise RequestError(
+            f"logprob_start_len must be -1 (no prompt logprobs) or in [0, {input_len}] (the number of "
+            f"input tokens), got {obj.logprob_start_len}",
+            param="logprob_start_len",
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(backend: str, kind: str, text: str) -> str | None:
+    return validate_grammar(backend, kind, text)
+
+
+def _param_of(message: str, params: dict | None) -> str:
+    for name in params or {}:
+        if message.startswith(name) or f" {name}" in message or f"{name} " in message:
+            return name
+    return "sampling_params"
