@@ -63,11 +63,7 @@ class Req:
         # How many output ids (and their logprobs) stream_output has sent to the detokenizer.
         self.send_token_offset = 0
         self._clear_round_state()
-        self.finished_reason: dict | None = None
-        self.to_abort = False
-        self.to_abort_message = "The request was aborted."
-        self.to_abort_status_code = 499
-
+        self._init_finish_state()
         self.is_retracted = False
         self.retraction_count = 0
         self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
@@ -76,8 +72,13 @@ class Req:
         # the scheduler's grammar queue), advanced with every output token.
         self.grammar: Any = None
 
-        self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
-        self._stop_str_max_len = max((len(s) for s in sampling_params.stop_strs), default=0)
+    def _init_finish_state(self) -> None:
+        self.finished_reason: dict | None = None
+        self.to_abort = False
+        self.to_abort_message = "The request was aborted."
+        self.to_abort_status_code = 499
+        self._stop_token_ids = frozenset(self.sampling_params.stop_token_ids or ())
+        self._stop_str_max_len = max((len(s) for s in self.sampling_params.stop_strs), default=0)
 
     def _clear_round_state(self) -> None:
         """No prefix, no row, no KV: a new request, or one retracted to the waiting queue."""

@@ -155,20 +155,7 @@ class ScheduleBatch:
 
         rows = self._alloc_req_rows()
         out_cache_loc = self._alloc_extend_slots(prefix_lens, seq_lens)
-        pool = self.req_to_token_pool
-        now = time.perf_counter()
-        pt = 0
-        for req, row, pre, seq in zip(reqs, rows, prefix_lens, seq_lens):
-            req.req_pool_idx = row
-            if pre:
-                pool.write((row, slice(0, pre)), req.prefix_indices)
-            pool.write((row, slice(pre, seq)), out_cache_loc[pt : pt + seq - pre])
-            pt += seq - pre
-            req.cached_tokens += max(pre - req.already_computed, 0)
-            req.already_computed = seq
-            req.is_retracted = False
-            if not req.time_stats.forward_entry_time:
-                req.time_stats.forward_entry_time = now
+        self._write_req_to_token(rows, prefix_lens, seq_lens, out_cache_loc)
 
         self.input_ids = _int64(input_ids, self.device)
         self.req_pool_indices = _int64(rows, self.device)
@@ -184,6 +171,25 @@ class ScheduleBatch:
             )
         self._sampling_base = None
         self._prepare_input_logprobs(prefix_lens, seq_lens)
+
+    def _write_req_to_token(
+        self, rows: list[int], prefix_lens: list[int], seq_lens: list[int], out_cache_loc: torch.Tensor
+    ) -> None:
+        """Each request's row: its prefix's KV slots, then this extend's; and its cache count."""
+        pool = self.req_to_token_pool
+        now = time.perf_counter()
+        pt = 0
+        for req, row, pre, seq in zip(self.reqs, rows, prefix_lens, seq_lens):
+            req.req_pool_idx = row
+            if pre:
+                pool.write((row, slice(0, pre)), req.prefix_indices)
+            pool.write((row, slice(pre, seq)), out_cache_loc[pt : pt + seq - pre])
+            pt += seq - pre
+            req.cached_tokens += max(pre - req.already_computed, 0)
+            req.already_computed = seq
+            req.is_retracted = False
+            if not req.time_stats.forward_entry_time:
+                req.time_stats.forward_entry_time = now
 
     def _prepare_input_logprobs(self, prefix_lens: list[int], seq_lens: list[int]) -> None:
         """The rows whose logits give prompt logprobs, for the requests that still need them."""
@@ -272,14 +278,7 @@ class ScheduleBatch:
         keep_indices: list[int] | None = None,
     ) -> None:
         if keep_indices is None:
-            exclude = chunked_req_to_exclude
-            if exclude is None:
-                exclude = []
-            elif isinstance(exclude, Req):
-                exclude = [exclude]
-            keep_indices = [
-                i for i, r in enumerate(self.reqs) if not r.finished() and not any(r is e for e in exclude)
-            ]
+            keep_indices = self._unfinished_indices(chunked_req_to_exclude)
         if len(keep_indices) == len(self.reqs):
             return
         self.num_decoding_reqs = sum(1 for i in keep_indices if self.is_decoding_req(i))
@@ -299,6 +298,13 @@ class ScheduleBatch:
             )
         self.return_logprob = any(r.return_logprob for r in self.reqs)
         self._sampling_base = None
+
+    def _unfinished_indices(self, exclude: Req | list[Req] | None) -> list[int]:
+        if exclude is None:
+            exclude = []
+        elif isinstance(exclude, Req):
+            exclude = [exclude]
+        return [i for i, r in enumerate(self.reqs) if not r.finished() and not any(r is e for e in exclude)]
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         if self.is_empty():
