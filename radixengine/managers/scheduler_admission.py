@@ -4,7 +4,7 @@ A prefill round, in order: the chunked request's previous chunk goes to the cach
 prefill batch joins the running batch; the waiting requests are matched against the tree (once
 each), ordered by the policy, and offered to a `PrefillAdder`, which returns a `PrefillPlan`
 (which requests, how many tokens each, the chunked request, the preempted victims) that
-`_apply_prefill_plan` applies. Without a prefill, the running batch decodes
+`apply_prefill_plan` applies. Without a prefill, the running batch decodes
 (`update_running_batch`, which retracts when the next step does not fit).
 """
 
@@ -112,7 +112,7 @@ class SchedulerAdmissionMixin:
     def get_new_batch_prefill(self: Scheduler) -> ScheduleBatch | None:
         if not self._prefill_may_admit():
             return None
-        return self._apply_prefill_plan(self._plan_prefill())
+        return self.apply_prefill_plan(self.plan_prefill())
 
     def _num_allocatable_reqs(self: Scheduler, running_bs: int, chunked_in_batch: bool = False) -> int:
         """How many requests this prefill batch may hold (the chunked request keeps its row)."""
@@ -157,7 +157,7 @@ class SchedulerAdmissionMixin:
             retract_decode_steps=self.retract_decode_steps,
         )
 
-    def _plan_prefill(self: Scheduler) -> PrefillPlan:
+    def plan_prefill(self: Scheduler) -> PrefillPlan:
         matched = self._match_and_order_waiting_queue()
         adder = self._new_prefill_adder()
         chunked_req = self.chunked_req
@@ -212,7 +212,7 @@ class SchedulerAdmissionMixin:
         req.init_next_round_input(self.tree_cache)
         return True
 
-    def _apply_prefill_plan(self: Scheduler, plan: PrefillPlan) -> ScheduleBatch | None:
+    def apply_prefill_plan(self: Scheduler, plan: PrefillPlan) -> ScheduleBatch | None:
         """The one place a round's decision takes effect."""
         self._set_batch_is_full(plan.batch_is_full)
         self.stats.num_preempted_reqs += len(plan.preempted)
