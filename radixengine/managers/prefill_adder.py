@@ -6,11 +6,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any
 
 from radixengine.managers.req import Req
 from radixengine.managers.schedule_batch import ScheduleBatch
 from radixengine.managers.schedule_policy import has_prefix_tree, priority_sign
+from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
+from radixengine.mem_cache.radix_cache import TreeNode
 
 # SGLang's constants (environment variables there).
 CLIP_MAX_NEW_TOKENS = 4096  # clips only the reservation estimate, never the stop condition
@@ -44,8 +46,8 @@ class PrefillAdder:
     def __init__(
         self,
         page_size: int,
-        tree_cache: Any,
-        token_to_kv_pool_allocator: Any,
+        tree_cache: BasePrefixCache,
+        token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator,
         running_batch: ScheduleBatch | None,
         new_token_ratio: float,
         rem_input_tokens: int,
@@ -142,7 +144,7 @@ class PrefillAdder:
             self.new_chunked_req = req
 
     @contextmanager
-    def _lock_node(self, last_node: Any):
+    def _lock_node(self, last_node: TreeNode | None):
         """Hold the prefix while checking, so evictable tokens it covers are not counted."""
         if last_node is None:
             yield

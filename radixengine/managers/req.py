@@ -3,21 +3,33 @@ lives here to keep each file one idea)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
+from radixengine.constrained.base_grammar_backend import BaseGrammarObject
 from radixengine.managers.io_struct import (
     finish_abort,
     finish_length,
     finish_matched_str,
     finish_matched_token,
 )
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
+from radixengine.mem_cache.radix_cache import TreeNode
 from radixengine.sampling.sampling_params import SamplingParams
 
 _EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
+
+
+class Tokenizer(Protocol):
+    """What a request uses of the tokenizer: stop strings in tokens, and the decoded tail."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 # Request ----------------------------------------------------------------------------------------
@@ -70,7 +82,7 @@ class Req:
         self.time_stats = TimeStats()
         # Constrained decoding: the request's matcher (a Future while its grammar compiles, in
         # the scheduler's grammar queue), advanced with every output token.
-        self.grammar: Any = None
+        self.grammar: BaseGrammarObject | Future | None = None
 
     def _init_finish_state(self) -> None:
         self.finished_reason: dict | None = None
@@ -86,7 +98,7 @@ class Req:
         # truncated for a chunk); set by `init_next_round_input` and the admission plan.
         self.fill_ids: list[int] = []
         self.prefix_indices: torch.Tensor = _EMPTY_INDICES
-        self.last_node: Any = None
+        self.last_node: TreeNode | None = None  # None: no tree, or nothing matched yet
         self.extend_input_len = 0
         self.req_pool_idx: int | None = None
         self.is_chunked = 0  # chunk batches launched and not processed yet
@@ -109,7 +121,7 @@ class Req:
         self._input_top_val_part: list[list[float]] = []
         self._input_top_idx_part: list[list[int]] = []
 
-    def init_stop_str_window(self, tokenizer: Any) -> None:
+    def init_stop_str_window(self, tokenizer: Tokenizer | None) -> None:
         """Size the look-back for stop strings in tokens: a character may span several tokens
         (emoji, rare CJK, byte fallback), so take the most of the stop string's token count and
         its UTF-8 length (no byte-level token is empty)."""
@@ -144,7 +156,7 @@ class Req:
         limit = len(self.origin_input_ids) + len(self.output_ids) - 1
         return min(limit, self.logprob_start_len) if self.needs_input_logprobs() else limit
 
-    def init_next_round_input(self, tree_cache: Any = None) -> None:
+    def init_next_round_input(self, tree_cache: BasePrefixCache | None = None) -> None:
         """Set fill_ids and extend_input_len for this round; with a tree cache, (re)match the
         prefix first (without one, the prefix of the last match or chunk is kept)."""
         prefix_ids = self.adjust_max_prefix_ids()
@@ -200,7 +212,7 @@ class Req:
 
     # Finishing ---------------------------------------------------------------------------------
 
-    def check_finished(self, eos_token_ids: frozenset[int], tokenizer: Any = None) -> None:
+    def check_finished(self, eos_token_ids: frozenset[int], tokenizer: Tokenizer | None = None) -> None:
         """SGLang's order: abort, length, stop token ids / EOS (all skipped under ignore_eos),
         stop strings. min_new_tokens is enforced by the sampler, which keeps EOS and the stop
         token ids from being sampled before it; stop strings are checked from the first token."""
@@ -244,7 +256,7 @@ class Req:
         if self.input_token_logprobs is None:  # computed again from logprob_start_len
             self._input_logprobs_part, self._input_top_val_part, self._input_top_idx_part = [], [], []
 
-    def samples_grammar(self) -> Any:
+    def samples_grammar(self) -> BaseGrammarObject | None:
         """The matcher whose mask this step's token is sampled under, or None: a request without
         a grammar, a chunk that samples no token, one finished or retracted since the batch was
         launched (its token is dropped), or a prefill-only request."""

@@ -17,11 +17,13 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
 
 import torch
 
 from radixengine.managers.req import Req, TimeStats
+from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
+from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from radixengine.sampling.output_token_counts import OutputTokenCounts
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
@@ -39,9 +41,9 @@ def _int64(values, device: torch.device | str = "cpu") -> torch.Tensor:
 @dataclass
 class ScheduleBatch:
     reqs: list[Req]
-    req_to_token_pool: Any
-    token_to_kv_pool_allocator: Any
-    tree_cache: Any
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator
+    tree_cache: BasePrefixCache
     device: torch.device | str = "cpu"
     page_size: int = 1
     vocab_size: int | None = None

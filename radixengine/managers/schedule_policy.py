@@ -7,10 +7,11 @@ import random
 import sys
 from collections import defaultdict
 from enum import Enum
-from typing import Any
 
 from radixengine.managers.req import Req
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.chunk_cache import ChunkCache
+from radixengine.mem_cache.radix_cache import TreeNode
 
 # SGLang's constants (environment variables there).
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32  # only requests with a short cached prefix are checked
@@ -42,7 +43,7 @@ def lowest_priority_value(low_values_first: bool) -> int:
     return sys.maxsize if low_values_first else -sys.maxsize - 1
 
 
-def has_prefix_tree(tree_cache: Any) -> bool:
+def has_prefix_tree(tree_cache: BasePrefixCache) -> bool:
     """Whether the cache shares prefixes (a ChunkCache, or a disabled RadixCache, does not)."""
     return not isinstance(tree_cache, ChunkCache) and not getattr(tree_cache, "disable", False)
 
@@ -112,7 +113,7 @@ class SchedulePolicy:
     def __init__(
         self,
         policy: str,
-        tree_cache: Any,
+        tree_cache: BasePrefixCache,
         enable_priority_scheduling: bool = False,
         schedule_low_priority_values_first: bool = False,
         lpm_fallback_queue_len: int = 128,
@@ -128,7 +129,7 @@ class SchedulePolicy:
         self.rng = rng or random.Random(0)
 
     @staticmethod
-    def _validate_and_adjust_policy(policy: str, tree_cache: Any) -> Policy:
+    def _validate_and_adjust_policy(policy: str, tree_cache: BasePrefixCache) -> Policy:
         try:
             parsed: Policy = CacheAwarePolicy(policy)
         except ValueError:
@@ -196,13 +197,13 @@ class SchedulePolicy:
         waiting_queue.sort(key=lambda r: float("inf") if r in deprioritized else -len(r.prefix_indices))
 
     @staticmethod
-    def _sort_by_dfs_weight(waiting_queue: list[Req], tree_cache: Any) -> None:
+    def _sort_by_dfs_weight(waiting_queue: list[Req], tree_cache: BasePrefixCache) -> None:
         """Depth-first over the tree, heavier subtrees first; a node's own requests after its
         children (post-order). weight = waiting requests whose last node is in the subtree."""
-        last_node_to_reqs: dict[Any, list[Req]] = defaultdict(list)
+        last_node_to_reqs: dict[TreeNode, list[Req]] = defaultdict(list)
         for req in waiting_queue:
             last_node_to_reqs[req.last_node].append(req)
-        weight: dict[Any, int] = defaultdict(int)
+        weight: dict[TreeNode, int] = defaultdict(int)
         for node, reqs in last_node_to_reqs.items():
             weight[node] = len(reqs)
         root = tree_cache.root_node
@@ -215,13 +216,13 @@ class SchedulePolicy:
             waiting_queue.extend(r for r in before if r not in seen)
 
 
-def _children(node: Any) -> list[Any]:
+def _children(node: TreeNode) -> list[TreeNode]:
     return list(node.children.values())
 
 
-def _calc_weight(root: Any, weight: dict[Any, int]) -> None:
-    order: list[tuple[Any, Any]] = []
-    stack: list[tuple[Any, Any]] = [(root, None)]
+def _calc_weight(root: TreeNode, weight: dict[TreeNode, int]) -> None:
+    order: list[tuple[TreeNode, TreeNode | None]] = []
+    stack: list[tuple[TreeNode, TreeNode | None]] = [(root, None)]
     while stack:  # iterative: trees can be deep
         node, parent = stack.pop()
         order.append((node, parent))
@@ -232,9 +233,9 @@ def _calc_weight(root: Any, weight: dict[Any, int]) -> None:
 
 
 def _get_dfs_priority(
-    root: Any, weight: dict[Any, int], node_to_reqs: dict[Any, list[Req]], out: list[Req]
+    root: TreeNode, weight: dict[TreeNode, int], node_to_reqs: dict[TreeNode, list[Req]], out: list[Req]
 ) -> None:
-    stack: list[tuple[Any, bool]] = [(root, False)]
+    stack: list[tuple[TreeNode, bool]] = [(root, False)]
     while stack:
         node, expanded = stack.pop()
         if expanded:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from radixengine.managers.grammar_manager import GrammarManager
 from radixengine.managers.overlap_utils import StepTimer, write_chrome_trace
+from radixengine.managers.req import Tokenizer
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.schedule_policy import SchedulePolicy, has_prefix_tree
 from radixengine.managers.scheduler_admission import SchedulerAdmissionMixin
@@ -26,11 +27,17 @@ from radixengine.managers.scheduler_intake import SchedulerIntakeMixin
 from radixengine.managers.scheduler_io import InProcessIO, SchedulerIO, SchedulerIOClosed
 from radixengine.managers.scheduler_metrics import SchedulerMetricsMixin, SchedulerStats
 from radixengine.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
-from radixengine.managers.worker_client import TpModelWorkerClient, make_worker_client
+from radixengine.managers.worker_client import OverlapResult, TpModelWorkerClient, make_worker_client
 from radixengine.mem_cache.accounting import TokenAccountingError, check_token_accounting
+from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.chunk_cache import ChunkCache
+from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.mem_cache.radix_cache import RadixCache
+from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
 from radixengine.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixengine.managers.tp_worker import GenerationBatchResult, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +47,13 @@ __all__ = ["Scheduler", "SchedulerStats"]
 class ModelWorker(Protocol):
     """What the scheduler uses of TpModelWorker."""
 
-    def get_worker_info(self) -> Any: ...
+    def get_worker_info(self) -> WorkerInfo: ...
 
-    def get_memory_pool(self) -> tuple[Any, Any]: ...
+    def get_memory_pool(self) -> tuple[ReqToTokenPool, BaseTokenToKVPoolAllocator]: ...
 
-    def forward_batch_generation(self, model_worker_batch: Any, delay_sample: bool = False) -> Any: ...
+    def forward_batch_generation(
+        self, model_worker_batch: ModelWorkerBatch, delay_sample: bool = False
+    ) -> GenerationBatchResult: ...
 
 
 class Scheduler(
@@ -54,7 +63,7 @@ class Scheduler(
         self,
         server_args: ServerArgs,
         tp_worker: ModelWorker | None = None,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         io: SchedulerIO | None = None,
     ) -> None:
         self.server_args = server_args
@@ -69,7 +78,13 @@ class Scheduler(
         self._init_config(server_args)
         self._init_worker_info()
         self._init_memory_and_cache()
-        self.grammar_manager = GrammarManager(server_args, tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammar_manager = GrammarManager(
+            server_args.grammar_backend,
+            not server_args.constrained_json_disable_any_whitespace,
+            tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+        )
         self.policy = SchedulePolicy(
             server_args.schedule_policy,
             self.tree_cache,
@@ -108,7 +123,7 @@ class Scheduler(
         self.step_ct = 0  # event-loop steps run (the watchdog's progress counter)
         self._trace_written_at = time.perf_counter()
         # Launched batches whose results are not processed yet (at most two, under overlap).
-        self.result_queue: deque[tuple[ScheduleBatch, Any]] = deque()
+        self.result_queue: deque[tuple[ScheduleBatch, OverlapResult]] = deque()
         # The one overlap switch: how a batch runs (inline, or launched on the forward stream).
         self.model_worker = make_worker_client(
             self.tp_worker,
@@ -158,7 +173,7 @@ class Scheduler(
 
     # One step ---------------------------------------------------------------------------------
 
-    def run_batch(self, batch: ScheduleBatch) -> Any:
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | OverlapResult:
         self.stats.num_forward_steps += 1
         return self.model_worker.run_batch(batch)
 
@@ -289,7 +304,7 @@ class Scheduler(
         raise RuntimeError(f"scheduler not idle after {max_steps} steps: {self.get_internal_state()}")
 
 
-def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
+def _tokenizer_eos(tokenizer: Tokenizer | None) -> frozenset[int]:
     """The tokenizer's own EOS id (SGLang adds it to the model's EOS set)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     return frozenset() if eos is None else frozenset({eos})

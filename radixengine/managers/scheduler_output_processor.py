@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +21,10 @@ from radixengine.managers.schedule_batch import Req, ScheduleBatch
 
 if TYPE_CHECKING:
     from radixengine.managers.scheduler import Scheduler
+    from radixengine.managers.tp_worker import GenerationBatchResult
+    from radixengine.managers.worker_client import OverlapResult
+
+    BatchResult = GenerationBatchResult | OverlapResult
 
 logger = logging.getLogger("radixengine.managers.scheduler")
 
@@ -41,13 +45,13 @@ class HostResults:
 
 
 class SchedulerOutputProcessorMixin:
-    def process_batch_result(self: Scheduler, batch: ScheduleBatch, result: Any) -> None:
+    def process_batch_result(self: Scheduler, batch: ScheduleBatch, result: BatchResult) -> None:
         if batch.forward_mode.is_decode():
             self.process_batch_result_decode(batch, result)
         elif batch.forward_mode.is_extend():
             self.process_batch_result_prefill(batch, result)
 
-    def _host_results(self: Scheduler, batch: ScheduleBatch, result: Any) -> HostResults:
+    def _host_results(self: Scheduler, batch: ScheduleBatch, result: BatchResult) -> HostResults:
         copy_done = getattr(result, "copy_done", None)
         if copy_done is not None:
             with self.timer.phase("wait"):
@@ -103,7 +107,7 @@ class SchedulerOutputProcessorMixin:
             req.time_stats.finish_time = time.perf_counter()
             self.tree_cache.cache_finished_req(req)
 
-    def process_batch_result_prefill(self: Scheduler, batch: ScheduleBatch, result: Any) -> None:
+    def process_batch_result_prefill(self: Scheduler, batch: ScheduleBatch, result: BatchResult) -> None:
         res = self._host_results(batch, result)
         stale: list[int] = []
         input_offsets = _offsets(batch.input_logprob_counts)
@@ -129,7 +133,7 @@ class SchedulerOutputProcessorMixin:
             self._pending_outputs.append(req)
         self._free_stale_slots(batch, stale)
 
-    def process_batch_result_decode(self: Scheduler, batch: ScheduleBatch, result: Any) -> None:
+    def process_batch_result_decode(self: Scheduler, batch: ScheduleBatch, result: BatchResult) -> None:
         res = self._host_results(batch, result)
         allocator = self.token_to_kv_pool_allocator
         allocator.free_group_begin()

@@ -13,13 +13,25 @@ import logging
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from radixengine.managers.overlap_utils import FutureMap, StepTimer
 from radixengine.managers.schedule_batch import ScheduleBatch
-from radixengine.utils.streams import CpuStream, CudaStream, HostStream, get_default_stream, new_stream
+from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
+from radixengine.utils.streams import (
+    CpuStream,
+    CudaStream,
+    Event,
+    HostStream,
+    Stream,
+    get_default_stream,
+    new_stream,
+)
+
+if TYPE_CHECKING:
+    from radixengine.managers.tp_worker import GenerationBatchResult
 
 logger = logging.getLogger(__name__)
 
@@ -27,24 +39,28 @@ logger = logging.getLogger(__name__)
 class ModelWorker(Protocol):
     """What the clients use of TpModelWorker."""
 
-    def forward_batch_generation(self, model_worker_batch: Any, delay_sample: bool = False) -> Any: ...
+    def forward_batch_generation(
+        self, model_worker_batch: ModelWorkerBatch, delay_sample: bool = False
+    ) -> GenerationBatchResult: ...
 
 
 class WorkerClient(Protocol):
-    forward_stream: Any  # None when the forward runs inline on the scheduler thread
+    forward_stream: Stream | None  # None when the forward runs inline on the scheduler thread
 
-    def run_batch(self, batch: ScheduleBatch) -> Any:
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | OverlapResult:
         """Run (or launch) the batch; its `output_ids` become the sampled tokens (or placeholders)."""
         ...
 
-    def launch_sample_if_needed(self, result: Any) -> None: ...
+    def launch_sample_if_needed(self, result: GenerationBatchResult | OverlapResult) -> None: ...
 
     def device_intervals(self, scheduler_events: list[tuple[str, float, float]]) -> list: ...
 
     def close(self) -> None: ...
 
 
-def update_vocab_mask(batch: ScheduleBatch, mwb: Any, timer: StepTimer, pin_memory: bool) -> None:
+def update_vocab_mask(
+    batch: ScheduleBatch, mwb: ModelWorkerBatch, timer: StepTimer, pin_memory: bool
+) -> None:
     """This step's allowed-token masks of the batch's constrained rows, filled on the host from
     each matcher's state (SGLang's update_regex_vocab_mask)."""
     with timer.phase("grammar"):
@@ -56,14 +72,18 @@ class InlineWorkerClient:
     """The normal step order: the forward runs on the scheduler thread."""
 
     def __init__(
-        self, worker: ModelWorker, timer: StepTimer, device: torch.device, forward_stream: Any = None
+        self,
+        worker: ModelWorker,
+        timer: StepTimer,
+        device: torch.device,
+        forward_stream: HostStream | None = None,
     ) -> None:
         self.worker = worker
         self.timer = timer
         self.pin_memory = device.type == "cuda"
         self.forward_stream = forward_stream
 
-    def run_batch(self, batch: ScheduleBatch) -> Any:
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         mwb = batch.get_model_worker_batch()
         if batch.has_grammar:
             update_vocab_mask(batch, mwb, self.timer, self.pin_memory)
@@ -72,7 +92,7 @@ class InlineWorkerClient:
         batch.output_ids = result.next_token_ids
         return result
 
-    def launch_sample_if_needed(self, result: Any) -> None:
+    def launch_sample_if_needed(self, result: GenerationBatchResult) -> None:
         pass
 
     def device_intervals(self, scheduler_events: list[tuple[str, float, float]]) -> list:
@@ -106,11 +126,11 @@ class OverlapResult:
     input_token_logprobs: torch.Tensor | None = None
     input_top_logprobs_val: torch.Tensor | None = None
     input_top_logprobs_idx: torch.Tensor | None = None
-    copy_done: Any = None
+    copy_done: Event | None = None
     # A batch with a grammar, until its sample is launched: (the batch, its ModelWorkerBatch),
     # and the forward's result, whose delay_sample_func samples it.
-    delayed_sample: tuple[ScheduleBatch, Any] | None = None
-    forward_out: Any = None
+    delayed_sample: tuple[ScheduleBatch, ModelWorkerBatch] | None = None
+    forward_out: GenerationBatchResult | None = None
 
 
 class TpModelWorkerClient:
@@ -132,7 +152,7 @@ class TpModelWorkerClient:
         self.default_stream = get_default_stream(device)
         self.future_map = FutureMap(num_rows, device)
         # Keeps the inputs of the last two launched batches alive while the device reads them.
-        self.batch_record_buf: deque[Any] = deque(maxlen=2)
+        self.batch_record_buf: deque[ModelWorkerBatch] = deque(maxlen=2)
         if isinstance(forward_stream, CpuStream):
             weakref.finalize(self, forward_stream.close)
 
@@ -177,7 +197,11 @@ class TpModelWorkerClient:
             self.forward_stream.close()
 
     def _forward_on_stream(
-        self, mwb: Any, req_pool_indices: torch.Tensor, result: OverlapResult, delay_sample: bool = False
+        self,
+        mwb: ModelWorkerBatch,
+        req_pool_indices: torch.Tensor,
+        result: OverlapResult,
+        delay_sample: bool = False,
     ) -> None:
         mwb.input_ids = self.future_map.resolve_future(mwb.input_ids)
         if delay_sample:
@@ -192,7 +216,9 @@ class TpModelWorkerClient:
             raise RuntimeError("the forward of a batch with a delayed sample did not run")
         self._publish_on_stream(out.delay_sample_func(), req_pool_indices, result)
 
-    def _publish_on_stream(self, out: Any, req_pool_indices: torch.Tensor, result: OverlapResult) -> None:
+    def _publish_on_stream(
+        self, out: GenerationBatchResult, req_pool_indices: torch.Tensor, result: OverlapResult
+    ) -> None:
         self.future_map.store_to_map(req_pool_indices, out.next_token_ids)
         result.next_token_ids = _to_host(out.next_token_ids)
         for name in _OPTIONAL_RESULTS:
