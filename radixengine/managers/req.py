@@ -77,7 +77,6 @@ class Req:
         self._clear_round_state()
         self._init_finish_state()
         self.is_retracted = False
-        self.retraction_count = 0
         self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
         self.time_stats = TimeStats()
         # Constrained decoding: the request's matcher (a Future while its grammar compiles, in
@@ -248,7 +247,6 @@ class Req:
     def reset_for_retract(self) -> None:
         self._clear_round_state()
         self.is_retracted = True
-        self.retraction_count += 1
         if self.grammar is not None:  # its matcher, rebuilt from the output ids
             self.grammar = self.grammar.copy()
             for token in self.output_ids:
