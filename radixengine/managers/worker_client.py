@@ -58,17 +58,21 @@ class WorkerClient(Protocol):
     def close(self) -> None: ...
 
 
-def update_vocab_mask(
-    batch: ScheduleBatch, mwb: ModelWorkerBatch, timer: StepTimer, pin_memory: bool
-) -> None:
-    """This step's allowed-token masks of the batch's constrained rows, filled on the host from
-    each matcher's state (SGLang's update_regex_vocab_mask)."""
-    with timer.phase("grammar"):
-        grammars = [r.samples_grammar() for r in batch.reqs]
-        mwb.sampling_info.update_regex_vocab_mask(grammars, batch.vocab_size, pin_memory=pin_memory)
+class _WorkerClientBase:
+    def __init__(self, worker: ModelWorker, timer: StepTimer, device: torch.device) -> None:
+        self.worker = worker
+        self.timer = timer
+        self.pin_memory = device.type == "cuda"
+
+    def update_vocab_mask(self, batch: ScheduleBatch, mwb: ModelWorkerBatch) -> None:
+        """This step's allowed-token masks of the batch's constrained rows, filled on the host
+        from each matcher's state (SGLang's update_regex_vocab_mask)."""
+        with self.timer.phase("grammar"):
+            grammars = [r.samples_grammar() for r in batch.reqs]
+            mwb.sampling_info.update_regex_vocab_mask(grammars, batch.vocab_size, pin_memory=self.pin_memory)
 
 
-class InlineWorkerClient:
+class InlineWorkerClient(_WorkerClientBase):
     """The normal step order: the forward runs on the scheduler thread."""
 
     def __init__(
@@ -78,15 +82,13 @@ class InlineWorkerClient:
         device: torch.device,
         forward_stream: HostStream | None = None,
     ) -> None:
-        self.worker = worker
-        self.timer = timer
-        self.pin_memory = device.type == "cuda"
+        super().__init__(worker, timer, device)
         self.forward_stream = forward_stream
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         mwb = batch.get_model_worker_batch()
         if batch.has_grammar:
-            update_vocab_mask(batch, mwb, self.timer, self.pin_memory)
+            self.update_vocab_mask(batch, mwb)
         with self.timer.phase("forward"):
             result = self.worker.forward_batch_generation(mwb)
         batch.output_ids = result.next_token_ids
@@ -133,7 +135,7 @@ class OverlapResult:
     forward_out: GenerationBatchResult | None = None
 
 
-class TpModelWorkerClient:
+class TpModelWorkerClient(_WorkerClientBase):
     """The overlap step order: the forward runs on the forward stream (a CUDA stream, or a CPU
     worker thread) while the scheduler processes the previous batch."""
 
@@ -145,9 +147,7 @@ class TpModelWorkerClient:
         forward_stream: CpuStream | CudaStream,
         num_rows: int,
     ) -> None:
-        self.worker = worker
-        self.timer = timer
-        self.pin_memory = device.type == "cuda"
+        super().__init__(worker, timer, device)
         self.forward_stream = forward_stream
         self.default_stream = get_default_stream(device)
         self.future_map = FutureMap(num_rows, device)
@@ -185,7 +185,7 @@ class TpModelWorkerClient:
             return
         result.delayed_sample = None
         batch, mwb = pending
-        update_vocab_mask(batch, mwb, self.timer, self.pin_memory)
+        self.update_vocab_mask(batch, mwb)
         self.forward_stream.submit(self._sample_on_stream, batch.req_pool_indices, result, label="sample")
         result.copy_done = self.forward_stream.record_event()
 
