@@ -92,14 +92,14 @@ class Probe:
         return out
 
     def wrap_mask(self, sched: Scheduler) -> None:
-        fill = sched.update_vocab_mask
+        fill = sched.model_worker.update_vocab_mask
 
         def timed(batch, mwb):
             start = time.perf_counter()
             fill(batch, mwb)
             self.mask[id(mwb)] = (start, time.perf_counter())
 
-        sched.update_vocab_mask = timed
+        sched.model_worker.update_vocab_mask = timed
 
     def mean_forward_ms(self) -> float | None:
         if not self.cpu or not self.forward:

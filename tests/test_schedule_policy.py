@@ -7,21 +7,14 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from radixengine.managers.prefill_adder import CLIP_MAX_NEW_TOKENS, AddReqResult, PrefillAdder
 from radixengine.managers.schedule_batch import Req
-from radixengine.managers.schedule_policy import (
-    CLIP_MAX_NEW_TOKENS,
-    AddReqResult,
-    CacheAgnosticPolicy,
-    PrefillAdder,
-    PrefixTrie,
-    SchedulePolicy,
-)
+from radixengine.managers.schedule_policy import CacheAgnosticPolicy, PrefixTrie, SchedulePolicy
 from radixengine.mem_cache.allocator import TokenToKVPoolAllocator
 from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.mem_cache.radix_cache import RadixCache
 from radixengine.sampling.sampling_params import SamplingParams
-from radixengine.server_args import ServerArgs
 
 _arrival = iter(range(1, 1_000_000))
 
@@ -43,6 +36,17 @@ def rids(queue: list[Req]) -> list[str]:
     return [r.rid for r in queue]
 
 
+def order(policy: SchedulePolicy, queue: list[Req]) -> bool:
+    """What admission does each round: match the prefixes if the policy reads them, then order.
+    Returns whether it matched."""
+    matched = policy.needs_prefix_match(queue)
+    if matched:
+        for req in queue:
+            req.init_next_round_input(policy.tree_cache)
+    policy.calc_priority(queue)
+    return matched
+
+
 # Orders ----------------------------------------------------------------------------------------
 
 
@@ -57,7 +61,7 @@ def test_dfs_weight_worked_example_of_seed_001():
     ends = {"C": A + C, "D": A + D, "F": B + E + F, "G": B + E + G}
     arrival = ["F1", "G1", "D1", "C1", "F2", "C2", "G2", "D2", "C3", "C4"]
     queue = [make_req(name, ends[name[0]] + [200 + i]) for i, name in enumerate(arrival)]
-    SchedulePolicy("dfs-weight", tree).calc_priority(queue)
+    order(SchedulePolicy("dfs-weight", tree), queue)
     assert rids(queue) == ["C1", "C2", "C3", "C4", "D1", "D2", "F1", "F2", "G1", "G2"]
     assert queue[0].last_node.key == tuple(C)
 
@@ -72,13 +76,13 @@ def test_lpm_sorts_by_cached_prefix_and_falls_back_to_fcfs():
         make_req("p25", list(range(10, 35)) + [203]),
     ]
     policy = SchedulePolicy("lpm", tree, lpm_fallback_queue_len=4)
-    assert policy.calc_priority(queue) is True
+    assert order(policy, queue) is True
     assert rids(queue) == ["p40", "p25", "p10", "none"]
     assert [len(r.prefix_indices) for r in queue] == [40, 25, 10, 0]
 
     longer = queue + [make_req("late", list(range(10, 50)) + [204])]
     before = rids(longer)
-    assert policy.calc_priority(longer) is False  # 5 > 4: plain FCFS, nothing matched
+    assert order(policy, longer) is False  # 5 > 4: plain FCFS, nothing matched
     assert rids(longer) == before
 
 
@@ -90,10 +94,10 @@ def test_lpm_in_batch_prefix_caching_deprioritizes_sharers():
         make_req("other", [50, 51, 52]),
         make_req("s3", shared + [3]),
     ]
-    SchedulePolicy("lpm", make_tree()).calc_priority(queue)
+    order(SchedulePolicy("lpm", make_tree()), queue)
     assert rids(queue) == ["s1", "other", "s2", "s3"]
     queue.sort(key=lambda r: r.rid)
-    SchedulePolicy("lpm", make_tree(), enable_in_batch_prefix_caching=False).calc_priority(queue)
+    order(SchedulePolicy("lpm", make_tree(), enable_in_batch_prefix_caching=False), queue)
     assert rids(queue) == ["other", "s1", "s2", "s3"]  # all prefixes 0: stable order
 
 
@@ -152,7 +156,7 @@ class FakeRunningBatch:
     def is_empty(self) -> bool:
         return not self.reqs
 
-    def release_req(self, idx: int, remaining: int, server_args) -> None:
+    def release_req(self, idx: int, remaining: int, retract_decode_steps: int) -> None:
         self.released.append(self.reqs[idx].rid)
         self.reqs[idx].reset_for_retract()
 
@@ -160,9 +164,18 @@ class FakeRunningBatch:
         self.reqs = [self.reqs[i] for i in keep_indices]
 
 
-def make_adder(tree, running=None, ratio=0.5, rem_input=1000, rem_chunk=None, page_size=1) -> PrefillAdder:
+def make_adder(
+    tree, running=None, ratio=0.5, rem_input=1000, rem_chunk=None, page_size=1, low_first=False
+) -> PrefillAdder:
     return PrefillAdder(
-        page_size, tree, tree.token_to_kv_pool_allocator, running, ratio, rem_input, rem_chunk
+        page_size,
+        tree,
+        tree.token_to_kv_pool_allocator,
+        running,
+        ratio,
+        rem_input,
+        rem_chunk,
+        schedule_low_priority_values_first=low_first,
     )
 
 
@@ -178,11 +191,11 @@ def test_adder_reserves_running_decode_and_charges_admissions():
     adder = make_adder(tree, FakeRunningBatch(running), ratio=0.5)
     assert adder.rem_total_token_offset == pytest.approx(80 * 0.5 + CLIP_MAX_NEW_TOKENS * 0.5)
     assert adder.rem_total_tokens == pytest.approx(1000 - 40 - 2048)
-    assert adder.add_one_req(ready(make_req("c", [4] * 10), tree), False) == AddReqResult.NO_TOKEN
+    assert adder.add_one_req(ready(make_req("c", [4] * 10), tree)) == AddReqResult.NO_TOKEN
 
     adder = make_adder(tree, ratio=0.5)
     req = ready(make_req("d", [4] * 50, max_new_tokens=30), tree)
-    assert adder.add_one_req(req, False) == AddReqResult.CONTINUE
+    assert adder.add_one_req(req) == AddReqResult.CONTINUE
     assert adder.rem_total_token_offset == 50 + 30 and adder.cur_rem_token_offset == 50
     assert adder.can_run_list == [req]
 
@@ -191,9 +204,9 @@ def test_adder_first_request_may_exceed_input_budget():
     tree = make_tree()
     adder = make_adder(tree, rem_input=16)
     first = ready(make_req("big", list(range(2, 60))), tree)
-    assert adder.add_one_req(first, False) == AddReqResult.OTHER  # admitted, budget now spent
+    assert adder.add_one_req(first) == AddReqResult.OTHER  # admitted, budget now spent
     assert adder.can_run_list == [first]
-    assert adder.add_one_req(ready(make_req("next", [2, 3, 4]), tree), False) == AddReqResult.OTHER
+    assert adder.add_one_req(ready(make_req("next", [2, 3, 4]), tree)) == AddReqResult.OTHER
     assert adder.can_run_list == [first]
 
 
@@ -203,23 +216,24 @@ def test_adder_chunks_one_request_and_locks_prefix():
     adder = make_adder(tree, rem_chunk=16)
     req = ready(make_req("long", list(range(2, 80))), tree)
     assert len(req.prefix_indices) == 20 and req.extend_input_len == 58
-    assert adder.add_one_req(req, False) == AddReqResult.OTHER  # chunk budget spent
-    assert adder.new_chunked_req is req
-    assert req.extend_input_len == 16 and req.fill_ids == list(range(2, 38))
+    assert adder.add_one_req(req) == AddReqResult.OTHER  # chunk budget spent
+    plan = adder.plan(None, batch_is_full=False)
+    assert plan.chunked_req is req and plan.reqs == [req] and plan.extend_lens == [16]
+    assert req.extend_input_len == 58  # the plan is applied by the scheduler, not the adder
     assert tree.protected_size() == 20  # locked until the cache takes the chunk
     assert adder.rem_total_token_offset == 16  # no output reserve for a partial chunk
 
     adder2 = make_adder(tree, rem_chunk=64)
     req.init_next_round_input()  # keeps the prefix (no re-match): 58 left
     assert adder2.add_chunked_req(req) is None  # fits: completes
-    assert req.extend_input_len == 58
+    assert adder2.plan(None, batch_is_full=False).extend_lens == [58]
 
 
 def test_adder_pages_round_up():
     tree = make_tree()
     adder = make_adder(tree, page_size=16)
     req = ready(make_req("r", list(range(2, 22))), tree)  # 20 tokens
-    adder.add_one_req(req, False)
+    adder.add_one_req(req)
     assert adder.cur_rem_token_offset == 32
 
 
@@ -239,33 +253,30 @@ def test_preempt_to_schedule_takes_only_what_it_needs():
     batch = _running_with_priorities([0, 0, 50, 0])
     adder = make_adder(tree, batch, ratio=1.0)
     newcomer = ready(make_req("vip", [3] * 50, max_new_tokens=100, priority=100), tree)
-    assert adder.add_one_req(newcomer, False) == AddReqResult.NO_TOKEN
-    args = ServerArgs(enable_priority_scheduling=True)
-    assert adder.preempt_to_schedule(newcomer, args)
+    assert adder.add_one_req(newcomer) == AddReqResult.NO_TOKEN
+    assert adder.preempt_to_schedule(newcomer)
     # need = 150 - 0: two victims of 100 each; worst first (priority 0, newest first).
     assert sorted(batch.released) == ["run1", "run3"]
     assert all(r.is_retracted for r in adder.preempt_list)
     assert adder.rem_total_token_offset == pytest.approx(200)
     assert rids(batch.reqs) == ["run0", "run2"]
-    assert adder.add_one_req(newcomer, False) != AddReqResult.NO_TOKEN
+    assert adder.add_one_req(newcomer) != AddReqResult.NO_TOKEN
 
 
 def test_preempt_respects_threshold_and_skips_finished():
     tree = make_tree(400)
     batch = _running_with_priorities([0, 95, 0, 0], finished={0})
     adder = make_adder(tree, batch, ratio=1.0)
-    args = ServerArgs(enable_priority_scheduling=True)
     vip = ready(make_req("vip", [3] * 150, max_new_tokens=200, priority=100), tree)
     # need 250, but only run2 and run3 qualify (run1 is within the threshold, run0 finished)
-    assert not adder.preempt_to_schedule(vip, args)
+    assert not adder.preempt_to_schedule(vip)
     assert batch.released == []
     small = ready(make_req("small", [3] * 20, max_new_tokens=20, priority=100), tree)
-    assert adder.preempt_to_schedule(small, args)
+    assert adder.preempt_to_schedule(small)
     assert batch.released == ["run3"]
 
-    low_first = ServerArgs(enable_priority_scheduling=True, schedule_low_priority_values_first=True)
     batch = _running_with_priorities([5, 30, 50])
-    adder = make_adder(tree, batch, ratio=1.0)
+    adder = make_adder(tree, batch, ratio=1.0, low_first=True)
     urgent = ready(make_req("urgent", [3] * 20, max_new_tokens=20, priority=1), tree)
-    assert adder.preempt_to_schedule(urgent, low_first)
+    assert adder.preempt_to_schedule(urgent)
     assert batch.released == ["run2"]  # the largest value is the least important

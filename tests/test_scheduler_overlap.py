@@ -305,7 +305,7 @@ def test_seeded_sampling_identical_in_both_loops(policy):
 @pytest.mark.parametrize("layout", ["inline", "thread"])
 def test_cpu_forward_stream_layouts(layout):
     sched = make_scheduler(overlap=True, chunked_prefill_size=16, cpu_forward_stream=layout)
-    assert isinstance(sched.forward_stream, HostStream if layout == "inline" else CpuStream)
+    assert isinstance(sched.model_worker.forward_stream, HostStream if layout == "inline" else CpuStream)
     assert sched.enable_overlap == (layout == "thread")  # inline: the normal step order
     reqs = [gen_req(f"l{i}", p, 12) for i, p in enumerate(random_prompts(760, 8, 5, 50))]
     assert_matches_oracle(reqs, run_to_completion(sched, reqs))
@@ -319,11 +319,11 @@ def test_auto_forward_stream_follows_the_core_count():
     try:
         torch.set_num_threads(available_cores())
         sched = make_scheduler(overlap=True, cpu_forward_stream="auto")
-        assert isinstance(sched.forward_stream, HostStream) and not sched.enable_overlap
+        assert isinstance(sched.model_worker.forward_stream, HostStream) and not sched.enable_overlap
         if available_cores() > 1:
             torch.set_num_threads(available_cores() - 1)
             sched = make_scheduler(overlap=True, cpu_forward_stream="auto")
-            assert isinstance(sched.forward_stream, CpuStream) and sched.enable_overlap
+            assert isinstance(sched.model_worker.forward_stream, CpuStream) and sched.enable_overlap
             sched.close()
     finally:
         torch.set_num_threads(threads)

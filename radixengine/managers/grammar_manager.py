@@ -9,7 +9,7 @@ import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from radixengine.constrained.base_grammar_backend import InvalidGrammarObject, create_grammar_backend
-from radixengine.managers.schedule_batch import Req
+from radixengine.managers.req import Req, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -21,9 +21,16 @@ class GrammarManager:
     memory a server that never sees one need not pay); a tokenizer it cannot read fails those
     requests with the reason, never the scheduler."""
 
-    def __init__(self, server_args, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        self.backend_name = server_args.grammar_backend
-        self.any_whitespace = not server_args.constrained_json_disable_any_whitespace
+    def __init__(
+        self,
+        backend_name: str,
+        any_whitespace: bool,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.backend_name = backend_name
+        self.any_whitespace = any_whitespace
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)

@@ -132,28 +132,25 @@ def _with_derived(state: dict) -> dict:
 
 class TokenizerMetricsCollector:
     def __init__(self, model_name: str) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.labels = tokenizer_labels(model_name)
         self.scheduler_labels = scheduler_labels(model_name)
-        names = list(self.labels)
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens_total", "Number of prefill tokens processed.", names, registry=r
+        self.prompt_tokens = self._counter("prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter(
+            "generation_tokens_total", "Number of generation tokens processed."
         )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens_total", "Number of generation tokens processed.", names, registry=r
-        )
-        self.cached_tokens = Counter(
-            PREFIX + "cached_tokens_total",
+        self.cached_tokens = self._counter(
+            "cached_tokens_total",
             "Number of cached prompt tokens by source (device/host/storage).",
-            [*names, "cache_source"],
-            registry=r,
+            "cache_source",
         )
-        self.num_requests = Counter(
-            PREFIX + "num_requests_total", "Number of requests processed.", names, registry=r
-        )
-        self.num_aborted = Counter(
-            PREFIX + "num_aborted_requests_total", "Number of requests aborted.", names, registry=r
-        )
+        self.num_requests = self._counter("num_requests_total", "Number of requests processed.")
+        self.num_aborted = self._counter("num_aborted_requests_total", "Number of requests aborted.")
+        self._init_histograms()
+        self.scheduler = SchedulerStatsCollector(self.scheduler_labels)
+        self.registry.register(self.scheduler)
+
+    def _init_histograms(self) -> None:
         self.prompt_tokens_histogram = self._histogram(
             "prompt_tokens_histogram", "Histogram of prompt token length.", TOKENS_BUCKETS
         )
@@ -174,10 +171,11 @@ class TokenizerMetricsCollector:
             "Histogram of queueing time in seconds.",
             list(self.scheduler_labels),
             buckets=QUEUE_TIME_BUCKETS,
-            registry=r,
+            registry=self.registry,
         )
-        self.scheduler = SchedulerStatsCollector(self.scheduler_labels)
-        r.register(self.scheduler)
+
+    def _counter(self, name: str, doc: str, *extra_labels: str) -> Counter:
+        return Counter(PREFIX + name, doc, [*self.labels, *extra_labels], registry=self.registry)
 
     def _histogram(self, name: str, doc: str, buckets: tuple) -> Histogram:
         return Histogram(PREFIX + name, doc, list(self.labels), buckets=buckets, registry=self.registry)

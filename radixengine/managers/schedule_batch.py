@@ -1,4 +1,4 @@
-"""Req and ScheduleBatch: a request's state and the batches built from it.
+"""ScheduleBatch: the batches built from requests (`Req`, in req.py).
 
 A `ScheduleBatch` is the scheduler's view of a batch (the requests, plus CPU and device tensors
 kept in step with them); `get_model_worker_batch` turns it into the `ModelWorkerBatch` the model
@@ -15,278 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixengine.managers.io_struct import (
-    finish_abort,
-    finish_length,
-    finish_matched_str,
-    finish_matched_token,
-)
+from radixengine.managers.req import Req, TimeStats
+from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
+from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from radixengine.sampling.output_token_counts import OutputTokenCounts
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
-from radixengine.sampling.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from radixengine.server_args import ServerArgs
-
-
-_EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
-
-
-# Request ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class TimeStats:
-    wait_queue_entry_time: float = 0.0  # arrival (set once, kept across retractions)
-    forward_entry_time: float = 0.0  # first admitted to a prefill batch
-    first_token_time: float = 0.0
-    finish_time: float = 0.0
-
-
-class Req:
-    """One generation request and its progress. Identity semantics (hashable by object)."""
-
-    def __init__(
-        self,
-        rid: str,
-        origin_input_text: str | None,
-        origin_input_ids: list[int],
-        sampling_params: SamplingParams,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        stream: bool = False,
-        priority: int | None = None,
-        logprob_start_len: int = -1,
-    ) -> None:
-        self.rid = rid
-        self.origin_input_text = origin_input_text
-        self.origin_input_ids = list(origin_input_ids)
-        self.sampling_params = sampling_params
-        self.return_logprob = return_logprob
-        # Without return_logprob neither is used (SGLang ignores them too). logprob_start_len -1
-        # means no prompt logprobs: the prompt's length.
-        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
-        self.logprob_start_len = len(self.origin_input_ids) if logprob_start_len == -1 else logprob_start_len
-        self.stream = stream
-        self.priority = priority
-
-        self.output_ids: list[int] = []
-        # With return_logprob, per output token: the chosen token's logprob and, with
-        # top_logprobs_num, the most likely tokens' logprobs and ids.
-        self.output_token_logprobs: list[float] = []
-        self.output_top_logprobs_val: list[list[float]] = []
-        self.output_top_logprobs_idx: list[list[int]] = []
-        # The prompt's, for its tokens from logprob_start_len on (the first is None: nothing
-        # before it is scored), set once the whole prompt is prefilled; the parts gather the
-        # chunks until then.
-        self.input_token_logprobs: list[float | None] | None = None
-        self.input_top_logprobs_val: list[list[float] | None] | None = None
-        self.input_top_logprobs_idx: list[list[int] | None] | None = None
-        self.input_logprobs_sent = False
-        self._input_logprobs_part: list[float] = []
-        self._input_top_val_part: list[list[float]] = []
-        self._input_top_idx_part: list[list[int]] = []
-        # How many output ids (and their logprobs) stream_output has sent to the detokenizer.
-        self.send_token_offset = 0
-        # The tokens this round computes KV for (origin + output, truncated for a chunk).
-        self.fill_ids: list[int] = []
-        self.prefix_indices: torch.Tensor = _EMPTY_INDICES
-        self.last_node: Any = None
-        self.last_matched_prefix_len = 0
-        self.extend_input_len = 0
-        self.host_hit_length = 0
-        self.req_pool_idx: int | None = None
-
-        self.finished_reason: dict | None = None
-        self.to_abort = False
-        self.to_abort_message = "The request was aborted."
-        self.to_abort_status_code = 499
-
-        self.is_chunked = 0  # chunk batches launched and not processed yet
-        self.is_retracted = False
-        self.retraction_count = 0
-        self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
-        self.already_computed = 0
-        self.time_stats = TimeStats()
-        # Constrained decoding: the request's matcher (a Future while its grammar compiles, in
-        # the scheduler's grammar queue), advanced with every output token.
-        self.grammar: Any = None
-
-        self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
-        self._stop_str_max_len = max((len(s) for s in sampling_params.stop_strs), default=0)
-
-    def init_stop_str_window(self, tokenizer: Any) -> None:
-        """Size the look-back for stop strings in tokens: a character may span several tokens
-        (emoji, rare CJK, byte fallback), so take the most of the stop string's token count and
-        its UTF-8 length (no byte-level token is empty)."""
-        stops = self.sampling_params.stop_strs
-        if tokenizer is None or not stops or not hasattr(tokenizer, "encode"):
-            return
-        self._stop_str_max_len = max(
-            max(len(tokenizer.encode(s, add_special_tokens=False)), len(s.encode("utf-8"))) for s in stops
-        )
-
-    def __repr__(self) -> str:
-        return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
-
-    @property
-    def seqlen(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
-
-    def finished(self) -> bool:
-        return self.finished_reason is not None
-
-    # Prefix matching ---------------------------------------------------------------------------
-
-    def adjust_max_prefix_ids(self) -> list[int]:
-        """The ids a prefix match may cover: all but the last, so at least one token is computed
-        and its logits exist; while its prompt logprobs are due, none past logprob_start_len (the
-        positions they come from must be computed, as in SGLang)."""
-        self.fill_ids = self.origin_input_ids + self.output_ids
-        return self.fill_ids[: self.max_prefix_len()]
-
-    def max_prefix_len(self) -> int:
-        """How many of origin + output ids a prefix match may cover (see adjust_max_prefix_ids)."""
-        limit = len(self.origin_input_ids) + len(self.output_ids) - 1
-        return min(limit, self.logprob_start_len) if self.needs_input_logprobs() else limit
-
-    def init_next_round_input(self, tree_cache: Any = None) -> None:
-        """Set fill_ids and extend_input_len for this round; with a tree cache, (re)match the
-        prefix first (without one, the prefix of the last match or chunk is kept)."""
-        prefix_ids = self.adjust_max_prefix_ids()
-        if tree_cache is not None:
-            match = tree_cache.match_prefix(prefix_ids)
-            self.prefix_indices, self.last_node = match.device_indices, match.last_node
-            self.last_matched_prefix_len = len(self.prefix_indices)
-        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
-
-    # Logprobs ----------------------------------------------------------------------------------
-
-    def needs_input_logprobs(self) -> bool:
-        return (
-            self.return_logprob
-            and self.input_token_logprobs is None
-            and self.logprob_start_len < len(self.origin_input_ids)
-        )
-
-    def input_logprob_range(self, prefix_len: int, seq_len: int) -> tuple[int, int]:
-        """The positions of this extend (over tokens prefix_len..seq_len) whose logits score a
-        prompt token: from logprob_start_len to the one before the prompt's last."""
-        if not self.needs_input_logprobs():
-            return 0, 0
-        lo = max(self.logprob_start_len, prefix_len)
-        return lo, max(min(seq_len, len(self.origin_input_ids) - 1), lo)
-
-    def add_input_logprobs(
-        self, logprobs: list[float], top_val: list[list[float]] | None, top_idx: list[list[int]] | None
-    ) -> None:
-        self._input_logprobs_part += logprobs
-        if top_val is not None:
-            self._input_top_val_part += top_val
-            self._input_top_idx_part += top_idx
-
-    def finish_input_logprobs(self) -> None:
-        """The prompt is prefilled: its logprobs are complete (SGLang's shape, first one None)."""
-        if self.input_token_logprobs is not None:
-            return
-        if self.logprob_start_len >= len(self.origin_input_ids):
-            self.input_token_logprobs, self.input_top_logprobs_val, self.input_top_logprobs_idx = [], [], []
-            return
-        self.input_token_logprobs = [None, *self._input_logprobs_part]
-        self.input_top_logprobs_val = [None, *self._input_top_val_part] if self.top_logprobs_num else []
-        self.input_top_logprobs_idx = [None, *self._input_top_idx_part] if self.top_logprobs_num else []
-        self._input_logprobs_part, self._input_top_val_part, self._input_top_idx_part = [], [], []
-
-    def append_output_logprobs(
-        self, logprob: float, top_val: list[float] | None, top_idx: list[int] | None
-    ) -> None:
-        self.output_token_logprobs.append(logprob)
-        if self.top_logprobs_num:
-            self.output_top_logprobs_val.append(top_val)
-            self.output_top_logprobs_idx.append(top_idx)
-
-    # Finishing ---------------------------------------------------------------------------------
-
-    def check_finished(self, eos_token_ids: frozenset[int], tokenizer: Any = None) -> None:
-        """SGLang's order: abort, length, stop token ids / EOS (all skipped under ignore_eos),
-        stop strings. min_new_tokens is enforced by the sampler, which keeps EOS and the stop
-        token ids from being sampled before it; stop strings are checked from the first token."""
-        if self.finished_reason is not None:
-            return
-        if self.to_abort:
-            self.finished_reason = finish_abort(self.to_abort_message, self.to_abort_status_code, "Aborted")
-            return
-        params = self.sampling_params
-        num_out = len(self.output_ids)
-        if num_out >= params.max_new_tokens:
-            self.finished_reason = finish_length(params.max_new_tokens)
-            return
-        if num_out == 0:
-            return
-        last = self.output_ids[-1]
-        if self.grammar is not None and self.grammar.is_terminated():
-            self.finished_reason = finish_matched_token(last)
-            return
-        if not params.ignore_eos and (last in self._stop_token_ids or last in eos_token_ids):
-            self.finished_reason = finish_matched_token(last)
-            return
-        if self._stop_str_max_len and tokenizer is not None:
-            tail = tokenizer.decode(self.output_ids[-(self._stop_str_max_len + 1) :])
-            for stop in params.stop_strs:
-                if stop in tail:
-                    self.finished_reason = finish_matched_str(stop)
-                    return
-
-    def abort(self, message: str, status_code: int = 400, err_type: str = "BadRequestError") -> None:
-        self.finished_reason = finish_abort(message, status_code, err_type)
-
-    def reset_for_retract(self) -> None:
-        self.prefix_indices = _EMPTY_INDICES
-        self.last_node = None
-        self.last_matched_prefix_len = 0
-        self.extend_input_len = 0
-        self.fill_ids = []
-        self.req_pool_idx = None
-        self.is_chunked = 0
-        self.is_retracted = True
-        self.retraction_count += 1
-        self.already_computed = 0
-        if self.grammar is not None:  # its matcher, rebuilt from the output ids
-            self.grammar = self.grammar.copy()
-            for token in self.output_ids:
-                self.grammar.accept_token(token)
-        if self.input_token_logprobs is None:  # computed again from logprob_start_len
-            self._input_logprobs_part, self._input_top_val_part, self._input_top_idx_part = [], [], []
-
-    def samples_grammar(self) -> Any:
-        """The matcher whose mask this step's token is sampled under, or None: a request without
-        a grammar, a chunk that samples no token, one finished or retracted since the batch was
-        launched (its token is dropped), or a prefill-only request."""
-        g = self.grammar
-        if g is None or self.is_chunked > 0 or self.finished() or self.is_retracted:
-            return None
-        return g if self.sampling_params.max_new_tokens > 0 and not g.is_terminated() else None
-
-    @contextmanager
-    def as_prefilled_upto(self, kv_len: int):
-        """Present this request to the tree cache as if its KV covered exactly the first
-        `kv_len` of its tokens (for releasing a partially prefilled, aborted request through
-        `cache_finished_req`, which assumes the prompt is complete)."""
-        saved = self.origin_input_ids, self.output_ids
-        self.origin_input_ids = (self.origin_input_ids + self.output_ids)[:kv_len]
-        self.output_ids = []
-        try:
-            yield
-        finally:
-            self.origin_input_ids, self.output_ids = saved
+__all__ = ["Req", "ScheduleBatch", "TimeStats"]
 
 
 # Batch ------------------------------------------------------------------------------------------
@@ -299,16 +41,15 @@ def _int64(values, device: torch.device | str = "cpu") -> torch.Tensor:
 @dataclass
 class ScheduleBatch:
     reqs: list[Req]
-    req_to_token_pool: Any
-    token_to_kv_pool_allocator: Any
-    tree_cache: Any
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator
+    tree_cache: BasePrefixCache
     device: torch.device | str = "cpu"
     page_size: int = 1
     vocab_size: int | None = None
     eos_token_ids: frozenset[int] = frozenset()  # suppressed until a request's min_new_tokens
 
     forward_mode: ForwardMode = ForwardMode.IDLE
-    batch_is_full: bool = False
     input_ids: torch.Tensor | None = None
     req_pool_indices: torch.Tensor = field(default_factory=lambda: _int64([]))
     seq_lens: torch.Tensor = field(default_factory=lambda: _int64([]))  # device
@@ -416,20 +157,7 @@ class ScheduleBatch:
 
         rows = self._alloc_req_rows()
         out_cache_loc = self._alloc_extend_slots(prefix_lens, seq_lens)
-        pool = self.req_to_token_pool
-        now = time.perf_counter()
-        pt = 0
-        for req, row, pre, seq in zip(reqs, rows, prefix_lens, seq_lens):
-            req.req_pool_idx = row
-            if pre:
-                pool.write((row, slice(0, pre)), req.prefix_indices)
-            pool.write((row, slice(pre, seq)), out_cache_loc[pt : pt + seq - pre])
-            pt += seq - pre
-            req.cached_tokens += max(pre - req.already_computed, 0)
-            req.already_computed = seq
-            req.is_retracted = False
-            if not req.time_stats.forward_entry_time:
-                req.time_stats.forward_entry_time = now
+        self._write_req_to_token(rows, prefix_lens, seq_lens, out_cache_loc)
 
         self.input_ids = _int64(input_ids, self.device)
         self.req_pool_indices = _int64(rows, self.device)
@@ -445,6 +173,25 @@ class ScheduleBatch:
             )
         self._sampling_base = None
         self._prepare_input_logprobs(prefix_lens, seq_lens)
+
+    def _write_req_to_token(
+        self, rows: list[int], prefix_lens: list[int], seq_lens: list[int], out_cache_loc: torch.Tensor
+    ) -> None:
+        """Each request's row: its prefix's KV slots, then this extend's; and its cache count."""
+        pool = self.req_to_token_pool
+        now = time.perf_counter()
+        pt = 0
+        for req, row, pre, seq in zip(self.reqs, rows, prefix_lens, seq_lens):
+            req.req_pool_idx = row
+            if pre:
+                pool.write((row, slice(0, pre)), req.prefix_indices)
+            pool.write((row, slice(pre, seq)), out_cache_loc[pt : pt + seq - pre])
+            pt += seq - pre
+            req.cached_tokens += max(pre - req.already_computed, 0)
+            req.already_computed = seq
+            req.is_retracted = False
+            if not req.time_stats.forward_entry_time:
+                req.time_stats.forward_entry_time = now
 
     def _prepare_input_logprobs(self, prefix_lens: list[int], seq_lens: list[int]) -> None:
         """The rows whose logits give prompt logprobs, for the requests that still need them."""
@@ -533,14 +280,7 @@ class ScheduleBatch:
         keep_indices: list[int] | None = None,
     ) -> None:
         if keep_indices is None:
-            exclude = chunked_req_to_exclude
-            if exclude is None:
-                exclude = []
-            elif isinstance(exclude, Req):
-                exclude = [exclude]
-            keep_indices = [
-                i for i, r in enumerate(self.reqs) if not r.finished() and not any(r is e for e in exclude)
-            ]
+            keep_indices = self._unfinished_indices(chunked_req_to_exclude)
         if len(keep_indices) == len(self.reqs):
             return
         self.num_decoding_reqs = sum(1 for i in keep_indices if self.is_decoding_req(i))
@@ -560,6 +300,13 @@ class ScheduleBatch:
             )
         self.return_logprob = any(r.return_logprob for r in self.reqs)
         self._sampling_base = None
+
+    def _unfinished_indices(self, exclude: Req | list[Req] | None) -> list[int]:
+        if exclude is None:
+            exclude = []
+        elif isinstance(exclude, Req):
+            exclude = [exclude]
+        return [i for i, r in enumerate(self.reqs) if not r.finished() and not any(r is e for e in exclude)]
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         if self.is_empty():
@@ -589,15 +336,15 @@ class ScheduleBatch:
 
     # Retraction --------------------------------------------------------------------------------
 
-    def release_req(self, idx: int, remaining_req_count: int, server_args: ServerArgs) -> None:
+    def release_req(self, idx: int, remaining_req_count: int, retract_decode_steps: int) -> None:
         """Return request `idx` to the waiting state: its KV is freed (not inserted: the space
         is needed now), and room is made for the remaining requests' next steps."""
         req = self.reqs[idx]
         self.tree_cache.cache_finished_req(req, is_insert=False)
-        self._evict_for(remaining_req_count * server_args.retract_decode_steps)
+        self._evict_for(remaining_req_count * retract_decode_steps)
         req.reset_for_retract()
 
-    def retract_decode(self, server_args: ServerArgs) -> tuple[list[Req], float, list[Req]]:
+    def retract_decode(self, retract_decode_steps: int) -> tuple[list[Req], float, list[Req]]:
         """Retract requests until the next decode step fits: fewest decoded tokens first, then
         the longest prompt. At least one request stays; if even it cannot get its next slot, it
         is aborted. Returns the retracted requests, the new new_token_ratio and the aborted."""
@@ -610,7 +357,7 @@ class ScheduleBatch:
         while len(order) > 1 and (not retracted or not self.check_decode_mem(_int64(order))):
             idx = order.pop()
             retracted.append(self.reqs[idx])
-            self.release_req(idx, len(order), server_args)
+            self.release_req(idx, len(order), retract_decode_steps)
         aborted: list[Req] = []
         if len(order) == 1 and not self.check_decode_mem(_int64(order)):
             idx = order.pop()
@@ -624,13 +371,13 @@ class ScheduleBatch:
             )
             aborted.append(req)
         self.filter_batch(keep_indices=sorted(order))
-        return retracted, self._ratio_after_retract(server_args), aborted
+        return retracted, self._ratio_after_retract(retract_decode_steps), aborted
 
-    def _ratio_after_retract(self, server_args: ServerArgs) -> float:
+    def _ratio_after_retract(self, retract_decode_steps: int) -> float:
         """How much of the remaining requests' max_new_tokens to reserve from now on."""
         decoded = sum(len(r.output_ids) for r in self.reqs)
         max_new = sum(r.sampling_params.max_new_tokens for r in self.reqs)
-        return min(1.0, (decoded + server_args.retract_decode_steps * len(self.reqs)) / (max_new + 1))
+        return min(1.0, (decoded + retract_decode_steps * len(self.reqs)) / (max_new + 1))
 
     # Worker batch ------------------------------------------------------------------------------
 
