@@ -36,7 +36,9 @@ LAYERS = (
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
 # What a lower layer may name in annotations only: the data handed down to it.
 TYPING_ONLY_DOWNWARD_DATA = {"radixengine.model_executor.forward_batch_info"}
-# DESIGN.md's "Layout": the file each named class lives in (and nowhere else).
+# DESIGN.md's "Layout": the file each named class lives in (and nowhere else). Two departures,
+# for managers/'s 500-line cap: Req has its own file (req.py; schedule_batch.py re-exports it) and
+# PrefillAdder too (prefill_adder.py); docs/architecture.md draws the layout as it is.
 LAYOUT = {
     "server_args.py": ["ServerArgs"],
     "engine.py": ["Engine"],
@@ -44,8 +46,10 @@ LAYOUT = {
     "managers/tokenizer_manager.py": ["TokenizerManager"],
     "managers/detokenizer_manager.py": ["DetokenizerManager"],
     "managers/scheduler.py": ["Scheduler"],
-    "managers/schedule_batch.py": ["Req", "ScheduleBatch"],
-    "managers/schedule_policy.py": ["SchedulePolicy", "PrefillAdder"],
+    "managers/req.py": ["Req"],
+    "managers/schedule_batch.py": ["ScheduleBatch"],
+    "managers/schedule_policy.py": ["SchedulePolicy"],
+    "managers/prefill_adder.py": ["PrefillAdder"],
     "managers/overlap_utils.py": ["FutureMap"],
     "mem_cache/memory_pool.py": ["ReqToTokenPool", "MHATokenToKVPool"],
     "mem_cache/allocator.py": ["TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"],

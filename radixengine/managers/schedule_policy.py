@@ -10,7 +10,6 @@ from enum import Enum
 
 from radixengine.managers.req import Req
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
-from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.radix_cache import TreeNode
 
 # SGLang's constants (environment variables there).
@@ -44,8 +43,8 @@ def lowest_priority_value(low_values_first: bool) -> int:
 
 
 def has_prefix_tree(tree_cache: BasePrefixCache) -> bool:
-    """Whether the cache shares prefixes (a ChunkCache, or a disabled RadixCache, does not)."""
-    return not isinstance(tree_cache, ChunkCache) and not getattr(tree_cache, "disable", False)
+    """Whether the cache shares prefixes (a ChunkCache does not)."""
+    return not tree_cache.disable
 
 
 # In-batch prefix tracking ------------------------------------------------------------------------

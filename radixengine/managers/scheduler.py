@@ -37,7 +37,7 @@ from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
 from radixengine.server_args import ServerArgs
 
 if TYPE_CHECKING:
-    from radixengine.managers.tp_worker import GenerationBatchResult, WorkerInfo
+    from radixengine.model_executor.tp_worker import GenerationBatchResult, WorkerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from radixengine.managers.schedule_batch import Req, ScheduleBatch
 
 if TYPE_CHECKING:
     from radixengine.managers.scheduler import Scheduler
-    from radixengine.managers.tp_worker import GenerationBatchResult
     from radixengine.managers.worker_client import OverlapResult
+    from radixengine.model_executor.tp_worker import GenerationBatchResult
 
     BatchResult = GenerationBatchResult | OverlapResult
 

@@ -31,7 +31,7 @@ from radixengine.utils.streams import (
 )
 
 if TYPE_CHECKING:
-    from radixengine.managers.tp_worker import GenerationBatchResult
+    from radixengine.model_executor.tp_worker import GenerationBatchResult
 
 logger = logging.getLogger(__name__)
 
