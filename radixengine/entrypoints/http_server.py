@@ -219,6 +219,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         objs, single = native_requests(await parse_json(request))
+        tag_routing_key(request, objs)
         if objs[0].stream:
             return await sse_response(request, _native_events(tm, objs, single), objs)
         if single:
@@ -236,6 +237,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     async def _completions(request: Request, req: CompletionRequest) -> Response:
         _fill_defaults(tm, req)
         objs, prompts = oai.completion_requests(tm, req)
+        tag_routing_key(request, objs)
         if req.stream:
             return await sse_response(
                 request, oai.completion_stream(tm, req, merged_stream(tm, objs), prompts), objs
@@ -256,6 +258,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         _fill_defaults(tm, req)
         oai.apply_sampling_defaults(req, tm.default_sampling_params)
         objs = oai.chat_requests(tm, req)
+        tag_routing_key(request, objs)
         if req.stream:
             return await sse_response(request, oai.chat_stream(tm, req, merged_stream(tm, objs)), objs)
         outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
@@ -303,13 +306,24 @@ def openai_params(prompt_param: str, max_tokens_param: str):
 
 NATIVE_FIELDS = {
     "text", "input_ids", "sampling_params", "stream", "rid", "priority", "return_logprob", "top_logprobs_num",
-    "logprob_start_len", "return_text_in_logprobs",
+    "logprob_start_len", "return_text_in_logprobs", "routing_key",
 }  # fmt: skip
 # Accepted for SGLang's clients (sglang-router adds them): `model` names the one model, `no_logs`
 # changes nothing here, `log_metrics: false` keeps the request out of the metrics.
 NATIVE_COMPAT_FIELDS = {"model", "no_logs", "log_metrics"}
 # Given once for every prompt, or as a list with one per prompt (SGLang's batch form).
 NATIVE_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len")
+
+
+ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-tenant")  # SGLang's header, and a plain one
+
+
+def tag_routing_key(request: Request, objs: list[GenerateReqInput]) -> None:
+    """The tenant of --schedule-policy dlpm: a /generate body's routing_key, else a header."""
+    header = next((request.headers[h] for h in ROUTING_KEY_HEADERS if h in request.headers), None)
+    for obj in objs:
+        if obj.routing_key is None:
+            obj.routing_key = header
 
 
 def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
@@ -337,6 +351,7 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
                 sampling_params=_sample_params(params[i], j, n),
                 rid=rids[i * n + j],
                 priority=priorities[i],
+                routing_key=body.get("routing_key"),
                 stream=body.get("stream", False),
                 return_text_in_logprobs=body.get("return_text_in_logprobs", False),
                 **{name: values[i] for name, values in logprob_fields.items()},

@@ -32,6 +32,7 @@ class GenerateReqInput:
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     priority: int | None = None
+    routing_key: str | None = None  # the tenant, for --schedule-policy dlpm (SGLang's field)
     chat_template_kwargs: dict | None = None
     continue_final_message: bool = False
     tools: list[dict] | None = None  # OpenAI tool definitions, for the chat template
@@ -52,6 +53,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     priority: int | None = None
+    routing_key: str | None = None
     # A request the front end already knows is bad: the scheduler finishes it at once with this
     # error instead of running it (keeps one path for every finish).
     error: str | None = None

@@ -28,6 +28,7 @@ from radixengine.managers.io_struct import (
     finish_matched_str,
     finish_matched_token,
 )
+from radixengine.managers.retraction_policy import retraction_order
 from radixengine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from radixengine.sampling.output_token_counts import OutputTokenCounts
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
@@ -65,6 +66,7 @@ class Req:
         stream: bool = False,
         priority: int | None = None,
         logprob_start_len: int = -1,
+        routing_key: str | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -77,6 +79,11 @@ class Req:
         self.logprob_start_len = len(self.origin_input_ids) if logprob_start_len == -1 else logprob_start_len
         self.stream = stream
         self.priority = priority
+        # Fair scheduling (managers/fair_policy.py): the tenant, and this wait's start on the
+        # prefill-token clock and its scheduling passes so far.
+        self.routing_key = routing_key
+        self.arrival_processed_tokens: int | None = None
+        self.waiting_passes = 0
 
         self.output_ids: list[int] = []
         # With return_logprob, per output token: the chosen token's logprob and, with
@@ -598,14 +605,10 @@ class ScheduleBatch:
         req.reset_for_retract()
 
     def retract_decode(self, server_args: ServerArgs) -> tuple[list[Req], float, list[Req]]:
-        """Retract requests until the next decode step fits: fewest decoded tokens first, then
-        the longest prompt. At least one request stays; if even it cannot get its next slot, it
+        """Retract requests until the next decode step fits, in --retraction-policy's order
+        (managers/retraction_policy.py). At least one request stays; if even it cannot get its next slot, it
         is aborted. Returns the retracted requests, the new new_token_ratio and the aborted."""
-        order = sorted(
-            range(len(self.reqs)),
-            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
-            reverse=True,
-        )
+        order = retraction_order(self.reqs, server_args)
         retracted: list[Req] = []
         while len(order) > 1 and (not retracted or not self.check_decode_mem(_int64(order))):
             idx = order.pop()

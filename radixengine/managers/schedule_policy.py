@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
+from radixengine.managers.fair_policy import FairPolicy
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 
 if TYPE_CHECKING:
@@ -25,6 +26,10 @@ IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32  # tokens another waiting re
 class CacheAwarePolicy(Enum):
     LPM = "lpm"
     DFS_WEIGHT = "dfs-weight"
+    # Ordered by managers/fair_policy.py
+    HRRN = "hrrn"
+    SHORTEST_PREFILL_FIRST = "shortest-prefill-first"
+    DLPM = "dlpm"
 
 
 class CacheAgnosticPolicy(Enum):
@@ -108,6 +113,7 @@ class SchedulePolicy:
         lpm_fallback_queue_len: int = 128,
         enable_in_batch_prefix_caching: bool = True,
         rng: random.Random | None = None,
+        fair: FairPolicy | None = None,
     ) -> None:
         self.tree_cache = tree_cache
         self.policy = self._validate_and_adjust_policy(policy, tree_cache)
@@ -119,6 +125,7 @@ class SchedulePolicy:
         self.enable_in_batch_prefix_caching = enable_in_batch_prefix_caching
         self.rng = rng or random.Random(0)
         self.waiting_queue_radix_tree = PrefixTrie()
+        self.fair = fair or FairPolicy()
 
     @staticmethod
     def _validate_and_adjust_policy(policy: str, tree_cache: Any) -> Policy:
@@ -135,7 +142,8 @@ class SchedulePolicy:
         return parsed
 
     def _determine_active_policy(self, waiting_queue: list[Req]) -> Policy:
-        if self.policy == CacheAwarePolicy.LPM and len(waiting_queue) > self.lpm_fallback_queue_len:
+        matching = (CacheAwarePolicy.LPM, CacheAwarePolicy.HRRN, CacheAwarePolicy.SHORTEST_PREFILL_FIRST)
+        if self.policy in matching and len(waiting_queue) > self.lpm_fallback_queue_len:
             return CacheAgnosticPolicy.FCFS  # matching every request costs too much
         return self.policy
 
@@ -144,10 +152,13 @@ class SchedulePolicy:
         `init_next_round_input` need not match again)."""
         policy = self._determine_active_policy(waiting_queue)
         prefix_computed = False
+        self.fair.observe_queue(waiting_queue)
         if isinstance(policy, CacheAwarePolicy):
             deprioritized = self._compute_prefix_matches(waiting_queue)
             prefix_computed = True
-            if policy == CacheAwarePolicy.LPM:
+            if self.fair.handles(policy.value):
+                self.fair.sort(policy.value, waiting_queue, deprioritized)
+            elif policy == CacheAwarePolicy.LPM:
                 self._sort_by_longest_prefix(waiting_queue, deprioritized)
             else:
                 self._sort_by_dfs_weight(waiting_queue, self.tree_cache)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from radixengine.managers.fair_policy import FairPolicy
 from radixengine.managers.grammar_manager import GrammarManager
 from radixengine.managers.io_struct import (
     INIT_INCREMENTAL_DETOKENIZATION_OFFSET,
@@ -99,6 +100,7 @@ class Scheduler:
             schedule_low_priority_values_first=args.schedule_low_priority_values_first,
             lpm_fallback_queue_len=args.lpm_fallback_queue_len,
             enable_in_batch_prefix_caching=self.enable_in_batch_prefix_caching,
+            fair=FairPolicy(args.lpm_aging_tokens_per_pass, args.dlpm_quantum_tokens),
         )
         self.try_preemption = args.enable_priority_scheduling
         self.enable_mixed_chunk = args.enable_mixed_chunk
@@ -173,8 +175,11 @@ class Scheduler:
 
     def _init_memory_and_cache(self) -> None:
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self.tp_worker.get_memory_pool()
-        cache_cls = ChunkCache if self.server_args.disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        pools = (self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        if self.server_args.disable_radix_cache:
+            self.tree_cache = ChunkCache(*pools)
+        else:
+            self.tree_cache = RadixCache(*pools, eviction_policy=self.server_args.radix_eviction_policy)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch.init_new(
@@ -217,6 +222,7 @@ class Scheduler:
             stream=recv.stream,
             priority=recv.priority,
             logprob_start_len=recv.logprob_start_len if recv.return_logprob else -1,
+            routing_key=recv.routing_key,
         )
         req.init_stop_str_window(self.tokenizer)
         if self.server_args.enable_priority_scheduling and req.priority is None:
@@ -326,7 +332,7 @@ class Scheduler:
                 self._release_aborted_chunked_req(in_last_batch=True)
             else:
                 # Hand the chunk to the cache; the request keeps its row for the next chunk.
-                self.tree_cache.cache_unfinished_req(self.chunked_req)
+                self.tree_cache.cache_unfinished_req(self.chunked_req, chunked=True)
         elif self.chunked_req is not None and self.chunked_req.to_abort:
             self._release_aborted_chunked_req(in_last_batch=False)
 
@@ -430,6 +436,7 @@ class Scheduler:
         batch = self._new_batch(can_run)
         cached_before = sum(r.cached_tokens for r in can_run)
         batch.prepare_for_extend()
+        self.policy.fair.on_prefill_batch(can_run)
         self.stats.num_cached_tokens += sum(r.cached_tokens for r in can_run) - cached_before
         self.stats.num_prefill_tokens += batch.extend_num_tokens
         if self.enable_mixed_chunk:

@@ -271,6 +271,8 @@ class TokenizerManager:
         self.validate_input_ids(input_ids, sampling_params, param)
         if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
             raise RequestError(f"priority must be an integer, got {obj.priority!r}", param="priority")
+        if obj.routing_key is not None and not isinstance(obj.routing_key, str):
+            raise RequestError(f"routing_key must be a string, got {obj.routing_key!r}", param="routing_key")
         check_logprob_params(obj, len(input_ids), self.vocab_size)
         obj.rid = rid
         return TokenizedGenerateReqInput(
@@ -283,6 +285,7 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             priority=obj.priority,
+            routing_key=obj.routing_key,
         )
 
     def check_rid(self, rid: object) -> str:
