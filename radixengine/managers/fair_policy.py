@@ -57,6 +57,10 @@ class FairPolicy:
     processed_tokens: int = 0  # prefill tokens computed so far: HRRN's clock
     deficits: dict[str, int] = field(default_factory=dict)
     served_tokens: dict[str, int] = field(default_factory=dict)  # per tenant, since start
+    # The last dlpm order's replenishments: each applies once a request at or after its
+    # position is admitted, so the counters follow the order admission took.
+    _position: dict[Req, int] = field(default_factory=dict)
+    _rounds: list[Replenish] = field(default_factory=list)
 
     def handles(self, policy: str) -> bool:
         return policy in FAIR_POLICIES or (policy == "lpm" and self.lpm_aging_tokens_per_pass > 0)
@@ -72,7 +76,10 @@ class FairPolicy:
     def on_prefill_batch(self, reqs: list[Req]) -> None:
         """A prefill batch was formed: advance the clock, charge the tenants, and clear the
         requests' waiting stamps (a retracted or preempted request starts a new wait)."""
-        for req in reqs:
+        for req in sorted(reqs, key=lambda r: self._position.get(r, -1)):
+            position = self._position.get(req, -1)
+            while self._rounds and self._rounds[0].position <= position:
+                self._rounds.pop(0).apply(self.deficits)
             tokens = req.extend_input_len
             self.processed_tokens += tokens
             tenant = tenant_of(req)
@@ -97,9 +104,12 @@ class FairPolicy:
     # DLPM ----------------------------------------------------------------------------------
 
     def sort_by_deficit_lpm(self, waiting_queue: list[Req], deprioritized: set[Req]) -> None:
-        self.refresh_deficits({tenant_of(r) for r in waiting_queue})
+        active = {tenant_of(r) for r in waiting_queue}
+        self.refresh_deficits(active)
         lpm = sorted(waiting_queue, key=lambda r: (r in deprioritized, -len(r.prefix_indices), _arrival(r)))
-        waiting_queue[:] = deficit_order(lpm, dict(self.deficits), self.dlpm_quantum_tokens)
+        order, self._rounds = deficit_order(lpm, dict(self.deficits), self.dlpm_quantum_tokens, active)
+        waiting_queue[:] = order
+        self._position = {r: i for i, r in enumerate(order)}
 
     def refresh_deficits(self, active: set[str]) -> None:
         """Deficit round robin's bookkeeping for this pass: an idle tenant drops its credit (it
@@ -109,21 +119,45 @@ class FairPolicy:
             del self.deficits[tenant]
         for tenant in active - self.deficits.keys():
             self.deficits[tenant] = self.dlpm_quantum_tokens
-        _replenish(self.deficits, active, self.dlpm_quantum_tokens)
+        replenish = Replenish.when_due(self.deficits, active, active, self.dlpm_quantum_tokens, position=0)
+        if replenish is not None:
+            replenish.apply(self.deficits)
 
 
-def _replenish(deficits: dict[str, int], tenants: set[str], quantum: int) -> None:
-    if not tenants or any(deficits[t] > 0 for t in tenants):
-        return
-    rounds = min(math.ceil((1 - deficits[t]) / quantum) for t in tenants)
-    for t in tenants:
-        deficits[t] += rounds * quantum
+@dataclass
+class Replenish:
+    """DRR rounds: `credit` tokens to each waiting tenant (none above one quantum), due before
+    the request at `position` of the order."""
+
+    position: int
+    tenants: frozenset[str]
+    credit: int
+    quantum: int
+
+    @staticmethod
+    def when_due(
+        deficits: dict[str, int], waiting: set[str], active: set[str], quantum: int, position: int
+    ) -> Replenish | None:
+        """When no tenant with a request still `waiting` has credit: the rounds that give one of
+        them credit, for every `active` tenant."""
+        if not waiting or any(deficits[t] > 0 for t in waiting):
+            return None
+        rounds = min(math.ceil((1 - deficits[t]) / quantum) for t in waiting)
+        return Replenish(position, frozenset(active), rounds * quantum, quantum)
+
+    def apply(self, deficits: dict[str, int]) -> None:
+        for t in self.tenants:
+            deficits[t] = min(deficits.get(t, 0) + self.credit, self.quantum)
 
 
-def deficit_order(lpm_order: list[Req], deficits: dict[str, int], quantum: int) -> list[Req]:
+def deficit_order(
+    lpm_order: list[Req], deficits: dict[str, int], quantum: int, active: set[str] | None = None
+) -> tuple[list[Req], list[Replenish]]:
     """The order admission would follow if every request were admitted: repeatedly the first
-    request in LPM order whose tenant still has credit, charged its uncached tokens."""
-    remaining, out = list(lpm_order), []
+    request in LPM order whose tenant still has credit, charged its uncached tokens; and the
+    rounds replenished on the way (to the `active` tenants, by default those in the order)."""
+    active = {tenant_of(r) for r in lpm_order} if active is None else active
+    remaining, out, rounds = list(lpm_order), [], []
     while remaining:
         left = []
         for req in remaining:
@@ -134,8 +168,12 @@ def deficit_order(lpm_order: list[Req], deficits: dict[str, int], quantum: int) 
             else:
                 left.append(req)
         remaining = left
-        _replenish(deficits, {tenant_of(r) for r in remaining}, quantum)
-    return out
+        waiting = {tenant_of(r) for r in remaining}
+        replenish = Replenish.when_due(deficits, waiting, active, quantum, len(out))
+        if replenish is not None:
+            replenish.apply(deficits)
+            rounds.append(replenish)
+    return out, rounds
 
 
 # Stateless orders ----------------------------------------------------------------------------
