@@ -98,15 +98,25 @@ class FairPolicy:
             sort_by_aged_prefix(waiting_queue, deprioritized, self.lpm_aging_tokens_per_pass)
         elif policy == "dlpm":
             self.sort_by_deficit_lpm(waiting_queue, deprioritized)
+        elif policy == "dlpm-unmatched":
+            self.sort_by_deficit_lpm(waiting_queue, deprioritized, matched=False)
         else:
             raise ValueError(f"not a fair policy: {policy!r}")
 
     # DLPM ----------------------------------------------------------------------------------
 
-    def sort_by_deficit_lpm(self, waiting_queue: list[Req], deprioritized: set[Req]) -> None:
+    def sort_by_deficit_lpm(
+        self, waiting_queue: list[Req], deprioritized: set[Req], matched: bool = True
+    ) -> None:
+        """With `matched` false (a queue too long to match every request, as lpm falls back to
+        fcfs), arrival order within a tenant and the last known prefixes for the costs."""
         active = {tenant_of(r) for r in waiting_queue}
         self.refresh_deficits(active)
-        lpm = sorted(waiting_queue, key=lambda r: (r in deprioritized, -len(r.prefix_indices), _arrival(r)))
+        if matched:
+            key = lambda r: (r in deprioritized, -len(r.prefix_indices), _arrival(r))  # noqa: E731
+        else:
+            key = _arrival
+        lpm = sorted(waiting_queue, key=key)
         order, self._rounds = deficit_order(lpm, dict(self.deficits), self.dlpm_quantum_tokens, active)
         waiting_queue[:] = order
         self._position = {r: i for i, r in enumerate(order)}

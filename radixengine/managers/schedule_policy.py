@@ -153,7 +153,9 @@ class SchedulePolicy:
         policy = self._determine_active_policy(waiting_queue)
         prefix_computed = False
         self.fair.observe_queue(waiting_queue)
-        if isinstance(policy, CacheAwarePolicy):
+        if policy == CacheAwarePolicy.DLPM and len(waiting_queue) > self.lpm_fallback_queue_len:
+            self.fair.sort("dlpm-unmatched", waiting_queue, set())  # too long to match: deficits only
+        elif isinstance(policy, CacheAwarePolicy):
             deprioritized = self._compute_prefix_matches(waiting_queue)
             prefix_computed = True
             if self.fair.handles(policy.value):
