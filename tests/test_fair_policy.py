@@ -353,3 +353,19 @@ def test_priority_retraction_takes_the_least_important_first():
         "low_short",
         "low_long",
     ]
+
+
+def test_dlpm_past_the_fallback_length_keeps_the_deficits_without_matching():
+    """Like lpm's fallback to fcfs on a long queue (no prefix matching), but tenants still take
+    turns: arrival order within a tenant, each tenant's quantum in turn."""
+    tree = make_tree()
+    system = fresh(100)
+    tree.insert(system)
+    hot = [make_req(f"h{i}", system + fresh(30), "hot") for i in range(6)]
+    cold = make_req("cold", fresh(30), "cold")
+    queue = [*hot, cold]
+    policy = SchedulePolicy("dlpm", tree, fair=FairPolicy(dlpm_quantum_tokens=130), lpm_fallback_queue_len=4)
+    assert policy.calc_priority(queue) is False  # nothing matched: the adder matches as it goes
+    assert all(len(r.prefix_indices) == 0 for r in queue)
+    # Unmatched, a hot request costs its 130 tokens: one per quantum, the cold one second.
+    assert rids(queue)[:3] == ["h0", "cold", "h1"]
