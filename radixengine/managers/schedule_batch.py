@@ -606,8 +606,9 @@ class ScheduleBatch:
 
     def retract_decode(self, server_args: ServerArgs) -> tuple[list[Req], float, list[Req]]:
         """Retract requests until the next decode step fits, in --retraction-policy's order
-        (managers/retraction_policy.py). At least one request stays; if even it cannot get its next slot, it
-        is aborted. Returns the retracted requests, the new new_token_ratio and the aborted."""
+        (managers/retraction_policy.py). At least one request stays; if even it cannot get its
+        next slot, it is aborted. Returns the retracted requests, the new new_token_ratio and the
+        aborted."""
         order = retraction_order(self.reqs, server_args)
         retracted: list[Req] = []
         while len(order) > 1 and (not retracted or not self.check_decode_mem(_int64(order))):
