@@ -89,6 +89,7 @@ class ServerArgs:
     dlpm_quantum_tokens: int = 512
     retraction_policy: str = "length"
     radix_eviction_policy: str = "lru"
+    soft_priority_preemption: bool = False
 
     # Runtime
     num_threads: int | None = None  # CPU intra-op threads; None: all cores
@@ -387,6 +388,12 @@ _HELP = {
         "Which running requests are retracted first when decode runs out of KV memory: length (fewest "
         "decoded tokens, then longest prompt) or priority (least important first; needs "
         "--enable-priority-scheduling)."
+    ),
+    "soft_priority_preemption": (
+        "With --enable-priority-scheduling: a preempted request's computed KV goes to the radix cache "
+        "(evictable, newest last) instead of being freed, so on its return it recomputes only what was "
+        "evicted meanwhile. Preemption still happens only when the free and evictable tokens do not fit "
+        "the important request."
     ),
     "radix_eviction_policy": (
         "Which cached prefixes are evicted first: lru, lfu (fewest inserts), slru (prefixes hit once "

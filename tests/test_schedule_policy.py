@@ -154,7 +154,7 @@ class FakeRunningBatch:
     def is_empty(self) -> bool:
         return not self.reqs
 
-    def release_req(self, idx: int, remaining: int, server_args) -> None:
+    def release_req(self, idx: int, remaining: int, server_args, keep_prefix: bool = False) -> None:
         self.released.append(self.reqs[idx].rid)
         self.reqs[idx].reset_for_retract()
 

@@ -131,11 +131,13 @@ def test_fair_scheduling_flags_parse():
                 "--enable-priority-scheduling",
                 "--radix-eviction-policy",
                 "slru",
+                "--soft-priority-preemption",
             ]
         )
     )
     assert (args.lpm_aging_tokens_per_pass, args.dlpm_quantum_tokens) == (16, 2048)
     assert (args.retraction_policy, args.radix_eviction_policy) == ("priority", "slru")
+    assert args.soft_priority_preemption and not defaults.soft_priority_preemption
     for flag, bad in (("--retraction-policy", "random"), ("--radix-eviction-policy", "mru")):
         with pytest.raises(SystemExit):
             parser.parse_args([flag, bad])

@@ -596,11 +596,15 @@ class ScheduleBatch:
 
     # Retraction --------------------------------------------------------------------------------
 
-    def release_req(self, idx: int, remaining_req_count: int, server_args: ServerArgs) -> None:
+    def release_req(
+        self, idx: int, remaining_req_count: int, server_args: ServerArgs, keep_prefix: bool = False
+    ) -> None:
         """Return request `idx` to the waiting state: its KV is freed (not inserted: the space
-        is needed now), and room is made for the remaining requests' next steps."""
+        is needed now), or with `keep_prefix` (soft priority preemption) handed to the radix
+        cache, evictable like any cached prefix, so what is not evicted meanwhile is reused when
+        the request comes back; and room is made for the remaining requests' next steps."""
         req = self.reqs[idx]
-        self.tree_cache.cache_finished_req(req, is_insert=False)
+        self.tree_cache.cache_finished_req(req, is_insert=keep_prefix)
         self._evict_for(remaining_req_count * server_args.retract_decode_steps)
         req.reset_for_retract()
 

@@ -488,7 +488,12 @@ class PrefillAdder:
             if id(running) in victim_ids:
                 self.rem_total_token_offset -= self._running_req_token_offset(running)
                 released += 1
-                batch.release_req(i, len(batch.reqs) - released, server_args)
+                batch.release_req(
+                    i,
+                    len(batch.reqs) - released,
+                    server_args,
+                    keep_prefix=server_args.soft_priority_preemption,
+                )
             else:
                 keep.append(i)
         batch.filter_batch(keep_indices=keep)
