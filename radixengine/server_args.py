@@ -9,10 +9,11 @@ import random
 from dataclasses import dataclass, field
 
 from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
+from radixengine.mem_cache.evict_policy import RADIX_EVICTION_POLICIES
 from radixengine.parser.reasoning_parser import REASONING_PARSERS
 from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first", "dlpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -25,6 +26,7 @@ LOG_REQUESTS_LEVELS = (0, 1, 2, 3)
 TOOL_CALL_PARSER_NAMES = tuple(TOOL_CALL_PARSERS)
 REASONING_PARSER_NAMES = tuple(REASONING_PARSERS)
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
+RETRACTION_POLICIES = ("length", "priority")
 
 
 @dataclass
@@ -83,6 +85,12 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     stream_interval: int = 1  # see _HELP
     cpu_forward_stream: str = "auto"  # see _HELP
+    # Fair and cache-aware scheduling (managers/fair_policy.py, mem_cache/evict_policy.py)
+    lpm_aging_tokens_per_pass: int = 0
+    dlpm_quantum_tokens: int = 512
+    retraction_policy: str = "length"
+    radix_eviction_policy: str = "lru"
+    soft_priority_preemption: bool = False
 
     # Runtime
     num_threads: int | None = None  # CPU intra-op threads; None: all cores
@@ -163,6 +171,27 @@ class ServerArgs:
             raise ValueError(f"--retract-decode-steps must be >= 0, got {self.retract_decode_steps}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        self._validate_fair_scheduling()
+
+    def _validate_fair_scheduling(self) -> None:
+        aging = self.lpm_aging_tokens_per_pass
+        if not isinstance(aging, int) or isinstance(aging, bool) or aging < 0:
+            raise ValueError(f"--lpm-aging-tokens-per-pass must be an integer >= 0, got {aging!r}")
+        if aging and self.schedule_policy != "lpm":
+            raise ValueError(
+                f"--lpm-aging-tokens-per-pass ages --schedule-policy lpm only; got --schedule-policy "
+                f"{self.schedule_policy}"
+            )
+        _check_positive("--dlpm-quantum-tokens", self.dlpm_quantum_tokens)
+        _check_choice("--retraction-policy", self.retraction_policy, RETRACTION_POLICIES)
+        if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
+            raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
+        _check_choice("--radix-eviction-policy", self.radix_eviction_policy, RADIX_EVICTION_POLICIES)
+        if self.radix_eviction_policy == "priority" and self.schedule_low_priority_values_first:
+            raise ValueError(
+                "--radix-eviction-policy priority evicts lower priority values first, the opposite of "
+                "--schedule-low-priority-values-first"
+            )
 
     # Derived values --------------------------------------------------------------------------
 
@@ -240,6 +269,8 @@ _CHOICES = {
     "grammar_backend": GRAMMAR_BACKENDS,
     "log_level": ("debug", "info", "warning", "error"),
     "log_requests_level": LOG_REQUESTS_LEVELS,
+    "retraction_policy": RETRACTION_POLICIES,
+    "radix_eviction_policy": RADIX_EVICTION_POLICIES,
 }
 
 _HELP = {
@@ -341,7 +372,34 @@ _HELP = {
     "disable_radix_cache": "Do not reuse the KV of shared prompt prefixes (no radix cache).",
     "schedule_policy": (
         "Order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), dfs-weight, lof "
-        "(longest output first), random."
+        "(longest output first), random, hrrn (highest response ratio: wait in computed prefill tokens "
+        "over uncached length), shortest-prefill-first (fewest uncached tokens), dlpm (per-tenant "
+        "deficit counters over lpm: each tenant, the request's routing_key, gets an equal share of "
+        "prefill tokens, cache hits first within it)."
+    ),
+    "lpm_aging_tokens_per_pass": (
+        "lpm with aging: a waiting request's prefix score grows by this many tokens per scheduling pass, "
+        "so no request waits more than about context-length / N passes. 0 (default): plain lpm."
+    ),
+    "dlpm_quantum_tokens": (
+        "dlpm: prefill tokens each waiting tenant is credited per round. Smaller: finer fairness; larger: "
+        "longer runs of one tenant's cache hits."
+    ),
+    "retraction_policy": (
+        "Which running requests are retracted first when decode runs out of KV memory: length (fewest "
+        "decoded tokens, then longest prompt) or priority (least important first; needs "
+        "--enable-priority-scheduling)."
+    ),
+    "soft_priority_preemption": (
+        "With --enable-priority-scheduling: a preempted request's computed KV goes to the radix cache "
+        "(evictable, newest last) instead of being freed, so on its return it recomputes only what was "
+        "evicted meanwhile. Preemption still happens only when the free and evictable tokens do not fit "
+        "the important request."
+    ),
+    "radix_eviction_policy": (
+        "Which cached prefixes are evicted first: lru, lfu (fewest inserts), slru (prefixes hit once "
+        "before those hit twice or more, LRU within each) or priority (prefixes of low-priority "
+        "requests first, a prefix keeping its highest user's priority)."
     ),
     "schedule_conservativeness": (
         "Scales how many future tokens the scheduler reserves for running requests: > 1 admits fewer new "

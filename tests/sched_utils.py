@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from radixengine.managers.io_struct import AbortReq, BatchTokenIDOut, TokenizedGenerateReqInput
+from radixengine.managers.req import Req
+from radixengine.managers.schedule_policy import SchedulePolicy
 from radixengine.managers.scheduler import Scheduler
 from radixengine.managers.scheduler_io import InProcessIO
 from radixengine.mem_cache.accounting import check_token_accounting
@@ -232,3 +234,14 @@ def oracle_greedy_min_new_tokens(
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def order(policy: SchedulePolicy, queue: list[Req]) -> bool:
+    """What admission does each round: match the prefixes if the policy reads them, then order.
+    Returns whether it matched."""
+    matched = policy.needs_prefix_match(queue)
+    if matched:
+        for req in queue:
+            req.init_next_round_input(policy.tree_cache)
+    policy.calc_priority(queue)
+    return matched

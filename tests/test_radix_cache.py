@@ -196,6 +196,74 @@ def test_evict_is_lru_over_leaves_and_frees_whole_nodes():
     assert s.tree.evict(5) == 0
 
 
+def _three_keys(policy: str) -> tuple[RadixCache, Any, dict[str, list[int]]]:
+    alloc = TokenToKVPoolAllocator(32, torch.float16, "cpu", None)
+    tree = RadixCache(None, alloc, eviction_policy=policy)
+    keys = {name: [base + i for i in range(4)] for name, base in (("a", 10), ("b", 20), ("c", 30))}
+    return tree, alloc, keys
+
+
+def _survivors(tree: RadixCache, keys: dict[str, list[int]]) -> set[str]:
+    return {name for name, key in keys.items() if len(tree.match_prefix(key).device_indices) == 4}
+
+
+def test_lfu_evicts_the_least_inserted_prefix_first():
+    tree, alloc, keys = _three_keys("lfu")
+    tree.insert(keys["a"], alloc.alloc(4))
+    for _ in range(2):  # b inserted three times: a hot system prompt
+        dup = alloc.alloc(4)
+        alloc.free(dup[: tree.insert(keys["b"], dup)])
+    tree.insert(keys["c"], alloc.alloc(4))  # the most recent, but inserted once
+    dup = alloc.alloc(4)
+    alloc.free(dup[: tree.insert(keys["b"], dup)])
+    assert tree.evict(4) == 4 and _survivors(tree, keys) == {"b", "c"}  # a: once, and the oldest
+    assert tree.evict(4) == 4 and _survivors(tree, keys) == {"b"}  # LRU would have evicted b here
+
+
+def test_slru_protects_prefixes_hit_twice():
+    tree, alloc, keys = _three_keys("slru")
+    tree.insert(keys["a"], alloc.alloc(4))
+    dup = alloc.alloc(4)
+    alloc.free(dup[: tree.insert(keys["a"], dup)])  # a: protected (2 hits)
+    tree.insert(keys["b"], alloc.alloc(4))
+    tree.insert(keys["c"], alloc.alloc(4))
+    assert tree.evict(8) == 8 and _survivors(tree, keys) == {"a"}  # the probationary ones go first
+
+
+def test_slru_chunked_reinserts_are_no_hits():
+    tree, alloc, keys = _three_keys("slru")
+    tree.insert(keys["a"], alloc.alloc(4))
+    dup = alloc.alloc(4)
+    alloc.free(dup[: tree.insert(keys["a"], dup, chunked=True)])  # the same request's next chunk
+    tree.insert(keys["b"], alloc.alloc(4))
+    assert tree.evict(4) == 4 and _survivors(tree, keys) == {"b"}
+
+
+def test_priority_eviction_takes_low_priority_prefixes_first():
+    tree, alloc, keys = _three_keys("priority")
+    tree.insert(keys["a"], alloc.alloc(4), priority=5)
+    tree.insert(keys["b"], alloc.alloc(4), priority=0)
+    tree.insert(keys["c"], alloc.alloc(4), priority=-1)
+    tree.match_prefix(keys["c"])  # recency does not save a lower priority
+    assert tree.evict(4) == 4 and _survivors(tree, keys) == {"a", "b"}
+    assert tree.evict(4) == 4 and _survivors(tree, keys) == {"a"}
+
+
+def test_priority_of_a_shared_prefix_is_its_highest_user():
+    tree, alloc, _ = _three_keys("priority")
+    tree.insert([1, 2, 3, 4], alloc.alloc(4), priority=0)
+    dup = alloc.alloc(6)
+    alloc.free(dup[: tree.insert([1, 2, 3, 4, 5, 6], dup, priority=9)])
+    tree.insert([7, 8], alloc.alloc(2), priority=3)
+    assert tree.evict(1) == 2 and tree.match_prefix([7, 8]).device_indices.numel() == 0
+    assert tree.match_prefix([1, 2, 3, 4]).last_node.priority == 9
+
+
+def test_unknown_eviction_policy_raises():
+    with pytest.raises(ValueError, match="radix eviction policy 'mru'"):
+        RadixCache(None, None, eviction_policy="mru")
+
+
 def test_parent_becomes_evictable_after_its_children():
     s = Setup(size=32)
     s.tree.insert([1, 2, 3, 4], s.alloc.alloc(4))

@@ -5,6 +5,9 @@
    removes, a page at a time, the least recently used unlocked prefix that no other prefix extends
    (deepest first on ties); the tree removes whole nodes, which is the same order, so after
    `tree.evict` removed E tokens the reference removes E tokens and both must hold the same.
+   The same holds under each `--radix-eviction-policy` (lfu, slru, priority): the reference keeps
+   each prefix's hit count and priority and evicts by the policy's key, which never decreases
+   from a prefix to its extensions, so the tree's whole-node order is still the same.
 2. Request lifecycles (chunked prefill, decode, finish, retract) through cache_unfinished_req /
    cache_finished_req, checking that every running request's row points at allocated slots that
    hold its own tokens, and that the pool adds up.
@@ -64,13 +67,25 @@ class KeyGen:
 class RefEntry:
     slots: tuple[int, ...]  # the KV slots of the prefix's last page
     tick: int
+    hits: int = 0  # inserts through the prefix, chunked ones aside
+    priority: int = 0  # the highest priority that inserted it
+
+
+EVICTION_KEYS = {
+    "lru": lambda e: (e.tick,),
+    "lfu": lambda e: (e.hits, e.tick),
+    "slru": lambda e: (int(e.hits >= 2), e.tick),
+    "priority": lambda e: (e.priority, e.tick),
+}
 
 
 class ReferenceCache:
-    """The cache as a dict: page-aligned prefix -> its last page's slots and last access tick."""
+    """The cache as a dict: page-aligned prefix -> its last page's slots, last access tick, hit
+    count and priority."""
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, policy: str = "lru"):
         self.ps = page_size
+        self.evict_key = EVICTION_KEYS[policy]
         self.entries: dict[tuple[int, ...], RefEntry] = {}
         self.children: Counter[tuple[int, ...]] = Counter()
         self.locks: Counter[tuple[int, ...]] = Counter()
@@ -95,16 +110,19 @@ class ReferenceCache:
                 entry.tick = self.tick
         return len(slots), slots
 
-    def insert(self, key: list[int], value: list[int]) -> int:
+    def insert(self, key: list[int], value: list[int], priority: int = 0, chunked: bool = False) -> int:
         present, _ = self.match(key, touch=False)
         self.tick += 1
         for prefix in self.prefixes(key):
             entry = self.entries.get(prefix)
             if entry is None:
-                entry = self.entries[prefix] = RefEntry(tuple(value[len(prefix) - self.ps : len(prefix)]), 0)
+                slots = tuple(value[len(prefix) - self.ps : len(prefix)])
+                entry = self.entries[prefix] = RefEntry(slots, 0, priority=priority)
                 if len(prefix) > self.ps:
                     self.children[prefix[: -self.ps]] += 1
             entry.tick = self.tick
+            entry.hits += not chunked
+            entry.priority = max(entry.priority, priority)
         return present
 
     def lock(self, matched_key: tuple[int, ...], delta: int) -> None:
@@ -120,7 +138,7 @@ class ReferenceCache:
         freed: list[int] = []
         for _ in range(num_tokens // self.ps):
             leaves = [p for p in self.entries if not self.children[p] and p not in self.locks]
-            victim = min(leaves, key=lambda p: (self.entries[p].tick, -len(p)))
+            victim = min(leaves, key=lambda p: (*self.evict_key(self.entries[p]), -len(p)))
             freed += self.entries.pop(victim).slots
             if len(victim) > self.ps:
                 self.children[victim[: -self.ps]] -= 1
@@ -144,12 +162,12 @@ def tree_contents(tree: RadixCache) -> dict[tuple[int, ...], tuple[int, ...]]:
 class TreeOpsSim:
     MAX_LOCKS = 6
 
-    def __init__(self, page_size: int, seed: int):
+    def __init__(self, page_size: int, seed: int, policy: str = "lru"):
         self.rng = random.Random(seed)
         self.ps = page_size
         self.alloc = make_allocator(40 * page_size, page_size)
-        self.tree = RadixCache(None, self.alloc, page_size)
-        self.ref = ReferenceCache(page_size)
+        self.tree = RadixCache(None, self.alloc, page_size, eviction_policy=policy)
+        self.ref = ReferenceCache(page_size, policy)
         self.keys = KeyGen(self.rng, page_size, max_pages=10 if page_size == 1 else 5)
         self.held: list[tuple[tuple[int, ...], Any]] = []
 
@@ -222,7 +240,9 @@ class TreeOpsSim:
             new = self.alloc.alloc(aligned - length)
             value = torch.cat((key_match.device_indices, new))
             padded = torch.cat((value, torch.zeros(len(key) - aligned, dtype=torch.int64)))
-            assert self.tree.insert(key, padded) == self.ref.insert(key, value.tolist()) == length
+            priority, chunked = self.rng.choice([-3, 0, 0, 2, 7]), self.rng.random() < 0.2
+            present = self.tree.insert(key, padded, priority, chunked)
+            assert present == self.ref.insert(key, value.tolist(), priority, chunked) == length
         self.tree.dec_lock_ref(key_match.last_node)
         self.ref.lock(tuple(key[:length]), -1)
 
@@ -233,8 +253,9 @@ class TreeOpsSim:
         if not self._make_room(aligned):
             return
         value = self.alloc.alloc(aligned)
-        present = self.tree.insert(key[:aligned], value)
-        assert present == self.ref.insert(key[:aligned], value.tolist())
+        priority = self.rng.choice([-3, 0, 0, 2, 7])
+        present = self.tree.insert(key[:aligned], value, priority)
+        assert present == self.ref.insert(key[:aligned], value.tolist(), priority)
         self.alloc.free(value[:present])
 
     def check_sizes(self) -> None:
@@ -260,6 +281,14 @@ def test_tree_ops_match_the_reference(page_size):
     assert min(done.values()) > NUM_OPS // 20
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("policy", ["lfu", "slru", "priority"])
+def test_tree_ops_match_the_reference_under_each_eviction_policy(policy, page_size):
+    sim = TreeOpsSim(page_size, seed=4321 + page_size, policy=policy)
+    done = sim.run(NUM_OPS // 2)
+    assert done["evict"] > NUM_OPS // 40
+
+
 # ---- request lifecycles ----
 
 
@@ -272,6 +301,7 @@ class SimReq:
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
     kv_len: int = 0  # tokens with KV written in the row
+    priority: int | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -281,7 +311,7 @@ class SimReq:
 class LifecycleSim:
     MAX_RUNNING = 6
 
-    def __init__(self, kind: str, page_size: int, seed: int):
+    def __init__(self, kind: str, page_size: int, seed: int, policy: str = "lru"):
         self.rng = random.Random(seed)
         self.ps = page_size
         size = 32 * page_size
@@ -290,7 +320,7 @@ class LifecycleSim:
         if kind == "chunk":
             self.tree = ChunkCache(self.pool, self.alloc, page_size)
         else:
-            self.tree = RadixCache(self.pool, self.alloc, page_size)
+            self.tree = RadixCache(self.pool, self.alloc, page_size, eviction_policy=policy)
         self.shared = kind == "radix"
         self.keys = KeyGen(self.rng, page_size, max_pages=12 if page_size == 1 else 4)
         self.running: list[SimReq] = []
@@ -329,7 +359,7 @@ class LifecycleSim:
         budget = sum(len(r.origin_input_ids) - r.kv_len + self.ps for r in prefilling)
         if budget > self.alloc.available_size() + self.tree.evictable_size():
             return  # admission control: running prefills can always finish
-        req = SimReq(origin_input_ids=ids)
+        req = SimReq(origin_input_ids=ids, priority=self.rng.choice([None, 0, 3, -2]))
         match = self.tree.match_prefix(ids[:-1])  # the last prompt token is always computed
         req.prefix_indices, req.last_node = match.device_indices, match.last_node
         self.tree.inc_lock_ref(req.last_node)
@@ -435,3 +465,9 @@ def test_request_lifecycles_keep_rows_and_accounting(kind, page_size):
     assert stats["finish"] > 50 and stats["chunk"] > 100 and stats["decode"] > 300
     if kind == "radix":
         assert stats["prefix_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("policy", ["lfu", "slru", "priority"])
+def test_request_lifecycles_under_each_eviction_policy(policy):
+    stats = LifecycleSim("radix", 4, seed=7, policy=policy).run(2000)
+    assert stats["finish"] > 50 and stats["chunk"] > 100 and stats["prefix_hit_tokens"] > 0

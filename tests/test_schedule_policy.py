@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from sched_utils import order
 
 from radixengine.managers.prefill_adder import CLIP_MAX_NEW_TOKENS, AddReqResult, PrefillAdder
 from radixengine.managers.schedule_batch import Req
@@ -34,17 +35,6 @@ def make_tree(size: int = 1024) -> RadixCache:
 
 def rids(queue: list[Req]) -> list[str]:
     return [r.rid for r in queue]
-
-
-def order(policy: SchedulePolicy, queue: list[Req]) -> bool:
-    """What admission does each round: match the prefixes if the policy reads them, then order.
-    Returns whether it matched."""
-    matched = policy.needs_prefix_match(queue)
-    if matched:
-        for req in queue:
-            req.init_next_round_input(policy.tree_cache)
-    policy.calc_priority(queue)
-    return matched
 
 
 # Orders ----------------------------------------------------------------------------------------
@@ -156,7 +146,9 @@ class FakeRunningBatch:
     def is_empty(self) -> bool:
         return not self.reqs
 
-    def release_req(self, idx: int, remaining: int, retract_decode_steps: int) -> None:
+    def release_req(
+        self, idx: int, remaining: int, retract_decode_steps: int, keep_prefix: bool = False
+    ) -> None:
         self.released.append(self.reqs[idx].rid)
         self.reqs[idx].reset_for_retract()
 

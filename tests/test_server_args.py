@@ -104,3 +104,67 @@ def test_kv_cache_dtype_resolution():
     assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16) == torch.bfloat16
     with pytest.raises(ValueError, match="needs a float32 model"):
         resolve_kv_cache_dtype("float16", torch.bfloat16)
+
+
+def test_fair_scheduling_flags_parse():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    defaults = ServerArgs.from_cli_args(parser.parse_args(["--device", "cpu"]))
+    assert (defaults.lpm_aging_tokens_per_pass, defaults.dlpm_quantum_tokens) == (0, 512)
+    assert (defaults.retraction_policy, defaults.radix_eviction_policy) == ("length", "lru")
+    for policy in ("hrrn", "shortest-prefill-first", "dlpm"):
+        assert (
+            ServerArgs.from_cli_args(parser.parse_args(["--schedule-policy", policy])).schedule_policy
+            == policy
+        )
+    args = ServerArgs.from_cli_args(
+        parser.parse_args(
+            [
+                "--schedule-policy",
+                "lpm",
+                "--lpm-aging-tokens-per-pass",
+                "16",
+                "--dlpm-quantum-tokens",
+                "2048",
+                "--retraction-policy",
+                "priority",
+                "--enable-priority-scheduling",
+                "--radix-eviction-policy",
+                "slru",
+                "--soft-priority-preemption",
+            ]
+        )
+    )
+    assert (args.lpm_aging_tokens_per_pass, args.dlpm_quantum_tokens) == (16, 2048)
+    assert (args.retraction_policy, args.radix_eviction_policy) == ("priority", "slru")
+    assert args.soft_priority_preemption and not defaults.soft_priority_preemption
+    for flag, bad in (("--retraction-policy", "random"), ("--radix-eviction-policy", "mru")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, bad])
+    help_text = " ".join(parser.format_help().split())
+    assert "--radix-eviction-policy {lru,lfu,slru,priority}" in help_text
+    assert "--retraction-policy {length,priority}" in help_text
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lpm_aging_tokens_per_pass": -1}, "--lpm-aging-tokens-per-pass must be an integer >= 0"),
+        ({"lpm_aging_tokens_per_pass": 8, "schedule_policy": "fcfs"}, "ages --schedule-policy lpm only"),
+        ({"dlpm_quantum_tokens": 0}, "--dlpm-quantum-tokens must be a positive integer"),
+        ({"retraction_policy": "random"}, "--retraction-policy must be one of length, priority"),
+        (
+            {"retraction_policy": "priority"},
+            "--retraction-policy priority requires --enable-priority-scheduling",
+        ),
+        ({"radix_eviction_policy": "mru"}, "--radix-eviction-policy must be one of lru, lfu, slru, priority"),
+        (
+            {"radix_eviction_policy": "priority", "schedule_low_priority_values_first": True},
+            "opposite of --schedule-low-priority-values-first",
+        ),
+        ({"schedule_policy": "DLPM"}, "--schedule-policy must be one of .*dlpm"),
+    ],
+)
+def test_fair_scheduling_bad_values_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(device="cpu", **kwargs)

@@ -34,10 +34,23 @@ async def serve_requests(
     merged as they come, as the route's chunks); else the JSON of `answer` (their final outputs).
     A client that leaves gets its requests aborted."""
     tm = tm_of(request)
+    tag_routing_key(request, objs)
     if objs[0].stream:
         return await sse_response(request, events(merged_stream(tm, objs)), objs)
     outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
     return outs if isinstance(outs, Response) else JSONResponse(answer(outs))
+
+
+ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-tenant")  # SGLang's header, and a plain one
+
+
+def tag_routing_key(request: Request, objs: list[GenerateReqInput]) -> None:
+    """The tenant of --schedule-policy dlpm: a request's own routing_key (the /generate body's),
+    else the route's header."""
+    header = next((request.headers[h] for h in ROUTING_KEY_HEADERS if h in request.headers), None)
+    for obj in objs:
+        if obj.routing_key is None:
+            obj.routing_key = header
 
 
 async def collect_all(tm: TokenizerManager, objs: list[GenerateReqInput]) -> list[dict]:

@@ -18,7 +18,7 @@ class GenerateReqInput:
     exactly one of `text`, `input_ids` or `messages` (chat, rendered with the tokenizer's chat
     template, given `chat_template_kwargs` and `tools`; `continue_final_message` continues the
     last assistant message instead of opening a new one). SGLang's batch form: a list of prompts,
-    with `sampling_params`, `rid`, `priority` and the logprob fields each given once or one per
+    with `sampling_params`, `rid`, `priority`, `routing_key` and the logprob fields each given once or one per
     prompt; `normalize_batch_and_arguments` turns it into one request per prompt and sample, the
     form the tokenizer manager takes. `log_metrics=False` keeps it out of the metrics (SGLang's
     health checks)."""
@@ -37,6 +37,7 @@ class GenerateReqInput:
     logprob_start_len: int | list[int] = -1
     return_text_in_logprobs: bool = False
     priority: int | list[int] | None = None
+    routing_key: str | list[str] | None = None  # the tenant, for --schedule-policy dlpm (SGLang's field)
     chat_template_kwargs: dict | None = None
     continue_final_message: bool = False
     tools: list[dict] | None = None  # OpenAI tool definitions, for the chat template
@@ -81,7 +82,14 @@ class GenerateReqInput:
 PROMPT_FIELDS = ("text", "input_ids", "messages")
 NO_PROMPT = dict.fromkeys(PROMPT_FIELDS)
 # Given once for every prompt, or as a list with one per prompt (SGLang's batch form).
-PER_PROMPT_FIELDS = ("sampling_params", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len")
+PER_PROMPT_FIELDS = (
+    "sampling_params",
+    "priority",
+    "routing_key",
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+)
 
 
 def _prompt_batch(value: object, kind: str) -> tuple[list, bool]:
@@ -165,6 +173,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     priority: int | None = None
+    routing_key: str | None = None
     # A request the front end already knows is bad: the scheduler finishes it at once with this
     # error instead of running it (keeps one path for every finish).
     error: str | None = None

@@ -56,6 +56,7 @@ class PrefillAdder:
         priority_scheduling_preemption_threshold: int = 10,
         schedule_low_priority_values_first: bool = False,
         retract_decode_steps: int = 20,
+        soft_priority_preemption: bool = False,
     ) -> None:
         self.page_size = page_size
         self.tree_cache = tree_cache
@@ -66,11 +67,11 @@ class PrefillAdder:
         self.rem_chunk_tokens = (
             None if rem_chunk_tokens is None else rem_chunk_tokens - mixed_with_decode_tokens
         )
-        self.rem_total_token_offset = mixed_with_decode_tokens
-        self.cur_rem_token_offset = mixed_with_decode_tokens
+        self.rem_total_token_offset = self.cur_rem_token_offset = mixed_with_decode_tokens
         self.priority_scheduling_preemption_threshold = priority_scheduling_preemption_threshold
         self.priority_sign = priority_sign(schedule_low_priority_values_first)
         self.retract_decode_steps = retract_decode_steps
+        self.soft_priority_preemption = soft_priority_preemption  # a victim's KV goes to the cache
         self.exact_ignore_eos = not has_prefix_tree(tree_cache)
         if running_batch is not None:
             self.rem_total_token_offset += sum(
@@ -80,8 +81,7 @@ class PrefillAdder:
         self.extend_lens: list[int] = []
         self.preempt_list: list[Req] = []
         self.new_chunked_req: Req | None = None
-        self.log_hit_tokens = 0
-        self.log_input_tokens = 0
+        self.log_hit_tokens = self.log_input_tokens = 0
         self.req_states: list[tuple[float, int]] | None = None
 
     def plan(self, chunked_req: Req | None, batch_is_full: bool) -> PrefillPlan:
@@ -269,7 +269,9 @@ class PrefillAdder:
             if id(running) in victim_ids:
                 self.rem_total_token_offset -= self._running_req_token_offset(running)
                 released += 1
-                batch.release_req(i, len(batch.reqs) - released, self.retract_decode_steps)
+                batch.release_req(
+                    i, len(batch.reqs) - released, self.retract_decode_steps, self.soft_priority_preemption
+                )
             else:
                 keep.append(i)
         batch.filter_batch(keep_indices=keep)

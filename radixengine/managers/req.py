@@ -57,6 +57,7 @@ class Req:
         stream: bool = False,
         priority: int | None = None,
         logprob_start_len: int = -1,
+        routing_key: str | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -69,6 +70,8 @@ class Req:
         self.logprob_start_len = len(self.origin_input_ids) if logprob_start_len == -1 else logprob_start_len
         self.stream = stream
         self.priority = priority
+        self.routing_key = routing_key  # the tenant (fair scheduling, managers/fair_policy.py)
+        self.start_wait()
 
         self.output_ids: list[int] = []
         self._init_logprobs()
@@ -82,6 +85,12 @@ class Req:
         # Constrained decoding: the request's matcher (a Future while its grammar compiles, in
         # the scheduler's grammar queue), advanced with every output token.
         self.grammar: BaseGrammarObject | Future | None = None
+
+    def start_wait(self) -> None:
+        """A new wait in the queue (fair_policy.py): its start on the prefill-token clock, stamped
+        at the next scheduling pass, and its scheduling passes so far."""
+        self.arrival_processed_tokens: int | None = None
+        self.waiting_passes = 0
 
     def _init_finish_state(self) -> None:
         self.finished_reason: dict | None = None

@@ -1,7 +1,7 @@
 """A generate request from the front end checked and tokenized once, here, before it goes to the
 scheduler (which keeps assertion-level checks only): the prompt (text, chat messages through the
 chat template, or input ids in the vocabulary), its length against the context, the sampling
-params (the grammar checked by the backend), priority and the logprob fields. Every refusal is a
+params (the grammar checked by the backend), priority, routing_key and the logprob fields. Every refusal is a
 RequestError (a 400) naming the field."""
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ class RequestValidator:
         input_text, input_ids, param = self.tokenize_prompt(obj)
         sampling_params = self.make_sampling_params(obj.sampling_params, len(input_ids))
         self.validate_input_ids(input_ids, sampling_params, param)
-        if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
-            raise RequestError(f"priority must be an integer, got {obj.priority!r}", param="priority")
+        check_scheduling_fields(obj)
         check_logprob_params(obj, len(input_ids), self.vocab_size)
         return TokenizedGenerateReqInput(
             rid=rid,
@@ -60,6 +59,7 @@ class RequestValidator:
             top_logprobs_num=obj.top_logprobs_num if obj.return_logprob else 0,
             logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             priority=obj.priority,
+            routing_key=obj.routing_key,
         )
 
     def make_sampling_params(self, params: dict | SamplingParams | None, prompt_len: int) -> SamplingParams:
@@ -172,6 +172,14 @@ class RequestValidator:
                 f"tokens a request may have (context length {limits.context_len})",
                 param="max_new_tokens" if n < limits.max_req_len else param,
             )
+
+
+def check_scheduling_fields(obj: GenerateReqInput) -> None:
+    """priority (an integer) and routing_key (a string, the tenant of --schedule-policy dlpm)."""
+    if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
+        raise RequestError(f"priority must be an integer, got {obj.priority!r}", param="priority")
+    if obj.routing_key is not None and not isinstance(obj.routing_key, str):
+        raise RequestError(f"routing_key must be a string, got {obj.routing_key!r}", param="routing_key")
 
 
 def check_logprob_params(obj: GenerateReqInput, input_len: int, vocab_size: int) -> None:

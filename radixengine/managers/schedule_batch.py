@@ -21,6 +21,7 @@ from itertools import chain
 import torch
 
 from radixengine.managers.req import Req, TimeStats
+from radixengine.managers.retraction_policy import retraction_order
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
@@ -336,23 +337,29 @@ class ScheduleBatch:
 
     # Retraction --------------------------------------------------------------------------------
 
-    def release_req(self, idx: int, remaining_req_count: int, retract_decode_steps: int) -> None:
+    def release_req(
+        self, idx: int, remaining_req_count: int, retract_decode_steps: int, keep_prefix: bool = False
+    ) -> None:
         """Return request `idx` to the waiting state: its KV is freed (not inserted: the space
-        is needed now), and room is made for the remaining requests' next steps."""
+        is needed now), or with `keep_prefix` (soft priority preemption) handed to the radix
+        cache, evictable like any cached prefix, so what is not evicted meanwhile is reused when
+        the request comes back; and room is made for the remaining requests' next steps."""
         req = self.reqs[idx]
-        self.tree_cache.cache_finished_req(req, is_insert=False)
+        self.tree_cache.cache_finished_req(req, is_insert=keep_prefix)
         self._evict_for(remaining_req_count * retract_decode_steps)
         req.reset_for_retract()
 
-    def retract_decode(self, retract_decode_steps: int) -> tuple[list[Req], float, list[Req]]:
-        """Retract requests until the next decode step fits: fewest decoded tokens first, then
-        the longest prompt. At least one request stays; if even it cannot get its next slot, it
-        is aborted. Returns the retracted requests, the new new_token_ratio and the aborted."""
-        order = sorted(
-            range(len(self.reqs)),
-            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
-            reverse=True,
-        )
+    def retract_decode(
+        self,
+        retract_decode_steps: int,
+        retraction_policy: str = "length",
+        low_priority_values_first: bool = False,
+    ) -> tuple[list[Req], float, list[Req]]:
+        """Retract requests until the next decode step fits, in --retraction-policy's order
+        (managers/retraction_policy.py). At least one request stays; if even it cannot get its
+        next slot, it is aborted. Returns the retracted requests, the new new_token_ratio and the
+        aborted."""
+        order = retraction_order(self.reqs, retraction_policy, low_priority_values_first)
         retracted: list[Req] = []
         while len(order) > 1 and (not retracted or not self.check_decode_mem(_int64(order))):
             idx = order.pop()

@@ -8,6 +8,7 @@ import sys
 from collections import defaultdict
 from enum import Enum
 
+from radixengine.managers.fair_policy import FairPolicy
 from radixengine.managers.req import Req
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.radix_cache import TreeNode
@@ -20,6 +21,10 @@ IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32  # tokens another waiting re
 class CacheAwarePolicy(Enum):
     LPM = "lpm"
     DFS_WEIGHT = "dfs-weight"
+    # Ordered by managers/fair_policy.py
+    HRRN = "hrrn"
+    SHORTEST_PREFILL_FIRST = "shortest-prefill-first"
+    DLPM = "dlpm"
 
 
 class CacheAgnosticPolicy(Enum):
@@ -118,6 +123,7 @@ class SchedulePolicy:
         lpm_fallback_queue_len: int = 128,
         enable_in_batch_prefix_caching: bool = True,
         rng: random.Random | None = None,
+        fair: FairPolicy | None = None,
     ) -> None:
         self.tree_cache = tree_cache
         self.policy = self._validate_and_adjust_policy(policy, tree_cache)
@@ -126,6 +132,7 @@ class SchedulePolicy:
         self.lpm_fallback_queue_len = lpm_fallback_queue_len
         self.enable_in_batch_prefix_caching = enable_in_batch_prefix_caching
         self.rng = rng or random.Random(0)
+        self.fair = fair or FairPolicy()
 
     @staticmethod
     def _validate_and_adjust_policy(policy: str, tree_cache: BasePrefixCache) -> Policy:
@@ -142,19 +149,31 @@ class SchedulePolicy:
         return parsed
 
     def _determine_active_policy(self, waiting_queue: list[Req]) -> Policy:
-        if self.policy == CacheAwarePolicy.LPM and len(waiting_queue) > self.lpm_fallback_queue_len:
+        matching = (CacheAwarePolicy.LPM, CacheAwarePolicy.HRRN, CacheAwarePolicy.SHORTEST_PREFILL_FIRST)
+        if self.policy in matching and len(waiting_queue) > self.lpm_fallback_queue_len:
             return CacheAgnosticPolicy.FCFS  # matching every request costs too much
         return self.policy
 
     def needs_prefix_match(self, waiting_queue: list[Req]) -> bool:
         """Whether this round's policy orders by prefix matches (then every waiting request is
         matched before `calc_priority`; otherwise admission matches each as it reaches it)."""
-        return isinstance(self._determine_active_policy(waiting_queue), CacheAwarePolicy)
+        policy = self._determine_active_policy(waiting_queue)
+        return isinstance(policy, CacheAwarePolicy) and not self._dlpm_unmatched(policy, waiting_queue)
+
+    def _dlpm_unmatched(self, policy: Policy, waiting_queue: list[Req]) -> bool:
+        """dlpm past the fallback queue length: ordered by deficits alone, unmatched (as lpm falls
+        back to fcfs)."""
+        return policy == CacheAwarePolicy.DLPM and len(waiting_queue) > self.lpm_fallback_queue_len
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
         """Sort the waiting queue in place."""
         policy = self._determine_active_policy(waiting_queue)
-        if policy == CacheAwarePolicy.LPM:
+        self.fair.observe_queue(waiting_queue)
+        if self._dlpm_unmatched(policy, waiting_queue):
+            self.fair.sort("dlpm-unmatched", waiting_queue, set())  # too long to match: deficits only
+        elif isinstance(policy, CacheAwarePolicy) and self.fair.handles(policy.value):
+            self.fair.sort(policy.value, waiting_queue, self._deprioritized(waiting_queue))
+        elif policy == CacheAwarePolicy.LPM:
             self._sort_by_longest_prefix(waiting_queue, self._deprioritized(waiting_queue))
         elif policy == CacheAwarePolicy.DFS_WEIGHT:
             self._sort_by_dfs_weight(waiting_queue, self.tree_cache)

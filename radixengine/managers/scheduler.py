@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from radixengine.managers.fair_policy import FairPolicy
 from radixengine.managers.grammar_manager import GrammarManager
 from radixengine.managers.overlap_utils import StepTimer, write_chrome_trace
 from radixengine.managers.req import Tokenizer
@@ -92,6 +93,7 @@ class Scheduler(
             schedule_low_priority_values_first=self.schedule_low_priority_values_first,
             lpm_fallback_queue_len=server_args.lpm_fallback_queue_len,
             enable_in_batch_prefix_caching=self.enable_in_batch_prefix_caching,
+            fair=FairPolicy(server_args.lpm_aging_tokens_per_pass, server_args.dlpm_quantum_tokens),
         )
         self.init_admission()
         self.init_metrics()
@@ -103,6 +105,8 @@ class Scheduler(
         self.priority_scheduling_preemption_threshold = args.priority_scheduling_preemption_threshold
         self.max_queued_requests = args.max_queued_requests
         self.retract_decode_steps = args.retract_decode_steps
+        self.retraction_policy = args.retraction_policy
+        self.soft_priority_preemption = args.soft_priority_preemption
         self.enable_mixed_chunk = args.enable_mixed_chunk
         self.stream_interval = args.stream_interval
         self.decode_log_interval = args.decode_log_interval
@@ -153,8 +157,11 @@ class Scheduler(
 
     def _init_memory_and_cache(self) -> None:
         self.req_to_token_pool, self.token_to_kv_pool_allocator = self.tp_worker.get_memory_pool()
-        cache_cls = ChunkCache if self.server_args.disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        pools = (self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        if self.server_args.disable_radix_cache:
+            self.tree_cache = ChunkCache(*pools)
+        else:
+            self.tree_cache = RadixCache(*pools, eviction_policy=self.server_args.radix_eviction_policy)
         self.enable_in_batch_prefix_caching = (
             not self.server_args.disable_in_batch_prefix_caching and has_prefix_tree(self.tree_cache)
         )

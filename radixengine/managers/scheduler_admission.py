@@ -80,7 +80,7 @@ class SchedulerAdmissionMixin:
         if req.to_abort:
             self._release_aborted_chunked_req(in_last_batch)
         elif in_last_batch:
-            self.tree_cache.cache_unfinished_req(req)
+            self.tree_cache.cache_unfinished_req(req, chunked=True)
 
     def _release_aborted_chunked_req(self: Scheduler, in_last_batch: bool) -> None:
         """Finish a request aborted between chunks: its KV covers the chunks computed so far."""
@@ -155,6 +155,7 @@ class SchedulerAdmissionMixin:
             priority_scheduling_preemption_threshold=self.priority_scheduling_preemption_threshold,
             schedule_low_priority_values_first=self.schedule_low_priority_values_first,
             retract_decode_steps=self.retract_decode_steps,
+            soft_priority_preemption=self.soft_priority_preemption,
         )
 
     def plan_prefill(self: Scheduler) -> PrefillPlan:
@@ -232,6 +233,7 @@ class SchedulerAdmissionMixin:
         batch = self._new_batch(plan.reqs)
         cached_before = sum(r.cached_tokens for r in plan.reqs)
         batch.prepare_for_extend()
+        self.policy.fair.on_prefill_batch(plan.reqs)
         self.stats.num_cached_tokens += sum(r.cached_tokens for r in plan.reqs) - cached_before
         self.stats.num_prefill_tokens += batch.extend_num_tokens
         if self.enable_mixed_chunk:
@@ -306,7 +308,9 @@ class SchedulerAdmissionMixin:
 
     def _retract_decode(self: Scheduler, batch: ScheduleBatch) -> None:
         old_ratio = self.new_token_ratio
-        retracted, new_ratio, aborted = batch.retract_decode(self.retract_decode_steps)
+        retracted, new_ratio, aborted = batch.retract_decode(
+            self.retract_decode_steps, self.retraction_policy, self.schedule_low_priority_values_first
+        )
         # An empty batch (its last request aborted) keeps the ratio: nothing to estimate from.
         self.new_token_ratio = new_ratio if not batch.is_empty() else old_ratio
         for req in aborted:

@@ -66,6 +66,7 @@ def req_from_input(recv: TokenizedGenerateReqInput) -> Req:
         stream=recv.stream,
         priority=recv.priority,
         logprob_start_len=recv.logprob_start_len if recv.return_logprob else -1,
+        routing_key=recv.routing_key,
     )
 
 

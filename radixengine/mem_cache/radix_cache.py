@@ -22,6 +22,7 @@ from radixengine.mem_cache.base_prefix_cache import (
     finished_kv_len,
     req_kv_indices,
 )
+from radixengine.mem_cache.evict_policy import get_eviction_strategy
 from radixengine.mem_cache.memory_pool import check_count
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class TreeNode:
     # A logical clock (one tick per match/insert): the LRU order of SGLang's wall-clock times,
     # without ties.
     last_access_time: int = 0
+    hit_count: int = 0  # inserts through the node (lfu, slru)
+    priority: int = 0  # the highest priority of the requests that inserted it (priority eviction)
     id: int = field(default_factory=lambda: next(_node_ids))
 
     def __lt__(self, other: TreeNode) -> bool:
@@ -76,10 +79,12 @@ class RadixCache(BasePrefixCache):
         req_to_token_pool: ReqToTokenPool | None,
         token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator | None,
         page_size: int = 1,
+        eviction_policy: str = "lru",
     ):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = check_count("page_size", page_size, 1)
+        self.eviction_strategy = get_eviction_strategy(eviction_policy)
         self.device = getattr(token_to_kv_pool_allocator, "device", "cpu")
         self.reset()
 
@@ -89,10 +94,10 @@ class RadixCache(BasePrefixCache):
         self.evictable_size_ = 0
         self.protected_size_ = 0
         self._clock = 0
-        # Unlocked leaves, and a heap of (last_access_time, id, node) over them whose entries may
-        # be stale: evict() skips or refreshes those.
+        # Unlocked leaves, and a heap of (eviction key, id, node) over them whose entries may be
+        # stale: evict() skips or refreshes those.
         self._evictable_leaves: set[TreeNode] = set()
-        self._leaf_heap: list[tuple[int, int, TreeNode]] = []
+        self._leaf_heap: list[tuple[Any, int, TreeNode]] = []
 
     # ---- lookups ----
 
@@ -123,7 +128,16 @@ class RadixCache(BasePrefixCache):
             node, i = child, i + matched
         return values, node
 
-    def insert(self, key: list[int] | tuple[int, ...], value: torch.Tensor | None = None) -> int:
+    def insert(
+        self,
+        key: list[int] | tuple[int, ...],
+        value: torch.Tensor | None = None,
+        priority: int = 0,
+        chunked: bool = False,
+    ) -> int:
+        """Insert `key`; returns how many of its tokens were already in the tree. `priority` and
+        `chunked` (a chunked prefill re-inserting its own earlier chunks: no hit) feed the
+        eviction policy."""
         key_tokens = as_token_key(key)
         if value is None:
             value = torch.tensor(key_tokens, dtype=torch.int64, device=self.device)
@@ -131,10 +145,10 @@ class RadixCache(BasePrefixCache):
             raise ValueError(f"insert: value has {len(value)} slots for {len(key_tokens)} tokens")
         aligned = self._page_aligned(key_tokens)
         return self._insert_helper(
-            aligned, value if len(aligned) == len(key_tokens) else value[: len(aligned)]
+            aligned, value if len(aligned) == len(key_tokens) else value[: len(aligned)], priority, chunked
         )
 
-    def _insert_helper(self, key: tuple[int, ...], value: torch.Tensor) -> int:
+    def _insert_helper(self, key: tuple[int, ...], value: torch.Tensor, priority: int, chunked: bool) -> int:
         now = self._tick()
         node, i = self.root_node, 0
         node.last_access_time = now
@@ -146,9 +160,10 @@ class RadixCache(BasePrefixCache):
             if matched < len(child.key):
                 child = self._split_node(child, matched)
             child.last_access_time = now
+            _record_insert(child, priority, chunked)
             node, i = child, i + matched
         if i < len(key):
-            self._add_leaf(node, key[i:], value[i:], now)
+            self._add_leaf(node, key[i:], value[i:], now, priority, int(not chunked))
         return i
 
     # ---- tree surgery ----
@@ -162,6 +177,8 @@ class RadixCache(BasePrefixCache):
             parent=parent,
             lock_ref=child.lock_ref,
             last_access_time=child.last_access_time,
+            hit_count=child.hit_count,
+            priority=child.priority,
         )
         child.key = child.key[split_len:]
         child.value = child.value[split_len:].clone()
@@ -170,9 +187,19 @@ class RadixCache(BasePrefixCache):
         parent.children[self._child_key(upper.key, 0)] = upper
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor, now: int) -> None:
+    def _add_leaf(
+        self,
+        parent: TreeNode,
+        key: tuple[int, ...],
+        value: torch.Tensor,
+        now: int,
+        priority: int,
+        hit_count: int,
+    ) -> None:
         owned = value.clone() if value.dtype == torch.int64 else value.to(torch.int64)
-        leaf = TreeNode(key=key, value=owned, parent=parent, last_access_time=now)
+        leaf = TreeNode(
+            key=key, value=owned, parent=parent, last_access_time=now, hit_count=hit_count, priority=priority
+        )
         self._evictable_leaves.discard(parent)
         parent.children[self._child_key(key, 0)] = leaf
         self.evictable_size_ += len(key)
@@ -189,9 +216,11 @@ class RadixCache(BasePrefixCache):
 
     def _mark_evictable(self, node: TreeNode) -> None:
         self._evictable_leaves.add(node)
-        heapq.heappush(self._leaf_heap, (node.last_access_time, node.id, node))
+        heapq.heappush(self._leaf_heap, (self.eviction_strategy.get_priority(node), node.id, node))
         if len(self._leaf_heap) > 4 * len(self._evictable_leaves) + 1024:
-            self._leaf_heap = [(n.last_access_time, n.id, n) for n in self._evictable_leaves]
+            self._leaf_heap = [
+                (self.eviction_strategy.get_priority(n), n.id, n) for n in self._evictable_leaves
+            ]
             heapq.heapify(self._leaf_heap)
 
     # ---- eviction and locks ----
@@ -201,11 +230,12 @@ class RadixCache(BasePrefixCache):
         freed: list[torch.Tensor] = []
         evicted = 0
         while evicted < num_tokens and self._leaf_heap:
-            access_time, _, node = heapq.heappop(self._leaf_heap)
+            evict_key, _, node = heapq.heappop(self._leaf_heap)
             if node not in self._evictable_leaves:
                 continue
-            if access_time != node.last_access_time:
-                heapq.heappush(self._leaf_heap, (node.last_access_time, node.id, node))
+            current = self.eviction_strategy.get_priority(node)
+            if evict_key != current:  # keys only grow: the entry is stale, the node goes later
+                heapq.heappush(self._leaf_heap, (current, node.id, node))
                 continue
             freed.append(node.value)
             evicted += len(node.key)
@@ -299,7 +329,7 @@ class RadixCache(BasePrefixCache):
         owned = self._tree_owned_len(req)
         allocator = self.token_to_kv_pool_allocator
         if is_insert:
-            new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned])
+            new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned], _req_priority(req))
             allocator.free(kv[owned:new_prefix_len])
         else:
             allocator.free(kv[owned:aligned])
@@ -307,12 +337,12 @@ class RadixCache(BasePrefixCache):
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
 
-    def cache_unfinished_req(self, req: CacheReq) -> None:
+    def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
         token_ids = list(req.fill_ids)
         kv = req_kv_indices(self.req_to_token_pool, req, len(token_ids))
         aligned = len(token_ids) // self.page_size * self.page_size
         owned = self._tree_owned_len(req)
-        new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned])
+        new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned], _req_priority(req), chunked)
         self.token_to_kv_pool_allocator.free(kv[owned:new_prefix_len])
 
         new_indices, new_last_node = self.match_prefix(token_ids[:aligned])
@@ -356,3 +386,13 @@ class RadixCache(BasePrefixCache):
 
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
+
+
+def _record_insert(node: TreeNode, priority: int, chunked: bool) -> None:
+    if not chunked:
+        node.hit_count += 1
+    node.priority = max(node.priority, priority)
+
+
+def _req_priority(req: CacheReq) -> int:
+    return getattr(req, "priority", None) or 0

@@ -1,0 +1,191 @@
+"""The fair policies and the eviction / retraction policies in the real scheduler (tiny model):
+greedy outputs equal transformers' under each, with retraction, and the scheduler charges every
+prefill token to its tenant."""
+
+from __future__ import annotations
+
+import pytest
+from sched_utils import (
+    assert_matches_oracle,
+    assert_no_leak,
+    collect,
+    gen_req,
+    make_scheduler,
+    random_prompts,
+)
+from test_scheduler_equivalence import SYSTEM_A, run_in_waves, workload
+
+from radixengine.managers.schedule_batch import ScheduleBatch
+
+TENANTS = ("hot", "cold1", "cold2")
+
+
+def with_tenants(reqs: list) -> list:
+    for i, r in enumerate(reqs):
+        r.routing_key = TENANTS[i % len(TENANTS)]
+    return reqs
+
+
+FAIR_POLICIES = [
+    ("hrrn", {}),
+    ("shortest-prefill-first", {}),
+    ("dlpm", {"dlpm_quantum_tokens": 32}),
+    ("lpm", {"lpm_aging_tokens_per_pass": 4}),
+]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("chunk", [16, -1])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "no_radix"])
+@pytest.mark.parametrize("policy,flags", FAIR_POLICIES, ids=[p for p, _ in FAIR_POLICIES])
+def test_greedy_matches_transformers_under_fair_policies(policy, flags, radix, page_size, chunk, overlap):
+    sched = make_scheduler(
+        schedule_policy=policy,
+        disable_radix_cache=not radix,
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        overlap=overlap,
+        **flags,
+    )
+    reqs = with_tenants(workload("fair"))
+    results = run_in_waves(sched, reqs)
+    assert_matches_oracle(reqs, results)
+    if radix:
+        assert sched.stats.num_cached_tokens > 0
+    fair = sched.policy.fair
+    # Every computed prefill token was charged to a tenant (every tenant had some).
+    assert sum(fair.served_tokens.values()) == sched.stats.num_prefill_tokens
+    assert set(fair.served_tokens) == set(TENANTS)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"schedule_policy": "dlpm", "radix_eviction_policy": "lfu"},
+        {"schedule_policy": "hrrn", "radix_eviction_policy": "slru"},
+        {
+            "schedule_policy": "fcfs",
+            "radix_eviction_policy": "priority",
+            "retraction_policy": "priority",
+            "enable_priority_scheduling": True,
+        },
+        {"schedule_policy": "lpm", "lpm_aging_tokens_per_pass": 8, "retraction_policy": "length"},
+    ],
+    ids=["dlpm-lfu", "hrrn-slru", "priority-priority", "aged-lpm"],
+)
+def test_retraction_keeps_tokens_under_each_policy(flags, page_size):
+    sched = make_scheduler(
+        page_size=page_size,
+        max_total_tokens=256,
+        chunked_prefill_size=64,
+        init_new_token_ratio=0.05,  # an optimistic estimate: admits more than decode can hold
+        **flags,
+    )
+    prompts = random_prompts(11, 8, 20, 50, shared=[SYSTEM_A[:24]])
+    reqs = with_tenants(
+        [gen_req(f"rt{i}", p, max_new_tokens=48, priority=i % 3) for i, p in enumerate(prompts)]
+    )
+    results = run_in_waves(sched, reqs, first=8, steps_between=0)
+    assert sched.stats.num_retracted_reqs > 0, "the pool was meant to force retraction"
+    assert_matches_oracle(reqs, results)
+
+
+def test_priority_retraction_keeps_the_important_requests_running(monkeypatch):
+    """Under memory pressure the low-priority requests are the ones retracted."""
+    sched = make_scheduler(
+        max_total_tokens=256,
+        chunked_prefill_size=64,
+        init_new_token_ratio=0.05,
+        retraction_policy="priority",
+        enable_priority_scheduling=True,
+    )
+    prompts = random_prompts(12, 8, 20, 40)
+    reqs = [
+        gen_req(f"p{i}", p, max_new_tokens=32, priority=10 if i < 2 else 0) for i, p in enumerate(prompts)
+    ]
+    retracted = []
+    original = ScheduleBatch.retract_decode
+
+    def recording(batch, *args):
+        out = original(batch, *args)
+        retracted.extend(r.rid for r in out[0])
+        return out
+
+    monkeypatch.setattr(ScheduleBatch, "retract_decode", recording)
+    results = run_in_waves(sched, reqs, first=8, steps_between=0)
+    assert retracted and not {"p0", "p1"} & set(retracted)
+    assert_matches_oracle(reqs, results)
+
+
+def priority_burst(soft: bool, overlap: bool):
+    """Two low-priority requests decode in a pool whose reservations leave no room for a burst
+    of one much more important request: one of them is preempted. Returns the scheduler and the
+    prompt tokens computed beyond each prompt once (the recomputed ones)."""
+    sched = make_scheduler(
+        enable_priority_scheduling=True,
+        soft_priority_preemption=soft,
+        overlap=overlap,
+        max_total_tokens=200,
+        init_new_token_ratio=1.0,
+    )
+    prompts = random_prompts(330, 3, 30, 40)
+    low = [gen_req(f"low{i}", p, 32, priority=0, ignore_eos=True) for i, p in enumerate(prompts[:2])]
+    vip = gen_req("vip", prompts[2], 32, priority=100, ignore_eos=True)
+    sched.io.put(*low)
+    for _ in range(16):  # the low ones decode about 15 tokens
+        sched.process_input_requests(sched.recv_requests())
+        sched.run_step()
+    sched.io.put(vip)
+    sched.run_until_idle()
+    assert sched.stats.num_preempted_reqs >= 1
+    results = collect(sched.io.take_outputs())
+    assert_matches_oracle([*low, vip], results)
+    assert_no_leak(sched)
+    return sched, sched.stats.num_prefill_tokens - sum(len(p) for p in prompts)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_soft_preemption_keeps_the_preempted_prefix(overlap):
+    """The victim's prompt is in the radix cache either way (inserted after its prefill). Hard
+    preemption frees the KV of its generated tokens, which it then recomputes; soft preemption
+    hands that KV to the cache too, and here (the pool has the room: the preemption was for the
+    reservations) the victim recomputes only its last token."""
+    _, hard = priority_burst(soft=False, overlap=overlap)
+    _, soft = priority_burst(soft=True, overlap=overlap)
+    assert hard >= 10
+    assert soft <= 2 and soft <= hard // 2
+
+
+def test_priority_arrival_takes_evictable_cache_before_preempting():
+    """The pool's free tokens alone do not fit the important request, free + evictable do: it is
+    admitted by evicting the cached prefix of a finished request, and nobody is preempted."""
+    sched = make_scheduler(
+        enable_priority_scheduling=True,
+        soft_priority_preemption=True,
+        max_total_tokens=200,
+        init_new_token_ratio=1.0,
+    )
+    old, low_prompt, vip_prompt = random_prompts(332, 3, 35, 35)
+    old = gen_req("old", old * 2 + old[:10], 8, ignore_eos=True)  # 80 tokens, cached when done
+    sched.io.put(old)
+    sched.run_until_idle()
+    assert sched.tree_cache.evictable_size() >= 80
+    low = gen_req("low", low_prompt, 32, priority=0, ignore_eos=True)
+    vip = gen_req("vip", vip_prompt, 32, priority=100, ignore_eos=True)
+    sched.io.put(low)
+    for _ in range(3):
+        sched.process_input_requests(sched.recv_requests())
+        sched.run_step()
+    # What the running request still reserves (ratio 1: all of its remaining max_new_tokens).
+    free = sched.token_to_kv_pool_allocator.available_size() - sum(
+        r.sampling_params.max_new_tokens - len(r.output_ids) for r in sched.running_batch.reqs
+    )
+    assert free < len(vip_prompt) + 32 <= free + sched.tree_cache.evictable_size()
+    sched.io.put(vip)
+    sched.run_until_idle()
+    assert sched.stats.num_preempted_reqs == 0
+    assert len(sched.tree_cache.match_prefix(old.input_ids).device_indices) < 79  # evicted for them
+    assert_matches_oracle([low, vip], collect(sched.io.take_outputs()))
+    assert_no_leak(sched)
