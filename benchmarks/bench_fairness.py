@@ -411,7 +411,7 @@ def main() -> None:
     p.add_argument("--plot", default=None, help="PNG file for the per-tenant p99 TTFT plot")
     args = p.parse_args()
 
-    from radixengine.managers.tp_worker import TpModelWorker
+    from radixengine.model_executor.tp_worker import TpModelWorker
 
     tmp = tempfile.TemporaryDirectory()
     vocab = 512
