@@ -80,6 +80,13 @@ def test_per_prompt_fields_are_given_once_or_one_per_prompt():
     ]  # fmt: skip
 
 
+def test_routing_key_is_one_for_every_prompt_or_one_per_prompt():
+    reqs, _ = normalize(text=["a", "b"], sampling_params={"n": 2}, routing_key=["t1", "t2"])
+    assert [r.routing_key for r in reqs] == ["t1", "t1", "t2", "t2"]
+    reqs, _ = normalize(text=["a", "b"], routing_key="t")
+    assert [r.routing_key for r in reqs] == ["t", "t"]
+
+
 @pytest.mark.parametrize(
     "fields,param",
     [
@@ -94,6 +101,7 @@ def test_per_prompt_fields_are_given_once_or_one_per_prompt():
         ({"text": "a", "sampling_params": {"n": True}}, "n"),
         ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 1}]}, "n"),
         ({"text": ["a", "b"], "priority": [1, 2, 3]}, "priority"),
+        ({"text": ["a", "b"], "routing_key": ["t"]}, "routing_key"),
         ({"text": ["a", "b"], "top_logprobs_num": [1]}, "top_logprobs_num"),
         ({"text": "a", "rid": ["a"]}, "rid"),
         ({"text": "a", "rid": 5}, "rid"),

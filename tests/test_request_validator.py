@@ -32,9 +32,9 @@ def refusal(v: RequestValidator, **fields) -> RequestError:
 
 def test_a_good_request_is_tokenized_for_the_scheduler(tokenizer):
     out = validator(tokenizer).tokenize_request(
-        GenerateReqInput(text="hello world", sampling_params={"max_new_tokens": 4}), "r"
+        GenerateReqInput(text="hello world", sampling_params={"max_new_tokens": 4}, routing_key="t"), "r"
     )
-    assert out.rid == "r" and out.input_ids == tokenizer.encode("hello world")
+    assert out.rid == "r" and out.input_ids == tokenizer.encode("hello world") and out.routing_key == "t"
     assert out.sampling_params.max_new_tokens == 4 and out.top_logprobs_num == 0
 
 
@@ -50,6 +50,7 @@ def test_a_good_request_is_tokenized_for_the_scheduler(tokenizer):
         ({"messages": []}, "messages"),
         ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
         ({"text": "hi", "priority": "high"}, "priority"),
+        ({"text": "hi", "routing_key": 7}, "routing_key"),
         ({"text": "hi", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
     ],
 )

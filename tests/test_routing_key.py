@@ -30,3 +30,9 @@ def test_header_names_the_tenant(header):
     untagged = [GenerateReqInput(text="a")]
     tag_routing_key(http_request({}), untagged)
     assert untagged[0].routing_key is None
+
+
+def test_a_batch_body_may_name_one_tenant_per_prompt():
+    objs, _ = native_requests({"text": ["a", "b"], "routing_key": ["team-a", None]})
+    tag_routing_key(http_request({"X-Tenant": "team-b"}), objs)
+    assert [o.routing_key for o in objs] == ["team-a", "team-b"]
