@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "radixengine"
 ABOVE_THE_WORKER = {"managers", "engine", "entrypoints", "launch_server"}
 BELOW_MANAGERS = {
     "mem_cache", "constrained", "sampling", "layers", "models", "model_loader", "model_executor", "utils",
-    "function_call", "parser",
+    "function_call", "parser", "distributed",
 }  # fmt: skip
 
 
