@@ -30,6 +30,8 @@ class GrammarManager:
         self.backend = None
         self.backend_error: str | None = None
         self.grammar_queue: list[Req] = []
+        # Tensor parallel: every rank must admit the request at the same step, so wait for the compile.
+        self.wait_for_compile = server_args.tp_size > 1
 
     def __len__(self) -> int:
         return len(self.grammar_queue)
@@ -42,7 +44,7 @@ class GrammarManager:
         if error is not None:
             return f"{kind}: {error}"
         future = self.backend.get_future(key)
-        if future.done():
+        if future.done() or self.wait_for_compile:
             return self._resolve(req, future)
         req.grammar = future
         self.grammar_queue.append(req)
