@@ -212,8 +212,18 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        y = tensor_model_parallel_all_reduce(block_linear(x, self.weight, self.block_weight))
+        if _reduce_in_float32(x):
+            y = tensor_model_parallel_all_reduce(F.linear(x.float(), self._float32_weight())).to(x.dtype)
+        else:
+            y = tensor_model_parallel_all_reduce(block_linear(x, self.weight, self.block_weight))
         return y if self.bias is None else y + self.bias
+
+    def _float32_weight(self) -> torch.Tensor:
+        """The weight as float32 (kept after the first call): 16-bit weights hold exact float32
+        values and their products are exact, so a float32 matmul sums what a 16-bit one sums."""
+        if getattr(self, "_weight_f32", None) is None:
+            self._weight_f32 = self.weight.float()
+        return self._weight_f32
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param is self.bias:
@@ -236,6 +246,14 @@ class RowParallelLinear(Linear):
             width = self.input_size // block_size * block_bytes
             rows = rows.narrow(1, self.input_start // block_size * block_bytes, width).contiguous()
         super().block_weight_loader(rows, qtype, max_tokens, shard_id)
+
+
+def _reduce_in_float32(x: torch.Tensor) -> bool:
+    """A 16-bit model on a CPU sums the ranks' partial products in float32 and rounds once, as
+    the single-rank matmul (float32 accumulation) does: rounding each partial to 16 bits first
+    would make the tokens drift from one rank's after a few dozen steps. (On CUDA the partials
+    are summed in the model's dtype, as SGLang does.)"""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
 class BlockShardError(ValueError):
