@@ -94,6 +94,12 @@ class ModelRunner:
     def _make_cuda_graph_runner(self):
         from radixengine.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_supported
 
+        if self.device.type == "cuda" and self.tp_size > 1 and not self.server_args.disable_cuda_graph:
+            logger.info(
+                "CUDA graphs off: --tp-size %d (graphs around NCCL collectives are not captured yet)",
+                self.tp_size,
+            )
+            return None
         if not cuda_graph_supported(self):
             if self.device.type == "cuda" and not self.server_args.disable_cuda_graph:
                 logger.info(
