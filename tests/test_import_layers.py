@@ -57,3 +57,13 @@ def test_the_walk_sees_typing_only_imports(tmp_path):
     path = tmp_path / "m.py"
     path.write_text(source)
     assert imported_subpackages(path) == {"managers"}
+
+
+def test_distributed_imports_only_utils():
+    """The collectives sit under the layers: radixengine.distributed imports only utils."""
+    found = {
+        f"{path.relative_to(PACKAGE.parent)} imports radixengine.{target}"
+        for path in files_of("distributed")
+        for target in imported_subpackages(path) - {"distributed", "utils"}
+    }
+    assert not found, "\n".join(sorted(found))

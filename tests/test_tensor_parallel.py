@@ -10,11 +10,19 @@ import os
 import random
 import signal
 
+import httpx
 import psutil
 import pytest
 import torch
 from model_utils import make_runner, save_tiny_model
-from test_engine_utils import build_tiny_model, hf_greedy, load_hf_model
+from test_engine_utils import (
+    build_tiny_model,
+    hf_greedy,
+    launch_test_server,
+    load_hf_model,
+    start_test_server,
+    stop_test_server,
+)
 from tp_utils import block_modules, greedy_tokens, tp_greedy
 
 from radixengine import Engine
@@ -22,6 +30,7 @@ from radixengine.engine import EngineDeadError
 from radixengine.layers import gguf_quant_ops
 from radixengine.layers.linear import head_ranges
 from radixengine.server_args import ServerArgs
+from radixengine.utils.network import get_free_port
 
 MAX_NEW = 12
 needs_native = pytest.mark.skipif(
@@ -185,6 +194,43 @@ def test_a_model_that_cannot_be_split_is_refused_at_start(tiny_model, tmp_path):
     save_tiny_model("llama", tmp_path, intermediate_size=129, vocab_size=400)
     with pytest.raises(RuntimeError, match="intermediate_size 129"):
         Engine(model_path=str(tmp_path), tokenizer_path=tiny_model[0], **ENGINE, max_total_tokens=4096)
+
+
+def test_two_nodes_on_loopback_serve_http_and_a_lost_node_ends_the_other(tiny_model, tmp_path):
+    """--nnodes 2: node 1 runs rank 1 only, node 0 serves; killing node 0 ends node 1 naming its rank."""
+    path, hf = tiny_model
+    args = [
+        "--dtype",
+        "float32",
+        "--tp-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        f"127.0.0.1:{get_free_port()}",
+    ]
+    args += ["--num-threads", "1", "--max-total-tokens", "4096", "--log-level", "warning"]
+    node1 = start_test_server(path, tmp_path / "node1.log", [*args, "--node-rank", "1"])
+    node0 = None
+    try:
+        node0 = launch_test_server(path, tmp_path / "node0.log", [*args, "--node-rank", "0"])
+        prompts = _prompts()[:2]
+        for prompt, expected in zip(prompts, hf_greedy(hf, prompts, 16)):
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
+            }
+            assert (
+                httpx.post(node0.base_url + "/generate", json=body, timeout=300).json()["output_ids"]
+                == expected
+            )
+        stop_test_server(node0)
+        assert node1.wait(timeout=300) != 0
+        assert "TP rank 1 (pid" in (tmp_path / "node1.log").read_text()
+    finally:
+        for proc in (node0, node1):
+            if proc is not None:
+                stop_test_server(proc)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
