@@ -116,8 +116,9 @@ CASES = {
     "radix-overlap": dict(max_total_tokens=4096),
     "no-radix": dict(max_total_tokens=4096, disable_radix_cache=True),
     "no-overlap": dict(max_total_tokens=4096, disable_overlap_schedule=True),
-    # every request admitted (a low new-token estimate), then too few slots to decode them all
-    "retract": dict(max_total_tokens=112, init_new_token_ratio=0.05, max_running_requests=8),
+    # test_continuous_batching's over-admission: once the short requests finish, the next round
+    # reserves only new_token_ratio of the running requests' remaining tokens and decode retracts
+    "retract": dict(max_total_tokens=160, init_new_token_ratio=0.5),
 }
 
 
@@ -134,19 +135,29 @@ def _prompts() -> list[list[int]]:
     return [system + [rng.randrange(3, 390) for _ in range(n)] for n in (3, 9, 14, 6)]
 
 
+def _workload(case: str) -> tuple[list[list[int]], list[int]]:
+    """Prompts and their max_new_tokens: a shared system prompt; for "retract" ~450 tokens of
+    demand (12 prompts of 8 tokens, 4 or 44 new tokens) through the 160-token pool."""
+    if case != "retract":
+        return _prompts(), [GREEDY["max_new_tokens"]] * 4
+    rng = random.Random(701)
+    return [[rng.randrange(3, 390) for _ in range(8)] for _ in range(12)], [4, 44] * 6
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_tp2_matches_transformers(case, tiny_model):
     path, hf = tiny_model
-    prompts = _prompts()
-    expected = hf_greedy(hf, prompts, GREEDY["max_new_tokens"])
+    prompts, max_new = _workload(case)
+    expected = [hf_greedy(hf, [p], n)[0] for p, n in zip(prompts, max_new)]
+    params = [dict(GREEDY, max_new_tokens=n) for n in max_new]
     engine = Engine(model_path=path, **ENGINE, **CASES[case])
     try:
         for attempt in range(2):
-            outs = engine.generate(input_ids=prompts, sampling_params=[GREEDY] * len(prompts))
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
             assert [o["output_ids"] for o in outs] == expected, attempt
         info = engine.get_server_info()
         if case == "retract":
-            assert info["num_retracted_reqs"] > 0
+            assert info["num_retracted_reqs"] > 0, "demand exceeds the pool: decode must retract"
         elif case != "no-radix":
             assert info["num_cached_tokens"] > 0
     finally:
