@@ -113,7 +113,9 @@ def test_tp_flags_are_checked():
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 ENGINE = dict(dtype="float32", num_threads=1, log_level="warning", tp_size=2, random_seed=7)
 CASES = {
-    "radix-overlap": dict(max_total_tokens=4096),
+    "radix-overlap": dict(
+        max_total_tokens=4096, cpu_forward_stream="thread"
+    ),  # the forward on its own thread
     "no-radix": dict(max_total_tokens=4096, disable_radix_cache=True),
     "no-overlap": dict(max_total_tokens=4096, disable_overlap_schedule=True),
     # test_continuous_batching's over-admission: once the short requests finish, the next round
