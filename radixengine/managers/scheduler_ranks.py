@@ -225,6 +225,8 @@ def _run_rank(status_fd: int) -> None:
         logger.exception("TP rank %d failed to start", rank)
         os.write(status_fd, f"{type(e).__name__}: {e}".encode())
         sys.exit(1)
+    # Rank 0 logs the batches; the others' copies of those lines would only repeat them.
+    logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
     run_event_loop(scheduler, server_args)
 
 
