@@ -187,8 +187,13 @@ def describe_scheduler_exit(exitcode: int | None, pid: int | None) -> str | None
 
 def run_tp_node(server_args) -> None:
     """`--node-rank` > 0: run this node's ranks until one exits (then exit naming it)."""
+    from radixengine.model_loader import resolve_model_path
+
     layout = TpLayout.of(server_args)
     logging.basicConfig(level=server_args.log_level.upper(), format=f"[node {layout.node_rank}] %(message)s")
+    resolve_model_path(
+        server_args.model_path, server_args.revision
+    )  # a GGUF converted once, not by each rank
     ranks = [spawn_rank(server_args, rank, layout) for rank in layout.node_ranks()]
     logger.info("ranks %s started, meeting at %s", list(layout.node_ranks()), layout.init_method)
     died = threading.Event()
