@@ -136,7 +136,7 @@ class RankMonitor:
 
     def wait_for_death(self, timeout: float) -> None:
         for thread in self.threads:
-            thread.join(timeout / len(self.threads))
+            thread.join(timeout / max(1, len(self.threads)))
 
 
 def spawn_rank(server_args, rank: int, layout: TpLayout) -> RankProcess:
