@@ -26,7 +26,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 def main(argv: list[str] | None = None) -> None:
     from radixengine.entrypoints.http_server import launch_server
 
-    launch_server(parse_args(argv))
+    server_args = parse_args(argv)
+    if server_args.node_rank > 0:  # tensor parallel over nodes: this node runs its ranks only
+        from radixengine.managers.scheduler_ranks import run_tp_node
+
+        run_tp_node(server_args)
+        return
+    launch_server(server_args)
 
 
 if __name__ == "__main__":

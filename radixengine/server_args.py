@@ -102,6 +102,12 @@ class ServerArgs:
     test_mode: bool = False  # the idle self-check raises instead of logging
     watchdog_timeout: float = 300.0
 
+    # Tensor parallelism (SGLang's flags; see _HELP and README "Tensor parallel")
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -172,6 +178,7 @@ class ServerArgs:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         self._validate_fair_scheduling()
+        self._validate_tensor_parallel()
 
     def _validate_fair_scheduling(self) -> None:
         aging = self.lpm_aging_tokens_per_pass
@@ -192,6 +199,22 @@ class ServerArgs:
                 "--radix-eviction-policy priority evicts lower priority values first, the opposite of "
                 "--schedule-low-priority-values-first"
             )
+
+    def _validate_tensor_parallel(self) -> None:
+        _check_positive("--tp-size", self.tp_size)
+        _check_positive("--nnodes", self.nnodes)
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError(
+                "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"
+            )
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
 
     # Derived values --------------------------------------------------------------------------
 
@@ -439,6 +462,16 @@ _HELP = {
         "steps (SGLang's default 40); a `Prefill batch, ...` line is logged for every prefill batch."
     ),
     "test_mode": "Tests: the idle token-accounting check raises instead of logging.",
+    "tp_size": (
+        "Tensor parallelism: split the model over N ranks (processes), each holding its slice of every "
+        "layer and of the KV cache; torch.distributed with gloo on a CPU, NCCL on CUDA (one GPU a rank)."
+    ),
+    "nnodes": "Tensor parallel over several machines: how many (each runs --tp-size / --nnodes ranks).",
+    "node_rank": "This machine's index among --nnodes (0 serves HTTP; the others run their ranks only).",
+    "dist_init_addr": (
+        "HOST:PORT where the ranks meet (torch.distributed's TCP store on node 0); needed with --nnodes > 1. "
+        "Default: a free port on 127.0.0.1."
+    ),
     "watchdog_timeout": (
         "Seconds one scheduler step (a forward batch) may take. Past it the scheduler process logs the "
         "timeout and exits, the pending requests fail with that message and the server exits (as SGLang)."

@@ -26,6 +26,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "radixengine"
 LAYERS = (
     {"utils", "mem_cache"},
+    {"distributed"},
     {"constrained", "function_call", "parser"},
     {"sampling"},
     {"layers", "models", "model_loader"},
@@ -196,3 +197,9 @@ def test_only_layers_and_models_name_the_batch_and_only_for_typing():
     assert not downward("models", Import(batch, typing_only=False))
     assert not downward("utils", Import(batch, typing_only=True))
     assert not downward("layers", Import("radixengine.model_executor.model_runner", typing_only=True))
+
+
+def test_distributed_imports_only_utils():
+    """The collectives sit under the layers: radixengine.distributed imports only utils."""
+    found = violations(lambda source, imp: source != "distributed" or imp.top in ("distributed", "utils"))
+    assert not found, "\n".join(found)

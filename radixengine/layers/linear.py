@@ -1,4 +1,7 @@
-"""Linear layers whose weights load shard by shard: fused q/k/v and fused gate/up.
+"""Linear layers whose weights load shard by shard: fused q/k/v and fused gate/up; under tensor
+parallelism (SGLang's layers) each rank holds its slice, cut from the whole checkpoint tensor at
+load: column-parallel layers (q/k/v, gate/up) a run of output rows, row-parallel ones (o, down)
+a run of input columns, their partial outputs summed over the ranks.
 
 A linear may also hold its weight as GGUF blocks (`BlockWeight`, loaded beside the float
 weight when the model comes from a GGUF): on a CPU, batches of at most `max_tokens` rows (decode)
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixengine.distributed import get_tp_group, tensor_model_parallel_all_reduce
 
 
 @dataclass
@@ -83,10 +88,13 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, block: BlockWeight | Non
 
 
 class Linear(nn.Module):
-    """`y = x W^T + b`; parameters are allocated uninitialised (the loader fills them)."""
+    """`y = x W^T + b`, the whole weight on every rank; parameters are allocated uninitialised
+    (the loader fills them). `output_size` is this rank's."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -99,54 +107,200 @@ class Linear(nn.Module):
         y = self.block_weight.linear(x)
         return y if self.bias is None else y + self.bias
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _copy(param.data, loaded)
+    def shard_offsets(self, shard_id) -> tuple[int, int, int]:
+        """`(start in this rank's rows, start in the checkpoint tensor's rows, rows)` of a shard."""
+        return 0, 0, self.output_size
 
-    def shard_range(self, shard_id) -> tuple[int, int]:
-        return 0, self.output_size
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        dst, src, size = self.shard_offsets(shard_id)
+        _copy(param.data.narrow(0, dst, size), _narrow(loaded, 0, src, size, shard_id))
 
     def block_weight_loader(self, rows: torch.Tensor, qtype: int, max_tokens: int, shard_id=None) -> None:
         """Place one shard's GGUF block rows (each shard in its own block type)."""
-        start, size = self.shard_range(shard_id)
-        if rows.shape[0] != size:
-            raise ValueError(f"shard {shard_id!r} has {rows.shape[0]} GGUF rows, expected {size}")
+        dst, src, size = self.shard_offsets(shard_id)
+        rows = _narrow(rows, 0, src, size, shard_id)
         if self.block_weight is None:
             self.block_weight = BlockWeight([], max_tokens)
-        self.block_weight.add(start, rows, qtype)
+        self.block_weight.add(dst, rows, qtype)
 
 
-class MergedLinear(Linear):
-    """Several projections of the same input in one matmul (gate_up_proj); shards 0, 1, ..."""
+class ColumnParallelLinear(Linear):
+    """Output rows split over the ranks: rank r holds rows `[r * n, (r + 1) * n)`."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp_size = get_tp_group().world_size
+        _check_divisible("output features", output_size, tp_size)
+        super().__init__(input_size, output_size // tp_size, bias)
+
+    def shard_offsets(self, shard_id) -> tuple[int, int, int]:
+        return 0, self.tp_rank * self.output_size, self.output_size
+
+
+class MergedColumnParallelLinear(Linear):
+    """Several column-parallel projections of the same input in one matmul (gate_up_proj);
+    shards 0, 1, ...: each rank holds its slice of every one, one after the other."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
+        tp_size = get_tp_group().world_size
+        for size in output_sizes:
+            _check_divisible("output features", size, tp_size)
+        self.output_sizes = [size // tp_size for size in output_sizes]  # this rank's
+        super().__init__(input_size, sum(self.output_sizes), bias)
 
-    def shard_range(self, shard_id) -> tuple[int, int]:
+    def shard_offsets(self, shard_id) -> tuple[int, int, int]:
         if shard_id is None:
-            return 0, self.output_size
-        start = sum(self.output_sizes[:shard_id])
-        return start, self.output_sizes[shard_id]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:
-            return super().weight_loader(param, loaded)
-        start, size = self.shard_range(shard_id)
-        _copy(param.data.narrow(0, start, size), loaded)
+            if self.tp_size > 1:
+                raise ValueError("a fused checkpoint tensor cannot be split over TP ranks")
+            return 0, 0, self.output_size
+        size = self.output_sizes[shard_id]
+        return sum(self.output_sizes[:shard_id]), self.tp_rank * size, size
 
 
-class QKVLinear(MergedLinear):
-    """q, k and v projections in one matmul; shards "q", "k", "v"."""
+class QKVParallelLinear(Linear):
+    """q, k and v projections in one matmul; shards "q", "k", "v". The key/value heads are split
+    over the ranks, each with the query heads that read it (`head_ranges`); with fewer key/value
+    heads than ranks each one is replicated on the `tp_size / num_kv_heads` ranks that split its
+    query heads."""
 
     def __init__(
         self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False
     ) -> None:
-        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
-        super().__init__(hidden_size, sizes, bias)
-        self.q_size, self.kv_size = sizes[0], sizes[1]
+        tp = get_tp_group()
+        (self.q_head_start, self.num_heads), (self.kv_head_start, self.num_kv_heads) = head_ranges(
+            num_heads, num_kv_heads, tp.world_size, tp.rank
+        )
+        self.head_size = head_size
+        self.q_size, self.kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
 
-    def shard_range(self, shard_id) -> tuple[int, int]:
-        return super().shard_range(None if shard_id is None else {"q": 0, "k": 1, "v": 2}[shard_id])
+    @property
+    def q_range(self) -> tuple[int, int]:
+        """This rank's query features `(start, size)`: the input columns of the matching o_proj."""
+        return self.q_head_start * self.head_size, self.q_size
+
+    def shard_offsets(self, shard_id) -> tuple[int, int, int]:
+        if shard_id is None:
+            if self.tp_size > 1:
+                raise ValueError("a fused checkpoint tensor cannot be split over TP ranks")
+            return 0, 0, self.output_size
+        if shard_id == "q":
+            return 0, self.q_head_start * self.head_size, self.q_size
+        dst = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        return dst, self.kv_head_start * self.head_size, self.kv_size
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over the ranks (the input is the matching slice of a column-parallel
+    output); the partial products are summed over the ranks, then the bias is added once."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        input_range: tuple[int, int] | None = None,
+    ) -> None:
+        """`input_range`: this rank's input columns `(start, size)`; default an even split."""
+        tp = get_tp_group()
+        if input_range is None:
+            _check_divisible("input features", input_size, tp.world_size)
+            size = input_size // tp.world_size
+            input_range = (tp.rank * size, size)
+        self.input_start = input_range[0]
+        super().__init__(input_range[1], output_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        if _reduce_in_float32(x):
+            y = tensor_model_parallel_all_reduce(F.linear(x.float(), self._float32_weight())).to(x.dtype)
+        else:
+            y = tensor_model_parallel_all_reduce(block_linear(x, self.weight, self.block_weight))
+        return y if self.bias is None else y + self.bias
+
+    def _float32_weight(self) -> torch.Tensor:
+        """The weight as float32 (kept after the first call): 16-bit weights hold exact float32
+        values and their products are exact, so a float32 matmul sums what a 16-bit one sums."""
+        if getattr(self, "_weight_f32", None) is None:
+            self._weight_f32 = self.weight.float()
+        return self._weight_f32
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param is self.bias:
+            _copy(param.data, loaded)
+        else:
+            _copy(param.data, _narrow(loaded, 1, self.input_start, self.input_size, shard_id))
+
+    def block_weight_loader(self, rows: torch.Tensor, qtype: int, max_tokens: int, shard_id=None) -> None:
+        """Each rank's columns as whole GGUF blocks; a slice that would cut a block raises
+        `BlockShardError` (the layer then computes with its float weight)."""
+        if self.tp_size > 1:
+            from radixengine.layers.gguf_quant_ops import BLOCK_BYTES, BLOCK_WEIGHTS
+
+            block_size, block_bytes = BLOCK_WEIGHTS[qtype], BLOCK_BYTES[qtype]
+            if self.input_size % block_size or self.input_start % block_size:
+                raise BlockShardError(
+                    f"input features [{self.input_start}, {self.input_start + self.input_size}) of this rank "
+                    f"are not whole {block_size}-weight GGUF blocks"
+                )
+            width = self.input_size // block_size * block_bytes
+            rows = rows.narrow(1, self.input_start // block_size * block_bytes, width).contiguous()
+        super().block_weight_loader(rows, qtype, max_tokens, shard_id)
+
+
+def _reduce_in_float32(x: torch.Tensor) -> bool:
+    """A 16-bit model on a CPU sums the ranks' partial products in float32 and rounds once, as
+    the single-rank matmul (float32 accumulation) does: rounding each partial to 16 bits first
+    would make the tokens drift from one rank's after a few dozen steps. (On CUDA the partials
+    are summed in the model's dtype, as SGLang does.)"""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
+class BlockShardError(ValueError):
+    """A GGUF block weight that cannot be split over the TP ranks in whole blocks."""
+
+
+def head_ranges(
+    num_heads: int, num_kv_heads: int, tp_size: int, rank: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """`((first query head, query heads), (first key/value head, key/value heads))` of `rank`.
+
+    With at least as many key/value heads as ranks, rank r holds key/value heads
+    `[K * r // tp, K * (r + 1) // tp)` and their query heads (an uneven split when tp does not
+    divide K: 3 heads over 2 ranks are 1 and 2). With fewer, each key/value head is replicated on
+    `tp / K` ranks, which split its query heads evenly."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} attention heads are not a multiple of {num_kv_heads} key/value heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= tp_size:
+        kv_start = num_kv_heads * rank // tp_size
+        kv_count = num_kv_heads * (rank + 1) // tp_size - kv_start
+        return (kv_start * group, kv_count * group), (kv_start, kv_count)
+    replicas = tp_size // num_kv_heads
+    if tp_size % num_kv_heads or group % replicas:
+        raise ValueError(
+            f"--tp-size {tp_size} exceeds the model's {num_kv_heads} key/value heads: it must then be a "
+            f"multiple of them ({num_kv_heads}) whose ratio ({tp_size} / {num_kv_heads}) divides the "
+            f"{group} query heads of each key/value head"
+        )
+    q_count = group // replicas
+    return (rank * q_count, q_count), (rank // replicas, 1)
+
+
+def _check_divisible(what: str, n: int, tp_size: int) -> None:
+    if n % tp_size:
+        raise ValueError(f"the model's {n} {what} cannot be split evenly over --tp-size {tp_size} ranks")
+
+
+def _narrow(t: torch.Tensor, dim: int, start: int, size: int, shard_id) -> torch.Tensor:
+    if start == 0 and t.shape[dim] == size:
+        return t
+    if t.shape[dim] < start + size:
+        name = "" if shard_id is None else f" (shard {shard_id!r})"
+        raise ValueError(
+            f"weight shape {tuple(t.shape)}{name} has no rows [{start}, {start + size}) on dim {dim}"
+        )
+    return t.narrow(dim, start, size).contiguous()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -88,7 +88,7 @@ class LogitsProcessor(nn.Module):
             out.input_top_logprobs_idx = torch.cat(top_ids) if top_ids else empty.long()
 
     def _logits(self, states: torch.Tensor, lm_head: VocabEmbedding) -> torch.Tensor:
-        logits = block_linear(states, lm_head.weight, lm_head.block_weight).float()
+        logits = lm_head.gather_logits(block_linear(states, lm_head.weight, lm_head.block_weight)).float()
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

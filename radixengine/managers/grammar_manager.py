@@ -28,6 +28,7 @@ class GrammarManager:
         tokenizer: Tokenizer | None,
         vocab_size: int,
         eos_token_ids: frozenset[int],
+        wait_for_compile: bool = False,
     ) -> None:
         self.backend_name = backend_name
         self.any_whitespace = any_whitespace
@@ -37,6 +38,8 @@ class GrammarManager:
         self.backend = None
         self.backend_error: str | None = None
         self.grammar_queue: list[Req] = []
+        # Tensor parallel: every rank must admit the request at the same step, so wait for the compile.
+        self.wait_for_compile = wait_for_compile
 
     def __len__(self) -> int:
         return len(self.grammar_queue)
@@ -49,7 +52,7 @@ class GrammarManager:
         if error is not None:
             return f"{kind}: {error}"
         future = self.backend.get_future(key)
-        if future.done():
+        if future.done() or self.wait_for_compile:
             return self._resolve(req, future)
         req.grammar = future
         self.grammar_queue.append(req)

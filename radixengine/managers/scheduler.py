@@ -85,6 +85,7 @@ class Scheduler(
             tokenizer,
             self.vocab_size,
             self.eos_token_ids,
+            wait_for_compile=server_args.tp_size > 1,
         )
         self.policy = SchedulePolicy(
             server_args.schedule_policy,

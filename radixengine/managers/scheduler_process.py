@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 RECV_BLOCK_MS = 50
 WATCHDOG_EXIT_CODE = 3  # the tokenizer manager names the watchdog when the scheduler exits with it
+MONITOR_GRACE_S = (
+    10.0  # after a failed TP collective, how long to wait for the rank monitor to name a dead rank
+)
 
 
 class ZmqSchedulerIO:
@@ -111,20 +114,48 @@ def ready_info(scheduler) -> dict:
 
 
 def run_scheduler_process(server_args, port_args, pipe_writer) -> None:
+    """The scheduler process; with --tp-size N it is TP rank 0 and starts the node's other ranks
+    (`scheduler_ranks.py`)."""
+    from radixengine.managers.scheduler_ranks import (
+        TpLeaderIO,
+        exit_for_rank,
+        rank_server_args,
+        start_tp_ranks,
+    )
     from radixengine.utils.process import watch_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent shuts us down
     watch_parent(os.getppid())
     logging.basicConfig(level=server_args.log_level.upper(), format="[scheduler] %(message)s")
+    ready = threading.Event()
+
+    def on_rank_death(message: str, rank: int) -> None:
+        if not ready.is_set():
+            pipe_writer.send({"status": "error", "error": message})
+        exit_for_rank(message, rank)
+
     try:
+        server_args = rank_server_args(server_args)
+        monitor = start_tp_ranks(server_args, on_rank_death)
         io = ZmqSchedulerIO(port_args)
-        scheduler = build_scheduler(server_args, io)
+        scheduler = build_scheduler(server_args, io if monitor is None else TpLeaderIO(io))
         info = ready_info(scheduler)
     except Exception as e:  # report, then exit: the parent raises with this message
         logger.exception("scheduler failed to start")
         pipe_writer.send({"status": "error", "error": f"{type(e).__name__}: {e}"})
         return
+    ready.set()
     pipe_writer.send(info)
+    try:
+        run_event_loop(scheduler, server_args)
+    except Exception:
+        if monitor is not None:  # a collective failed: most likely a rank died; let the monitor name it
+            logger.exception("a TP collective failed; waiting for the rank monitor")
+            monitor.wait_for_death(MONITOR_GRACE_S)
+        raise
+
+
+def run_event_loop(scheduler, server_args) -> None:
     SchedulerWatchdog(scheduler, server_args.watchdog_timeout)
     overlap = getattr(scheduler, "event_loop_overlap", None)
     if server_args.disable_overlap_schedule or overlap is None:

@@ -33,6 +33,7 @@ from radixengine.managers.request_errors import EngineDeadError, RequestError, a
 from radixengine.managers.request_logger import RequestLogger
 from radixengine.managers.request_validator import RequestLimits, RequestValidator
 from radixengine.managers.scheduler_process import WATCHDOG_EXIT_CODE
+from radixengine.managers.scheduler_ranks import describe_scheduler_exit
 from radixengine.managers.served_model import ServedModel, load_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -311,6 +312,8 @@ class TokenizerManager:
                 f"the scheduler process (pid {proc.pid}) was ended by its watchdog: a forward batch ran "
                 f"longer than --watchdog-timeout {timeout:g} s"
             )
+        if name == "scheduler" and (rank_death := describe_scheduler_exit(proc.exitcode, proc.pid)):
+            return rank_death
         return f"the {name} process (pid {proc.pid}) died unexpectedly (exit code {proc.exitcode})"
 
     def fail_all(self, message: str) -> None:

@@ -7,13 +7,16 @@ import logging
 import psutil
 import torch
 
+from radixengine.distributed import get_tp_group, tensor_model_parallel_all_reduce_min
 from radixengine.layers.attention import create_attention_backend
+from radixengine.layers.linear import head_ranges
 from radixengine.layers.logits_processor import LogitsProcessorOutput
 from radixengine.layers.sampler import Sampler, logprobs_of
 from radixengine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardBatch
 from radixengine.model_loader import ModelConfig, get_model
+from radixengine.models import ModelRegistry
 from radixengine.server_args import ServerArgs
 from radixengine.utils.random_seed import set_random_seed
 
@@ -43,6 +46,12 @@ class ModelRunner:
             server_args.device,
             revision=server_args.revision,
         )
+        self.tp_rank, self.tp_size = get_tp_group().rank, get_tp_group().world_size
+        check_tensor_parallel(self.model_config, self.tp_size)
+        c = self.model_config
+        _, (_, self.num_kv_heads) = head_ranges(
+            c.num_attention_heads, c.num_key_value_heads, self.tp_size, self.tp_rank
+        )  # this rank's share of the KV cache
         self.dtype = self.model_config.dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.dtype)
         self.context_len = self.model_config.context_len
@@ -85,6 +94,12 @@ class ModelRunner:
     def _make_cuda_graph_runner(self):
         from radixengine.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_supported
 
+        if self.device.type == "cuda" and self.tp_size > 1 and not self.server_args.disable_cuda_graph:
+            logger.info(
+                "CUDA graphs off: --tp-size %d (graphs around NCCL collectives are not captured yet)",
+                self.tp_size,
+            )
+            return None
         if not cuda_graph_supported(self):
             if self.device.type == "cuda" and not self.server_args.disable_cuda_graph:
                 logger.info(
@@ -97,10 +112,10 @@ class ModelRunner:
     # Memory ------------------------------------------------------------------------------------
 
     def cell_size(self) -> int:
-        """Bytes of K and V per token, all layers."""
+        """Bytes of K and V per token, all layers (this rank's key/value heads)."""
         c = self.model_config
         itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return c.num_key_value_heads * c.head_dim * c.num_hidden_layers * 2 * itemsize
+        return self.num_kv_heads * c.head_dim * c.num_hidden_layers * 2 * itemsize
 
     def req_to_token_row_bytes(self) -> int:
         """Bytes of one `req_to_token` row (int32 per token of the context, plus 4)."""
@@ -132,7 +147,8 @@ class ModelRunner:
         else:
             ram = self.available_memory() * CPU_DEFAULT_RAM_FRACTION
             tokens = self._tokens_within(ram, CPU_DEFAULT_MAX_TOTAL_TOKENS)
-        tokens = tokens // self.page_size * self.page_size
+        # Every rank runs the same schedule: the pool is the size the smallest rank can hold.
+        tokens = tensor_model_parallel_all_reduce_min(tokens // self.page_size * self.page_size)
         if tokens <= 0:
             raise RuntimeError(
                 "not enough memory for the KV cache; lower --mem-fraction-static's share "
@@ -180,7 +196,7 @@ class ModelRunner:
             self.max_total_num_tokens,
             self.page_size,
             self.kv_cache_dtype,
-            c.num_key_value_heads,
+            self.num_kv_heads,
             c.head_dim,
             c.num_hidden_layers,
             self.device,
@@ -260,6 +276,33 @@ class ModelRunner:
             logits_output.next_token_top_logprobs_val = top.val
             logits_output.next_token_top_logprobs_idx = top.idx
         return next_ids
+
+
+def check_tensor_parallel(model_config: ModelConfig, tp_size: int) -> None:
+    """Refuse at start-up a model that cannot be split over `tp_size` ranks, saying why."""
+    if tp_size == 1:
+        return
+    c = model_config
+    model_cls, arch = ModelRegistry.resolve_model_cls(c.architectures)
+    if not getattr(model_cls, "supports_tp", False):
+        raise ValueError(
+            f"{arch} does not run with --tp-size {tp_size}: tensor parallelism covers the Llama family "
+            "(Llama, Mistral, SmolLM), Qwen2, Qwen3 and Gemma 2/3; use --tp-size 1"
+        )
+    head_ranges(c.num_attention_heads, c.num_key_value_heads, tp_size, 0)
+    intermediate = getattr(c.hf_config, "intermediate_size", None)
+    if intermediate is not None and intermediate % tp_size:
+        raise ValueError(
+            f"the model's MLP width (intermediate_size {intermediate}) cannot be split evenly over "
+            f"--tp-size {tp_size} ranks; pick a --tp-size that divides it"
+        )
+    if c.vocab_size % tp_size:
+        logger.info(
+            "vocabulary of %d padded to %d rows to split it over %d ranks",
+            c.vocab_size,
+            -(-c.vocab_size // tp_size) * tp_size,
+            tp_size,
+        )
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

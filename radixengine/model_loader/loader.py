@@ -97,8 +97,10 @@ def load_gguf_block_weights(model: nn.Module, model_config: ModelConfig) -> int:
     import gguf
 
     from radixengine.layers.gguf_quant_ops import FORMATS
+    from radixengine.layers.linear import BlockShardError
 
     no_kernel: dict[str, list[str]] = {}  # type name -> GGUF tensors
+    unsplit: list[str] = []  # GGUF tensors whose rank slice would cut blocks (tensor parallel)
     fallback_modules: set[str] = set()
     tensors = gguf_block_weights_iterator(model_config.model_path, model_config.hf_config, frozenset(FORMATS))
     for name, gguf_name, qtype, rows in tensors:
@@ -115,7 +117,11 @@ def load_gguf_block_weights(model: nn.Module, model_config: ModelConfig) -> int:
                 no_kernel.setdefault(gguf.GGMLQuantizationType(qtype).name, []).append(gguf_name)
             fallback_modules.add(module_name)
             continue
-        module.block_weight_loader(rows, qtype, GGUF_BLOCK_MAX_TOKENS, shard_id)
+        try:
+            module.block_weight_loader(rows, qtype, GGUF_BLOCK_MAX_TOKENS, shard_id)
+        except BlockShardError as e:
+            unsplit.append(f"{gguf_name} ({e})")
+            fallback_modules.add(module_name)
     kept = 0
     for module_name, module in model.named_modules():
         block = getattr(module, "block_weight", None)
@@ -129,6 +135,12 @@ def load_gguf_block_weights(model: nn.Module, model_config: ModelConfig) -> int:
         logger.info(
             "GGUF tensors in types without a block kernel use dequantized float32 weights: %s",
             "; ".join(f"{t}: {_names(names)}" for t, names in sorted(no_kernel.items())),
+        )
+    if unsplit:
+        logger.warning(
+            "GGUF tensors that cannot be split over the TP ranks in whole blocks use dequantized "
+            "float32 weights: %s",
+            _names(unsplit),
         )
     logger.info("GGUF block weights for %d modules (batches of at most %d rows)", kept, GGUF_BLOCK_MAX_TOKENS)
     return kept

@@ -12,7 +12,7 @@ from torch import nn
 
 from radixengine.layers.activation import GeluAndMul, gelu_approximation
 from radixengine.layers.layernorm import GemmaRMSNorm
-from radixengine.layers.linear import Linear, MergedLinear
+from radixengine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from radixengine.layers.vocab_embedding import VocabEmbedding
 from radixengine.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 class Gemma2MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
         self.act_fn = GeluAndMul(gelu_approximation(hidden_act))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from radixengine.layers.activation import SiluAndMul
 from radixengine.layers.layernorm import RMSNorm
-from radixengine.layers.linear import Linear, MergedLinear, QKVLinear
+from radixengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixengine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from radixengine.layers.radix_attention import RadixAttention, sliding_window_size
 from radixengine.layers.rotary_embedding import RotaryEmbedding, get_rope, partial_rotary_dim, rope_config
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,13 +34,17 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_id: int) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.qkv_bias(config)
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, self.qkv_bias(config)
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=self.o_bias(config))
+        # This rank's heads (all of them with one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, config.hidden_size, self.o_bias(config), self.qkv_proj.q_range
+        )
         self.rotary_emb = self.make_rotary_emb(config, layer_id)
         self.attn = RadixAttention(
             self.num_heads,
@@ -136,6 +140,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     model_cls = LlamaModel
+    supports_tp = True  # every layer is split over the tensor-parallel ranks
 
     # (fused parameter, checkpoint name, shard id)
     stacked_params_mapping = [

@@ -25,8 +25,9 @@ class Phi3Model(LlamaModel):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     model_cls = Phi3Model
-    # qkv_proj and gate_up_proj come fused in the checkpoint: loaded whole.
+    # qkv_proj and gate_up_proj come fused in the checkpoint: loaded whole (not split over ranks).
     stacked_params_mapping = []
+    supports_tp = False
 
 
 EntryClass = [Phi3ForCausalLM]

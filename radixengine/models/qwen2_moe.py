@@ -72,6 +72,7 @@ class Qwen2MoeModel(LlamaModel):
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    supports_tp = False  # the experts are not split over ranks
     model_cls = Qwen2MoeModel
 
     def expected_weight_names(self) -> set[str]:

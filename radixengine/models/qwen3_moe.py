@@ -23,6 +23,7 @@ class Qwen3MoeModel(LlamaModel):
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
+    supports_tp = False  # the experts are not split over ranks
     model_cls = Qwen3MoeModel
 
 
