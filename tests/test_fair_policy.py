@@ -190,9 +190,9 @@ def test_aged_lpm_admits_the_cold_request_within_the_bound(aging):
 
 def test_hrrn_and_dlpm_admit_the_cold_request_under_the_hot_stream():
     assert passes_until_cold_admitted("hrrn", FairPolicy()) <= 2
-    # dlpm: the hot tenant spends at most its quantum (8 uncached tokens a request) first.
-    quantum = 64
-    assert passes_until_cold_admitted("dlpm", FairPolicy(dlpm_quantum_tokens=quantum)) <= quantum // 8 + 2
+    # dlpm: the cold tenant's fresh quantum is more credit than the hot tenant has left after
+    # its first request (the hot request queued before it goes first).
+    assert passes_until_cold_admitted("dlpm", FairPolicy(dlpm_quantum_tokens=64)) <= 2
 
 
 def test_shortest_prefill_first_starves_the_long_cold_request():
@@ -205,8 +205,9 @@ def test_shortest_prefill_first_starves_the_long_cold_request():
 
 def test_dlpm_cache_hits_first_within_the_allowance_then_the_other_tenant():
     """Tenant a: three requests, one with a cached prefix; tenant b: one. Each tenant starts
-    with a 100-token quantum: a's cache hit (10 uncached) first by LPM, then a's next (95, a is
-    now in debt) and b's (80), then a's last once the round is replenished."""
+    with a 100-token quantum: a's cache hit (10 uncached) first (the tie goes to the better LPM
+    request), then b's (80: b has 100 left, a 90), then a's next (95, a is now in debt), then a's
+    last once the round is replenished."""
     tree = make_tree()
     a_miss1 = cached_req("a_miss1", 0, 95, tree, "a")
     a_miss2 = cached_req("a_miss2", 0, 60, tree, "a")
@@ -214,7 +215,37 @@ def test_dlpm_cache_hits_first_within_the_allowance_then_the_other_tenant():
     a_hit = cached_req("a_hit", 50, 10, tree, "a")
     queue = [a_miss1, a_miss2, b_miss, a_hit]
     order(SchedulePolicy("dlpm", tree, fair=FairPolicy(dlpm_quantum_tokens=100)), queue)
-    assert rids(queue) == ["a_hit", "a_miss1", "b_miss", "a_miss2"]
+    assert rids(queue) == ["a_hit", "b_miss", "a_miss1", "a_miss2"]
+
+
+def test_dlpm_a_tenant_arriving_mid_round_goes_before_the_rest_of_the_hot_round():
+    """The cold tail's case. The bound: a tenant that starts waiting with a fresh quantum is
+    placed after at most one request of each tenant that still holds a whole quantum. Here the
+    hot tenant (cache hits, 8 uncached tokens each, 64-token quantum) has spent 16 of its
+    quantum when the cold request arrives: the cold one, with more credit left, goes first (it
+    used to wait for the 6 hot requests left in the round). Arriving at the start of a round, it
+    goes second, after one hot request."""
+    tree = make_tree()
+    system = fresh(HOT_PREFIX_LEN)
+    tree.insert(system)
+    fair = FairPolicy(dlpm_quantum_tokens=64)
+    policy = SchedulePolicy("dlpm", tree, fair=fair)
+    queue = [make_req(f"hot{i}", system + fresh(8), tenant="hot") for i in range(12)]
+    for _ in range(2):
+        order(policy, queue)
+        head = queue.pop(0)
+        head.extend_input_len = uncached_len(head)
+        fair.on_prefill_batch([head])
+    assert fair.deficits == {"hot": 48}
+    queue.append(make_req("cold", fresh(64), tenant="cold"))
+    order(policy, queue)
+    assert rids(queue)[0] == "cold"
+
+    fresh_fair = FairPolicy(dlpm_quantum_tokens=64)
+    queue = [make_req(f"hot{i}", system + fresh(8), tenant="hot") for i in range(12)]
+    queue.append(make_req("cold", fresh(64), tenant="cold"))
+    order(SchedulePolicy("dlpm", tree, fair=fresh_fair), queue)
+    assert rids(queue)[:2] == ["hot0", "cold"]
 
 
 def test_deficit_order_replenishes_until_someone_has_credit():

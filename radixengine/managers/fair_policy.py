@@ -11,11 +11,14 @@
   it is ahead of any request that came after it: no request waits beyond that bound plus the
   requests ahead of it at arrival.
 - `dlpm`: deficit round robin over tenants (`Req.routing_key`) combined with LPM. Each tenant
-  holds a deficit counter in prefill tokens; requests are taken in LPM order, but only from
-  tenants whose counter is positive, each charged its uncached tokens; when none is positive,
-  every waiting tenant gets the same quantum. Cache hits go first within a tenant's allowance,
-  and over any stretch where tenants keep requests waiting, their computed prefill tokens differ
-  by at most a quantum plus one request.
+  holds a deficit counter in prefill tokens; the next request is the best one in LPM order of
+  the tenant with the most credit left (ties: the tenant whose best request ranks first in LPM
+  order), charged its uncached tokens; when none is positive, every waiting tenant gets the same
+  quantum. Cache hits go first within a tenant's allowance, and over any stretch where tenants
+  keep requests waiting, their computed prefill tokens differ by at most a quantum plus one
+  request. Serving the most credit first interleaves the tenants within a round: a tenant that
+  starts waiting with a fresh quantum is placed after at most one request of each tenant that
+  still holds a whole quantum, instead of after the rest of every other tenant's round.
 
 All three cache-aware orders put the requests `SchedulePolicy` deprioritized for in-batch prefix
 caching last, as LPM does.
@@ -24,6 +27,7 @@ caching last, as LPM does.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -162,26 +166,29 @@ class Replenish:
 def deficit_order(
     lpm_order: list[Req], deficits: dict[str, int], quantum: int, active: set[str] | None = None
 ) -> tuple[list[Req], list[Replenish]]:
-    """The order admission would follow if every request were admitted: repeatedly the first
-    request in LPM order whose tenant still has credit, charged its uncached tokens; and the
-    rounds replenished on the way (to the `active` tenants, by default those in the order)."""
+    """The order admission would follow if every request were admitted: repeatedly the tenant
+    with the most credit left (ties: the one whose next request ranks first in LPM order) gives
+    its next request in LPM order, charged its uncached tokens; and the rounds replenished on
+    the way (to the `active` tenants, by default those in the order)."""
     active = {tenant_of(r) for r in lpm_order} if active is None else active
-    remaining, out, rounds = list(lpm_order), [], []
-    while remaining:
-        left = []
-        for req in remaining:
-            tenant = tenant_of(req)
-            if deficits[tenant] > 0:
-                deficits[tenant] -= uncached_len(req)
-                out.append(req)
-            else:
-                left.append(req)
-        remaining = left
-        waiting = {tenant_of(r) for r in remaining}
-        replenish = Replenish.when_due(deficits, waiting, active, quantum, len(out))
-        if replenish is not None:
+    rank = {req: i for i, req in enumerate(lpm_order)}
+    queues: dict[str, deque[Req]] = {}
+    for req in lpm_order:
+        queues.setdefault(tenant_of(req), deque()).append(req)
+    out, rounds = [], []
+    while queues:
+        ready = [t for t in queues if deficits[t] > 0]
+        if not ready:
+            replenish = Replenish.when_due(deficits, set(queues), active, quantum, len(out))
             replenish.apply(deficits)
             rounds.append(replenish)
+            continue
+        tenant = min(ready, key=lambda t: (-deficits[t], rank[queues[t][0]]))
+        req = queues[tenant].popleft()
+        deficits[tenant] -= uncached_len(req)
+        out.append(req)
+        if not queues[tenant]:
+            del queues[tenant]
     return out, rounds
 
 
