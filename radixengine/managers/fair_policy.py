@@ -11,11 +11,12 @@
   it is ahead of any request that came after it: no request waits beyond that bound plus the
   requests ahead of it at arrival.
 - `dlpm`: deficit round robin over tenants (`Req.routing_key`) combined with LPM. Each tenant
-  holds a deficit counter in prefill tokens; the next request is the best one in LPM order of
-  the tenant with the most credit left (ties: the tenant whose best request ranks first in LPM
-  order), charged its uncached tokens; when none is positive, every waiting tenant gets the same
+  holds a deficit counter in tokens; the next request is the best one in LPM order of the
+  tenant with the most credit left (ties: the tenant whose best request ranks first in LPM
+  order), charged the tokens it will compute (its uncached prefill and its output budget: the
+  decode slots are as scarce as prefill); when none is positive, every waiting tenant gets the same
   quantum. Cache hits go first within a tenant's allowance, and over any stretch where tenants
-  keep requests waiting, their computed prefill tokens differ by at most a quantum plus one
+  keep requests waiting, their charged tokens differ by at most a quantum plus one
   request. Serving the most credit first interleaves the tenants within a round: a tenant that
   starts waiting with a fresh quantum is placed after at most one request of each tenant that
   still holds a whole quantum, instead of after the rest of every other tenant's round.
@@ -43,6 +44,17 @@ def uncached_len(req: Req) -> int:
     return len(req.origin_input_ids) + len(req.output_ids) - len(req.prefix_indices)
 
 
+def output_budget(req: Req) -> int:
+    """Output tokens the request may still decode: `max_new_tokens` less what it has (the real
+    length is not known at admission)."""
+    return max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
+
+
+def service_len(req: Req) -> int:
+    """What dlpm charges a tenant for a request: every token it will compute, prefill and decode."""
+    return uncached_len(req) + output_budget(req)
+
+
 def tenant_of(req: Req) -> str:
     return req.routing_key or DEFAULT_TENANT
 
@@ -60,7 +72,7 @@ class FairPolicy:
     dlpm_quantum_tokens: int = 512
     processed_tokens: int = 0  # prefill tokens computed so far: HRRN's clock
     deficits: dict[str, int] = field(default_factory=dict)
-    served_tokens: dict[str, int] = field(default_factory=dict)  # per tenant, since start
+    served_tokens: dict[str, int] = field(default_factory=dict)  # charged per tenant, since start
     # The last dlpm order's replenishments: each applies once a request at or after its
     # position is admitted, so the counters follow the order admission took.
     _position: dict[Req, int] = field(default_factory=dict)
@@ -84,9 +96,11 @@ class FairPolicy:
             position = self._position.get(req, -1)
             while self._rounds and self._rounds[0].position <= position:
                 self._rounds.pop(0).apply(self.deficits)
-            tokens = req.extend_input_len
-            self.processed_tokens += tokens
+            self.processed_tokens += req.extend_input_len
             tenant = tenant_of(req)
+            tokens = req.extend_input_len
+            if len(req.fill_ids) >= len(req.origin_input_ids) + len(req.output_ids):  # last chunk
+                tokens += output_budget(req)
             self.served_tokens[tenant] = self.served_tokens.get(tenant, 0) + tokens
             if tenant in self.deficits:
                 self.deficits[tenant] -= tokens
@@ -168,7 +182,7 @@ def deficit_order(
 ) -> tuple[list[Req], list[Replenish]]:
     """The order admission would follow if every request were admitted: repeatedly the tenant
     with the most credit left (ties: the one whose next request ranks first in LPM order) gives
-    its next request in LPM order, charged its uncached tokens; and the rounds replenished on
+    its next request in LPM order, charged its `service_len`; and the rounds replenished on
     the way (to the `active` tenants, by default those in the order)."""
     active = {tenant_of(r) for r in lpm_order} if active is None else active
     rank = {req: i for i, req in enumerate(lpm_order)}
@@ -185,7 +199,7 @@ def deficit_order(
             continue
         tenant = min(ready, key=lambda t: (-deficits[t], rank[queues[t][0]]))
         req = queues[tenant].popleft()
-        deficits[tenant] -= uncached_len(req)
+        deficits[tenant] -= service_len(req)
         out.append(req)
         if not queues[tenant]:
             del queues[tenant]
