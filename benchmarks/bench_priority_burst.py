@@ -1,7 +1,7 @@
 """Hard versus soft priority preemption on a burst of high-priority arrivals into a tight KV pool.
 
     python benchmarks/bench_priority_burst.py
-    python benchmarks/bench_priority_burst.py --low 6 --low-len 1536 --max-total-tokens 8192
+    python benchmarks/bench_priority_burst.py --chunked-prefill-size 512   # the victims' prompts chunked
 
 `--low` low-priority requests (priority 0) with long distinct prompts arrive at t=0 and decode
 long outputs; at `--burst-at` seconds, while they decode, `--burst` high-priority requests
@@ -95,14 +95,19 @@ def run_mode(args, mode: str, model_path: str, worker, trace: Trace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--low", type=int, default=4, help="low-priority requests, running when the burst comes")
-    p.add_argument("--low-len", type=int, default=1536)
+    p.add_argument("--low-len", type=int, default=3072)
     p.add_argument("--burst", type=int, default=4)
     p.add_argument("--burst-len", type=int, default=256)
-    p.add_argument("--burst-at", type=float, default=0.5, help="seconds (model clock)")
+    p.add_argument("--burst-at", type=float, default=1.2, help="seconds (model clock)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-total-tokens", type=int, default=7168)
+    p.add_argument("--max-total-tokens", type=int, default=13312)
     p.add_argument("--max-running-requests", type=int, default=16)
-    p.add_argument("--chunked-prefill-size", type=int, default=512)
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=4096,
+        help="a prompt longer than this is inserted into the cache chunk by chunk: hard preemption keeps those chunks too",
+    )
     p.add_argument("--eviction", default="lru", help="--radix-eviction-policy")
     p.add_argument("--clock", choices=("model", "engine", "wall"), default="model")
     p.add_argument("--cost-step", type=float, default=0.004)
