@@ -10,7 +10,8 @@ does not fit beside them: admission preempts running low-priority requests. Each
 the same trace into the real Scheduler (bench_fairness.py's replay, model clock):
 - `hard`: the victims' KV is freed; they recompute their prompt and output when readmitted;
 - `soft` (`--soft-priority-preemption`): the victims' KV goes to the radix cache, evictable,
-  so what is still there when they come back is reused.
+  and evictions take only the pages they need from a leaf's end (`evict_leaf_tails`), so what
+  the burst does not take is reused when they come back.
 Reported: tokens recomputed (prefill tokens computed less the trace's prompt tokens: the prompts
 share nothing, so every token computed twice counts, a victim's output included), the tokens a
 readmitted victim found cached, preemptions, the burst's TTFT and the low-priority requests' completion.

@@ -54,8 +54,11 @@ def test_greedy_matches_transformers_under_fair_policies(policy, flags, radix, p
     if radix:
         assert sched.stats.num_cached_tokens > 0
     fair = sched.policy.fair
-    # Every computed prefill token was charged to a tenant (every tenant had some).
-    assert sum(fair.served_tokens.values()) == sched.stats.num_prefill_tokens
+    # Every computed prefill token was charged to a tenant (every tenant had some), and each
+    # request's output budget once (nothing is retracted here).
+    assert sched.stats.num_retracted_reqs == 0
+    outputs = sum(r.sampling_params.max_new_tokens for r in reqs)
+    assert sum(fair.served_tokens.values()) == sched.stats.num_prefill_tokens + outputs
     assert set(fair.served_tokens) == set(TENANTS)
 
 
