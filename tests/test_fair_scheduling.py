@@ -155,8 +155,10 @@ def test_soft_preemption_keeps_the_preempted_prefix(overlap):
     preemption frees the KV of its generated tokens, which it then recomputes; soft preemption
     hands that KV to the cache too, and here (the pool has the room: the preemption was for the
     reservations) the victim recomputes only its last token."""
-    _, hard = priority_burst(soft=False, overlap=overlap)
-    _, soft = priority_burst(soft=True, overlap=overlap)
+    hard_sched, hard = priority_burst(soft=False, overlap=overlap)
+    soft_sched, soft = priority_burst(soft=True, overlap=overlap)
+    # Soft preemption evicts leaf tails (a victim keeps what an arrival does not take).
+    assert soft_sched.tree_cache.evict_leaf_tails and not hard_sched.tree_cache.evict_leaf_tails
     assert hard >= 10
     assert soft <= 2 and soft <= hard // 2
 
