@@ -87,7 +87,7 @@ class ServerArgs:
     cpu_forward_stream: str = "auto"  # see _HELP
     # Fair and cache-aware scheduling (managers/fair_policy.py, mem_cache/evict_policy.py)
     lpm_aging_tokens_per_pass: int = 0
-    dlpm_quantum_tokens: int = 512
+    dlpm_quantum_tokens: int = 2048
     retraction_policy: str = "length"
     radix_eviction_policy: str = "lru"
     soft_priority_preemption: bool = False
@@ -405,8 +405,8 @@ _HELP = {
         "so no request waits more than about context-length / N passes. 0 (default): plain lpm."
     ),
     "dlpm_quantum_tokens": (
-        "dlpm: prefill tokens each waiting tenant is credited per round. Smaller: finer fairness; larger: "
-        "longer runs of one tenant's cache hits."
+        "dlpm: tokens each waiting tenant is credited per round (a request is charged its uncached prompt "
+        "tokens and its max_new_tokens). Smaller: finer fairness; larger: a tenant's bursts stay in credit."
     ),
     "retraction_policy": (
         "Which running requests are retracted first when decode runs out of KV memory: length (fewest "
@@ -415,9 +415,9 @@ _HELP = {
     ),
     "soft_priority_preemption": (
         "With --enable-priority-scheduling: a preempted request's computed KV goes to the radix cache "
-        "(evictable, newest last) instead of being freed, so on its return it recomputes only what was "
-        "evicted meanwhile. Preemption still happens only when the free and evictable tokens do not fit "
-        "the important request."
+        "(evictable, newest last) instead of being freed, and evictions take only the pages they need "
+        "from a cached prefix's end, so on its return it recomputes only what was evicted meanwhile. "
+        "Preemption still happens only when the free and evictable tokens do not fit the important request."
     ),
     "radix_eviction_policy": (
         "Which cached prefixes are evicted first: lru, lfu (fewest inserts), slru (prefixes hit once "

@@ -190,9 +190,9 @@ def test_aged_lpm_admits_the_cold_request_within_the_bound(aging):
 
 def test_hrrn_and_dlpm_admit_the_cold_request_under_the_hot_stream():
     assert passes_until_cold_admitted("hrrn", FairPolicy()) <= 2
-    # dlpm: the hot tenant spends at most its quantum (8 uncached tokens a request) first.
-    quantum = 64
-    assert passes_until_cold_admitted("dlpm", FairPolicy(dlpm_quantum_tokens=quantum)) <= quantum // 8 + 2
+    # dlpm: the cold tenant's fresh quantum is more credit than the hot tenant has left after
+    # its first request (the hot request queued before it goes first).
+    assert passes_until_cold_admitted("dlpm", FairPolicy(dlpm_quantum_tokens=64)) <= 2
 
 
 def test_shortest_prefill_first_starves_the_long_cold_request():
@@ -205,8 +205,9 @@ def test_shortest_prefill_first_starves_the_long_cold_request():
 
 def test_dlpm_cache_hits_first_within_the_allowance_then_the_other_tenant():
     """Tenant a: three requests, one with a cached prefix; tenant b: one. Each tenant starts
-    with a 100-token quantum: a's cache hit (10 uncached) first by LPM, then a's next (95, a is
-    now in debt) and b's (80), then a's last once the round is replenished."""
+    with a 100-token quantum; a request is charged its uncached tokens and its 8 of output: a's
+    cache hit (18) first (the tie goes to the better LPM request), then b's (88: b has 100 left,
+    a 82), then a's next (103, a is now in debt), then a's last once the round is replenished."""
     tree = make_tree()
     a_miss1 = cached_req("a_miss1", 0, 95, tree, "a")
     a_miss2 = cached_req("a_miss2", 0, 60, tree, "a")
@@ -214,7 +215,37 @@ def test_dlpm_cache_hits_first_within_the_allowance_then_the_other_tenant():
     a_hit = cached_req("a_hit", 50, 10, tree, "a")
     queue = [a_miss1, a_miss2, b_miss, a_hit]
     order(SchedulePolicy("dlpm", tree, fair=FairPolicy(dlpm_quantum_tokens=100)), queue)
-    assert rids(queue) == ["a_hit", "a_miss1", "b_miss", "a_miss2"]
+    assert rids(queue) == ["a_hit", "b_miss", "a_miss1", "a_miss2"]
+
+
+def test_dlpm_a_tenant_arriving_mid_round_goes_before_the_rest_of_the_hot_round():
+    """The cold tail's case. The bound: a tenant that starts waiting with a fresh quantum is
+    placed after at most one request of each tenant that still holds a whole quantum. Here the
+    hot tenant (cache hits, charged 16 tokens each: 8 uncached, 8 of output; a 128-token
+    quantum) has spent 32 of its quantum when the cold request arrives: the cold one, with more
+    credit left, goes first (it used to wait for the 6 hot requests left in the round).
+    Arriving at the start of a round, it goes second, after one hot request."""
+    tree = make_tree()
+    system = fresh(HOT_PREFIX_LEN)
+    tree.insert(system)
+    fair = FairPolicy(dlpm_quantum_tokens=128)
+    policy = SchedulePolicy("dlpm", tree, fair=fair)
+    queue = [make_req(f"hot{i}", system + fresh(8), tenant="hot") for i in range(12)]
+    for _ in range(2):
+        order(policy, queue)
+        head = queue.pop(0)
+        head.extend_input_len = uncached_len(head)
+        fair.on_prefill_batch([head])
+    assert fair.deficits == {"hot": 96}
+    queue.append(make_req("cold", fresh(64), tenant="cold"))
+    order(policy, queue)
+    assert rids(queue)[0] == "cold"
+
+    fresh_fair = FairPolicy(dlpm_quantum_tokens=128)
+    queue = [make_req(f"hot{i}", system + fresh(8), tenant="hot") for i in range(12)]
+    queue.append(make_req("cold", fresh(64), tenant="cold"))
+    order(SchedulePolicy("dlpm", tree, fair=fresh_fair), queue)
+    assert rids(queue)[:2] == ["hot0", "cold"]
 
 
 def test_deficit_order_replenishes_until_someone_has_credit():
@@ -267,7 +298,7 @@ def run_scripted_trace(quantum: int, budget: int, passes: int) -> tuple[FairPoli
 @pytest.mark.parametrize("quantum,budget", [(90, 150), (200, 300), (500, 256)])
 def test_dlpm_gives_each_tenant_its_share_within_one_request(quantum, budget):
     """After every pass all tenants were credited the same, and each one's served tokens are
-    within one request (90 tokens at most) above it and one quantum (credited, not yet used)
+    within one request (98 tokens at most: 90 of prompt, 8 of output) above it and one quantum (credited, not yet used)
     below it."""
     fair, history = run_scripted_trace(quantum, budget, passes=300)
     assert set(fair.served_tokens) == {"hot", "mid", "big"} and min(fair.served_tokens.values()) > 2000
@@ -275,11 +306,12 @@ def test_dlpm_gives_each_tenant_its_share_within_one_request(quantum, budget):
         credits = {credit for _, credit in point.values()}
         assert len(credits) == 1
         credit = credits.pop()
-        assert all(credit - quantum <= served < credit + 90 for served, _ in point.values())
+        assert all(credit - quantum <= served < credit + 98 for served, _ in point.values())
 
 
 def test_lpm_alone_gives_the_hot_tenant_everything():
-    """The same trace under plain LPM: the cached tenant is always first."""
+    """The same trace under plain LPM: the cached tenant is always first (50 requests charged
+    18 tokens each: a 10-token tail and 8 of output)."""
     tree = make_tree()
     system = fresh(200)
     tree.insert(system)
@@ -294,7 +326,7 @@ def test_lpm_alone_gives_the_hot_tenant_everything():
         req.extend_input_len = uncached_len(req)
         fair.on_prefill_batch([req])
         queue.append(make_req(req.rid, (system if req.rid == "hot" else []) + fresh(10), req.routing_key))
-    assert fair.served_tokens == {"hot": 500}
+    assert fair.served_tokens == {"hot": 900}
 
 
 def test_dlpm_idle_tenant_drops_credit_and_keeps_debt():
@@ -358,5 +390,5 @@ def test_dlpm_past_the_fallback_length_keeps_the_deficits_without_matching():
     policy = SchedulePolicy("dlpm", tree, fair=FairPolicy(dlpm_quantum_tokens=130), lpm_fallback_queue_len=4)
     assert order(policy, queue) is False  # nothing matched: the adder matches as it goes
     assert all(len(r.prefix_indices) == 0 for r in queue)
-    # Unmatched, a hot request costs its 130 tokens: one per quantum, the cold one second.
+    # Unmatched, a hot request costs its 130 tokens (and 8 of output): one per quantum, the cold one second.
     assert rids(queue)[:3] == ["h0", "cold", "h1"]

@@ -54,8 +54,11 @@ def test_greedy_matches_transformers_under_fair_policies(policy, flags, radix, p
     if radix:
         assert sched.stats.num_cached_tokens > 0
     fair = sched.policy.fair
-    # Every computed prefill token was charged to a tenant (every tenant had some).
-    assert sum(fair.served_tokens.values()) == sched.stats.num_prefill_tokens
+    # Every computed prefill token was charged to a tenant (every tenant had some), and each
+    # request's output budget once (nothing is retracted here).
+    assert sched.stats.num_retracted_reqs == 0
+    outputs = sum(r.sampling_params.max_new_tokens for r in reqs)
+    assert sum(fair.served_tokens.values()) == sched.stats.num_prefill_tokens + outputs
     assert set(fair.served_tokens) == set(TENANTS)
 
 
@@ -152,8 +155,10 @@ def test_soft_preemption_keeps_the_preempted_prefix(overlap):
     preemption frees the KV of its generated tokens, which it then recomputes; soft preemption
     hands that KV to the cache too, and here (the pool has the room: the preemption was for the
     reservations) the victim recomputes only its last token."""
-    _, hard = priority_burst(soft=False, overlap=overlap)
-    _, soft = priority_burst(soft=True, overlap=overlap)
+    hard_sched, hard = priority_burst(soft=False, overlap=overlap)
+    soft_sched, soft = priority_burst(soft=True, overlap=overlap)
+    # Soft preemption evicts leaf tails (a victim keeps what an arrival does not take).
+    assert soft_sched.tree_cache.evict_leaf_tails and not hard_sched.tree_cache.evict_leaf_tails
     assert hard >= 10
     assert soft <= 2 and soft <= hard // 2
 

@@ -196,6 +196,22 @@ def test_evict_is_lru_over_leaves_and_frees_whole_nodes():
     assert s.tree.evict(5) == 0
 
 
+def test_evict_leaf_tails_frees_only_the_pages_asked_for():
+    """Soft preemption's eviction: the LRU leaf loses its last tokens, its head stays matchable
+    (and evictable, with the same key), and the accounting holds."""
+    alloc = TokenToKVPoolAllocator(32, torch.float16, "cpu", None)
+    tree = RadixCache(None, alloc, evict_leaf_tails=True)
+    old, new = list(range(10, 18)), list(range(30, 34))
+    tree.insert(old, alloc.alloc(8))
+    tree.insert(new, alloc.alloc(4))
+    assert tree.evict(3) == 3
+    assert tree.match_prefix(old).device_indices.numel() == 5
+    assert tree.match_prefix(new).device_indices.numel() == 4
+    assert tree.evictable_size() == 9 == tree.total_size() and alloc.available_size() == 32 - 9
+    assert tree.evict(6) == 6  # the old head (5 tokens, its last access was before new's), then 1 of new
+    assert tree.match_prefix(new).device_indices.numel() == 3 and alloc.available_size() == 32 - 3
+
+
 def _three_keys(policy: str) -> tuple[RadixCache, Any, dict[str, list[int]]]:
     alloc = TokenToKVPoolAllocator(32, torch.float16, "cpu", None)
     tree = RadixCache(None, alloc, eviction_policy=policy)

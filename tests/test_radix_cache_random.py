@@ -162,11 +162,13 @@ def tree_contents(tree: RadixCache) -> dict[tuple[int, ...], tuple[int, ...]]:
 class TreeOpsSim:
     MAX_LOCKS = 6
 
-    def __init__(self, page_size: int, seed: int, policy: str = "lru"):
+    def __init__(self, page_size: int, seed: int, policy: str = "lru", evict_leaf_tails: bool = False):
         self.rng = random.Random(seed)
         self.ps = page_size
         self.alloc = make_allocator(40 * page_size, page_size)
-        self.tree = RadixCache(None, self.alloc, page_size, eviction_policy=policy)
+        self.tree = RadixCache(
+            None, self.alloc, page_size, eviction_policy=policy, evict_leaf_tails=evict_leaf_tails
+        )
         self.ref = ReferenceCache(page_size, policy)
         self.keys = KeyGen(self.rng, page_size, max_pages=10 if page_size == 1 else 5)
         self.held: list[tuple[tuple[int, ...], Any]] = []
@@ -285,6 +287,16 @@ def test_tree_ops_match_the_reference(page_size):
 @pytest.mark.parametrize("policy", ["lfu", "slru", "priority"])
 def test_tree_ops_match_the_reference_under_each_eviction_policy(policy, page_size):
     sim = TreeOpsSim(page_size, seed=4321 + page_size, policy=policy)
+    done = sim.run(NUM_OPS // 2)
+    assert done["evict"] > NUM_OPS // 40
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("policy", ["lru", "priority"])
+def test_tree_ops_match_the_reference_when_evicting_leaf_tails(policy, page_size):
+    """With `evict_leaf_tails` the tree frees the pages asked for (rounded up to a page), the
+    last pages of the leaf with the smallest key: the reference's page-by-page eviction."""
+    sim = TreeOpsSim(page_size, seed=987 + page_size, policy=policy, evict_leaf_tails=True)
     done = sim.run(NUM_OPS // 2)
     assert done["evict"] > NUM_OPS // 40
 

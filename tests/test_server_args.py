@@ -110,7 +110,7 @@ def test_fair_scheduling_flags_parse():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     defaults = ServerArgs.from_cli_args(parser.parse_args(["--device", "cpu"]))
-    assert (defaults.lpm_aging_tokens_per_pass, defaults.dlpm_quantum_tokens) == (0, 512)
+    assert (defaults.lpm_aging_tokens_per_pass, defaults.dlpm_quantum_tokens) == (0, 2048)
     assert (defaults.retraction_policy, defaults.radix_eviction_policy) == ("length", "lru")
     for policy in ("hrrn", "shortest-prefill-first", "dlpm"):
         assert (
@@ -125,7 +125,7 @@ def test_fair_scheduling_flags_parse():
                 "--lpm-aging-tokens-per-pass",
                 "16",
                 "--dlpm-quantum-tokens",
-                "2048",
+                "1024",
                 "--retraction-policy",
                 "priority",
                 "--enable-priority-scheduling",
@@ -135,7 +135,7 @@ def test_fair_scheduling_flags_parse():
             ]
         )
     )
-    assert (args.lpm_aging_tokens_per_pass, args.dlpm_quantum_tokens) == (16, 2048)
+    assert (args.lpm_aging_tokens_per_pass, args.dlpm_quantum_tokens) == (16, 1024)
     assert (args.retraction_policy, args.radix_eviction_policy) == ("priority", "slru")
     assert args.soft_priority_preemption and not defaults.soft_priority_preemption
     for flag, bad in (("--retraction-policy", "random"), ("--radix-eviction-policy", "mru")):

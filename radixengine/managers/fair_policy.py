@@ -11,11 +11,15 @@
   it is ahead of any request that came after it: no request waits beyond that bound plus the
   requests ahead of it at arrival.
 - `dlpm`: deficit round robin over tenants (`Req.routing_key`) combined with LPM. Each tenant
-  holds a deficit counter in prefill tokens; requests are taken in LPM order, but only from
-  tenants whose counter is positive, each charged its uncached tokens; when none is positive,
-  every waiting tenant gets the same quantum. Cache hits go first within a tenant's allowance,
-  and over any stretch where tenants keep requests waiting, their computed prefill tokens differ
-  by at most a quantum plus one request.
+  holds a deficit counter in tokens; the next request is the best one in LPM order of the
+  tenant with the most credit left (ties: the tenant whose best request ranks first in LPM
+  order), charged the tokens it will compute (its uncached prefill and its output budget: the
+  decode slots are as scarce as prefill); when none is positive, every waiting tenant gets the same
+  quantum. Cache hits go first within a tenant's allowance, and over any stretch where tenants
+  keep requests waiting, their charged tokens differ by at most a quantum plus one
+  request. Serving the most credit first interleaves the tenants within a round: a tenant that
+  starts waiting with a fresh quantum is placed after at most one request of each tenant that
+  still holds a whole quantum, instead of after the rest of every other tenant's round.
 
 All three cache-aware orders put the requests `SchedulePolicy` deprioritized for in-batch prefix
 caching last, as LPM does.
@@ -24,6 +28,7 @@ caching last, as LPM does.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +42,17 @@ DEFAULT_TENANT = ""
 def uncached_len(req: Req) -> int:
     """Prefill tokens the request still has to compute (its output too, after a retraction)."""
     return len(req.origin_input_ids) + len(req.output_ids) - len(req.prefix_indices)
+
+
+def output_budget(req: Req) -> int:
+    """Output tokens the request may still decode: `max_new_tokens` less what it has (the real
+    length is not known at admission)."""
+    return max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
+
+
+def service_len(req: Req) -> int:
+    """What dlpm charges a tenant for a request: every token it will compute, prefill and decode."""
+    return uncached_len(req) + output_budget(req)
 
 
 def tenant_of(req: Req) -> str:
@@ -53,10 +69,10 @@ class FairPolicy:
     prefill batch; `sort` orders the waiting queue (whose prefixes were just matched)."""
 
     lpm_aging_tokens_per_pass: int = 0
-    dlpm_quantum_tokens: int = 512
+    dlpm_quantum_tokens: int = 2048
     processed_tokens: int = 0  # prefill tokens computed so far: HRRN's clock
     deficits: dict[str, int] = field(default_factory=dict)
-    served_tokens: dict[str, int] = field(default_factory=dict)  # per tenant, since start
+    served_tokens: dict[str, int] = field(default_factory=dict)  # charged per tenant, since start
     # The last dlpm order's replenishments: each applies once a request at or after its
     # position is admitted, so the counters follow the order admission took.
     _position: dict[Req, int] = field(default_factory=dict)
@@ -80,9 +96,11 @@ class FairPolicy:
             position = self._position.get(req, -1)
             while self._rounds and self._rounds[0].position <= position:
                 self._rounds.pop(0).apply(self.deficits)
-            tokens = req.extend_input_len
-            self.processed_tokens += tokens
+            self.processed_tokens += req.extend_input_len
             tenant = tenant_of(req)
+            tokens = req.extend_input_len
+            if len(req.fill_ids) >= len(req.origin_input_ids) + len(req.output_ids):  # last chunk
+                tokens += output_budget(req)
             self.served_tokens[tenant] = self.served_tokens.get(tenant, 0) + tokens
             if tenant in self.deficits:
                 self.deficits[tenant] -= tokens
@@ -162,26 +180,29 @@ class Replenish:
 def deficit_order(
     lpm_order: list[Req], deficits: dict[str, int], quantum: int, active: set[str] | None = None
 ) -> tuple[list[Req], list[Replenish]]:
-    """The order admission would follow if every request were admitted: repeatedly the first
-    request in LPM order whose tenant still has credit, charged its uncached tokens; and the
-    rounds replenished on the way (to the `active` tenants, by default those in the order)."""
+    """The order admission would follow if every request were admitted: repeatedly the tenant
+    with the most credit left (ties: the one whose next request ranks first in LPM order) gives
+    its next request in LPM order, charged its `service_len`; and the rounds replenished on
+    the way (to the `active` tenants, by default those in the order)."""
     active = {tenant_of(r) for r in lpm_order} if active is None else active
-    remaining, out, rounds = list(lpm_order), [], []
-    while remaining:
-        left = []
-        for req in remaining:
-            tenant = tenant_of(req)
-            if deficits[tenant] > 0:
-                deficits[tenant] -= uncached_len(req)
-                out.append(req)
-            else:
-                left.append(req)
-        remaining = left
-        waiting = {tenant_of(r) for r in remaining}
-        replenish = Replenish.when_due(deficits, waiting, active, quantum, len(out))
-        if replenish is not None:
+    rank = {req: i for i, req in enumerate(lpm_order)}
+    queues: dict[str, deque[Req]] = {}
+    for req in lpm_order:
+        queues.setdefault(tenant_of(req), deque()).append(req)
+    out, rounds = [], []
+    while queues:
+        ready = [t for t in queues if deficits[t] > 0]
+        if not ready:
+            replenish = Replenish.when_due(deficits, set(queues), active, quantum, len(out))
             replenish.apply(deficits)
             rounds.append(replenish)
+            continue
+        tenant = min(ready, key=lambda t: (-deficits[t], rank[queues[t][0]]))
+        req = queues[tenant].popleft()
+        deficits[tenant] -= service_len(req)
+        out.append(req)
+        if not queues[tenant]:
+            del queues[tenant]
     return out, rounds
 
 

@@ -162,7 +162,11 @@ class Scheduler(
         if self.server_args.disable_radix_cache:
             self.tree_cache = ChunkCache(*pools)
         else:
-            self.tree_cache = RadixCache(*pools, eviction_policy=self.server_args.radix_eviction_policy)
+            self.tree_cache = RadixCache(
+                *pools,
+                eviction_policy=self.server_args.radix_eviction_policy,
+                evict_leaf_tails=self.server_args.soft_priority_preemption,
+            )
         self.enable_in_batch_prefix_caching = (
             not self.server_args.disable_in_batch_prefix_caching and has_prefix_tree(self.tree_cache)
         )

@@ -2,6 +2,12 @@
 
 With page_size > 1 the tree works in whole pages: keys are truncated to a multiple of the page
 size, a child is keyed by the tuple of its first page, and matches advance a page at a time.
+
+Eviction frees whole leaves, as SGLang's does; with `evict_leaf_tails` it frees only the pages a
+leaf's tail needs to give (the leaf is split, its head stays cached with the same eviction key):
+a prefix's KV does not depend on the tokens after it, so the head stays valid. Soft priority
+preemption turns it on, so that a victim released into the cache loses only what the
+preempting request takes from it.
 """
 
 from __future__ import annotations
@@ -80,11 +86,13 @@ class RadixCache(BasePrefixCache):
         token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator | None,
         page_size: int = 1,
         eviction_policy: str = "lru",
+        evict_leaf_tails: bool = False,
     ):
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = check_count("page_size", page_size, 1)
         self.eviction_strategy = get_eviction_strategy(eviction_policy)
+        self.evict_leaf_tails = evict_leaf_tails
         self.device = getattr(token_to_kv_pool_allocator, "device", "cpu")
         self.reset()
 
@@ -237,12 +245,22 @@ class RadixCache(BasePrefixCache):
             if evict_key != current:  # keys only grow: the entry is stale, the node goes later
                 heapq.heappush(self._leaf_heap, (current, node.id, node))
                 continue
+            node = self._tail_to_evict(node, num_tokens - evicted)
             freed.append(node.value)
             evicted += len(node.key)
             self._delete_leaf(node)
         if freed:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
         return evicted
+
+    def _tail_to_evict(self, leaf: TreeNode, num_tokens: int) -> TreeNode:
+        """The part of `leaf` to evict for `num_tokens`: all of it, or with `evict_leaf_tails`
+        its last pages, split off (the head keeps the leaf's place in the evictable set)."""
+        keep = (len(leaf.key) - num_tokens) // self.page_size * self.page_size
+        if not self.evict_leaf_tails or keep <= 0:
+            return leaf
+        self._split_node(leaf, keep)
+        return leaf
 
     def inc_lock_ref(self, node: TreeNode | None) -> int:
         if node is None:
