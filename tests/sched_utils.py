@@ -239,9 +239,4 @@ def oracle_greedy_min_new_tokens(
 def order(policy: SchedulePolicy, queue: list[Req]) -> bool:
     """What admission does each round: match the prefixes if the policy reads them, then order.
     Returns whether it matched."""
-    matched = policy.needs_prefix_match(queue)
-    if matched:
-        for req in queue:
-            req.init_next_round_input(policy.tree_cache)
-    policy.calc_priority(queue)
-    return matched
+    return policy.match_and_order(queue, lambda r: r.init_next_round_input(policy.tree_cache))

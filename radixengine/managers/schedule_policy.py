@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from enum import Enum
 
 from radixengine.managers.fair_policy import FairPolicy
@@ -111,8 +112,8 @@ class PrefixTrie:
 
 class SchedulePolicy:
     """The order of the waiting queue. Cache-aware policies read each request's prefix match
-    (`prefix_indices`, `last_node`), which the scheduler's admission makes once per round, before
-    `calc_priority`, when `needs_prefix_match` says the active policy reads it."""
+    (`prefix_indices`, `last_node`): `match_and_order`, admission's one call a round, matches
+    every waiting request first when the active policy reads them."""
 
     def __init__(
         self,
@@ -156,9 +157,19 @@ class SchedulePolicy:
 
     def needs_prefix_match(self, waiting_queue: list[Req]) -> bool:
         """Whether this round's policy orders by prefix matches (then every waiting request is
-        matched before `calc_priority`; otherwise admission matches each as it reaches it)."""
+        matched before it orders; otherwise admission matches each as it reaches it)."""
         policy = self._determine_active_policy(waiting_queue)
         return isinstance(policy, CacheAwarePolicy) and not self._dlpm_unmatched(policy, waiting_queue)
+
+    def match_and_order(self, waiting_queue: list[Req], match_prefix: Callable[[Req], None]) -> bool:
+        """Admission's one call per round: `match_prefix` every waiting request if this round's
+        policy reads the matches, then sort the queue in place. Returns whether it matched."""
+        matched = self.needs_prefix_match(waiting_queue)
+        if matched:
+            for req in waiting_queue:
+                match_prefix(req)
+        self.calc_priority(waiting_queue)
+        return matched
 
     def _dlpm_unmatched(self, policy: Policy, waiting_queue: list[Req]) -> bool:
         """dlpm past the fallback queue length: ordered by deficits alone, unmatched (as lpm falls

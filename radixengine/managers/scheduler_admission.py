@@ -134,13 +134,10 @@ class SchedulerAdmissionMixin:
         queue. Returns the requests matched (the others are matched when admission reaches them)."""
         if not self.waiting_queue:
             return set()
-        matched: set[Req] = set()
-        if self.policy.needs_prefix_match(self.waiting_queue):
-            for req in self.waiting_queue:
-                req.init_next_round_input(self.tree_cache)
-            matched.update(self.waiting_queue)
-        self.policy.calc_priority(self.waiting_queue)
-        return matched
+        match = self.policy.match_and_order(
+            self.waiting_queue, lambda r: r.init_next_round_input(self.tree_cache)
+        )
+        return set(self.waiting_queue) if match else set()
 
     def _new_prefill_adder(self: Scheduler) -> PrefillAdder:
         return PrefillAdder(
