@@ -82,6 +82,17 @@ def launch_subprocesses(server_args: ServerArgs, tokenizer=None) -> TokenizerMan
     return manager
 
 
+def _silent_exit_reason(exitcode: int | None) -> str:
+    """A child that died before it could say why: its traceback is on stderr above. The usual
+    cause is a script that starts the engine at import time: the children are spawned, and each
+    re-imports the main module."""
+    return (
+        f"it exited before it was ready (exit code {exitcode}; its error is printed above). A script "
+        'that starts an Engine must do so under `if __name__ == "__main__":` (the engine\'s '
+        "processes are spawned and import the main module)."
+    )
+
+
 def _wait_ready(name: str, proc, reader) -> dict:
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
@@ -92,8 +103,8 @@ def _wait_ready(name: str, proc, reader) -> dict:
                 info = None
             if info and info.get("status") == "ready":
                 return info
-            error = (info or {}).get("error", "it exited before it was ready")
             proc.join(5.0)
+            error = (info or {}).get("error") or _silent_exit_reason(proc.exitcode)
             raise RuntimeError(f"the {name} process failed to start: {error}")
         if not proc.is_alive():
             raise RuntimeError(f"the {name} process died during start-up (exit code {proc.exitcode})")

@@ -147,3 +147,26 @@ def test_shutdown_fails_the_calls_in_flight_at_once(model_path):
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate("hello", params)
     assert wait_gone({scheduler}) == set()
+
+
+UNGUARDED_SCRIPT = """
+import sys
+from radixengine import Engine
+Engine(model_path=sys.argv[1], dtype="float32", max_total_tokens=4096, num_threads=1, log_level="error")
+"""
+
+
+def test_an_engine_started_at_import_time_says_how_to_fix_it(model_path, tmp_path):
+    """The children are spawned and re-import the main module: a script without the
+    `__main__` guard gets an error that says so, not a bare 'exited'."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), model_path],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "failed to start" in done.stderr and 'if __name__ == "__main__":' in done.stderr
