@@ -158,17 +158,20 @@ class SchedulePolicy:
     def needs_prefix_match(self, waiting_queue: list[Req]) -> bool:
         """Whether this round's policy orders by prefix matches (then every waiting request is
         matched before it orders; otherwise admission matches each as it reaches it)."""
-        policy = self._determine_active_policy(waiting_queue)
+        return self._reads_prefixes(self._determine_active_policy(waiting_queue), waiting_queue)
+
+    def _reads_prefixes(self, policy: Policy, waiting_queue: list[Req]) -> bool:
         return isinstance(policy, CacheAwarePolicy) and not self._dlpm_unmatched(policy, waiting_queue)
 
     def match_and_order(self, waiting_queue: list[Req], match_prefix: Callable[[Req], None]) -> bool:
         """Admission's one call per round: `match_prefix` every waiting request if this round's
         policy reads the matches, then sort the queue in place. Returns whether it matched."""
-        matched = self.needs_prefix_match(waiting_queue)
+        policy = self._determine_active_policy(waiting_queue)
+        matched = self._reads_prefixes(policy, waiting_queue)
         if matched:
             for req in waiting_queue:
                 match_prefix(req)
-        self.calc_priority(waiting_queue)
+        self._order(waiting_queue, policy)
         return matched
 
     def _dlpm_unmatched(self, policy: Policy, waiting_queue: list[Req]) -> bool:
@@ -178,8 +181,11 @@ class SchedulePolicy:
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
         """Sort the waiting queue in place."""
-        policy = self._determine_active_policy(waiting_queue)
-        self.fair.observe_queue(waiting_queue)
+        self._order(waiting_queue, self._determine_active_policy(waiting_queue))
+
+    def _order(self, waiting_queue: list[Req], policy: Policy) -> None:
+        if self.fair.handles(self.policy.value):  # the fair orders' clocks; the others need none
+            self.fair.observe_queue(waiting_queue)
         if self._dlpm_unmatched(policy, waiting_queue):
             self.fair.sort("dlpm-unmatched", waiting_queue, set())  # too long to match: deficits only
         elif isinstance(policy, CacheAwarePolicy) and self.fair.handles(policy.value):
