@@ -2,7 +2,7 @@
 model config (no checkpoint needed). One step = ForwardBatch from host tensors, forward, greedy
 argmax, synchronize (what the scheduler waits for each step).
 
-    python benchmarks/bench_gpu_decode.py --configs smollm2-135m,llama-1b --out decode.json
+    python benchmarks/bench_gpu_decode.py --configs smollm2,llama-1b --out decode.json
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from model_shapes import write_shape_folder  # noqa: E402
+
 from radixengine.model_executor.forward_batch_info import (  # noqa: E402
     ForwardBatch,
     ForwardMode,
@@ -27,19 +29,6 @@ from radixengine.model_executor.forward_batch_info import (  # noqa: E402
 from radixengine.model_executor.model_runner import ModelRunner  # noqa: E402
 from radixengine.server_args import ServerArgs  # noqa: E402
 
-CONFIGS = {
-    # SmolLM2-135M-Instruct's shapes
-    "smollm2-135m": dict(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
-    ),
-    # Llama-3.2-1B's shapes (1.24 B parameters)
-    "llama-1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0,
-        tie_word_embeddings=True,
-    ),
-}  # fmt: skip
 VARIANTS = {  # name -> (attention backend, CUDA graphs)
     "torch_native": ("torch_native", False),
     "triton": ("triton", False),
@@ -49,7 +38,7 @@ VARIANTS = {  # name -> (attention backend, CUDA graphs)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="smollm2-135m,llama-1b")
+    p.add_argument("--configs", default="smollm2,llama-1b", help="shapes of benchmarks/model_shapes.py")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--cached-len", type=int, default=512)
@@ -58,15 +47,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     p.add_argument("--out", default=None)
     return p.parse_args()
-
-
-def save_config(name: str, folder: Path) -> str:
-    import transformers
-
-    config = transformers.LlamaConfig(max_position_embeddings=4096, **CONFIGS[name])
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(folder)
-    return str(folder)
 
 
 def make_runner(path: str, variant: str, args, max_bs: int) -> ModelRunner:
@@ -131,7 +111,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
-            path = save_config(name, Path(tmp) / name)
+            path = write_shape_folder(name, Path(tmp))
             for variant in args.variants.split(","):
                 runner = make_runner(path, variant, args, max(sizes))
                 for bs in sizes:

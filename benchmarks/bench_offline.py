@@ -6,10 +6,11 @@ optionally, llama-cpp-python) on the shared workloads, in one run.
     python benchmarks/bench_offline.py --peers transformers,llamacpp    # llama-cpp-python must be installed
     python benchmarks/bench_offline.py --policies lpm --overlap on,off  # overlap loop on vs off, same run
     python benchmarks/bench_offline.py --dtypes float32 --kv-cache-dtypes auto,float16  # 16-bit KV cache too
+    python benchmarks/bench_offline.py --device cuda --dtypes bfloat16 --policies lpm      # both on one GPU
 
 For each dtype and workload: one Engine per policy gets all 32 requests in one call (streamed, to
 time the first token of each); transformers runs the same prompts as one left-padded batch of 32
-at the same dtype and thread count. Reported: output tokens/s, the ratio to transformers, time to
+at the same dtype and thread count, on the same `--device`. Reported: output tokens/s, the ratio to transformers, time to
 first token (mean, p50, max), and the cache hit rate against the ideal (every token of a prompt
 that an earlier prompt of the batch already has, at least one token recomputed per prompt).
 `--overlap on,off` runs each policy with the overlap schedule on and off (`disable_overlap_schedule`);
@@ -125,11 +126,13 @@ def run_radixengine(
     threads: int,
     model_path: str | None,
     quantization: str = "auto",
+    device: str = "cpu",
 ) -> dict:
     from radixengine import Engine
 
     with Engine(
         model_path=model_path,
+        device=device,
         schedule_policy=config.policy,
         dtype=dtype,
         num_threads=threads,
@@ -180,18 +183,18 @@ def _overlaps(cpu_forward_stream: str, threads: int, info: dict) -> bool:
 
 
 def run_transformers(
-    prompts: list[list[int]], max_new_tokens: int, dtype: str, threads: int, hf_path: str
+    prompts: list[list[int]], max_new_tokens: int, dtype: str, threads: int, hf_path: str, device: str = "cpu"
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(hf_path)
-    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=getattr(torch, dtype)).to(device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     kwargs = {"do_sample": False, "pad_token_id": pad}
     with torch.inference_mode():
         model.generate(input_ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, **kwargs)
@@ -203,6 +206,8 @@ def run_transformers(
             min_new_tokens=max_new_tokens,
             **kwargs,
         )
+        if device == "cuda":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     tokens = (out.shape[1] - width) * len(prompts)
     del model
@@ -271,7 +276,9 @@ def bench_workload(name: str, items: list[dict], dtype: str, args, hf_path: str,
                 print(f"[{name} {dtype}] {config.label(ablation)} ...", file=sys.stderr, flush=True)
                 row = {"system": config.label(ablation)}
                 row.update(
-                    run_radixengine(items, config, dtype, args.threads, args.model_path, args.quantization)
+                    run_radixengine(
+                        items, config, dtype, args.threads, args.model_path, args.quantization, args.device
+                    )
                 )
                 rows.append(row)
     exact = next((r["output_ids"] for r in rows if r["kv_cache_dtype"] == "auto"), None)
@@ -282,7 +289,7 @@ def bench_workload(name: str, items: list[dict], dtype: str, args, hf_path: str,
             row["same_tokens_as_exact"] = sum(a == b for a, b in zip(row["output_ids"], exact))
     if "transformers" in args.peers:
         print(f"[{name} {dtype}] transformers ...", file=sys.stderr, flush=True)
-        rows.append(run_transformers(prompts, max_new, dtype, args.threads, hf_path))
+        rows.append(run_transformers(prompts, max_new, dtype, args.threads, hf_path, args.device))
     if "llamacpp" in args.peers and dtype == args.dtypes[0]:
         print(f"[{name}] llama-cpp-python ...", file=sys.stderr, flush=True)
         rows.append(run_llamacpp(prompts, max_new, args.threads, args.gguf_path))
@@ -323,6 +330,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peers", default="transformers", help="comma list: transformers, llamacpp")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where the engine and transformers run"
+    )
+    parser.add_argument(
         "--limit", type=int, default=None, help="first N requests of each workload (smoke runs)"
     )
     parser.add_argument(
@@ -351,6 +361,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         setattr(args, name, [x for x in getattr(args, name).split(",") if x])
     if not args.overlap or set(args.overlap) - {"on", "off"}:
         parser.error(f"--overlap takes a comma list of on, off; got {','.join(args.overlap)!r}")
+    if "llamacpp" in args.peers and args.device != "cpu":
+        parser.error("--peers llamacpp runs on the CPU only (llama-cpp-python's CPU build)")
     if not args.kv_cache_dtypes or set(args.kv_cache_dtypes) - set(KV_CACHE_DTYPES):
         parser.error(f"--kv-cache-dtypes takes a comma list of {', '.join(KV_CACHE_DTYPES)}")
     return args
@@ -375,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
         "command": " ".join(sys.argv),
         "threads": args.threads,
         "cpu": _cpu_name(),
+        "device": args.device,
+        "gpu": _gpu_name() if args.device == "cuda" else None,
         "time": time.ctime(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
@@ -392,6 +406,12 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 if __name__ == "__main__":

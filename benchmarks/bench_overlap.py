@@ -2,12 +2,13 @@
 loop, in one run, for several decode batch sizes.
 
     python benchmarks/bench_overlap.py                                 # CPU, both model shapes
-    python benchmarks/bench_overlap.py --device cuda --models tiny,smollm2 --out overlap.json --plot overlap.png
+    python benchmarks/bench_overlap.py --device cuda --models smollm2,llama-1b --batch-sizes 1,8,32,64,128,256 \
+        --out overlap.json --plot overlap.png --trace-dir traces
 
-Models are random weights (`--load-format dummy`) of a config: `tiny` (hidden 64, 2 layers: the
-forward is short, so the scheduler's cost shows) and `smollm2` (SmolLM2-135M's shape), or any HF
-folder. Per batch size: `bs` requests of `--prompt-len` tokens, `--new-tokens` each (ignore_eos),
-all submitted at once. Reported per loop (the fastest of `--repeats` alternating runs): decode
+Models are random weights (`--load-format dummy`) of a shape from benchmarks/model_shapes.py:
+`tiny` (hidden 64, 2 layers: the forward is short, so the scheduler's cost shows), `smollm2`
+(SmolLM2-135M's shape), `llama-1b`, `llama-8b`; or any HF folder. Per batch size: `bs` requests
+of `--prompt-len` tokens, `--new-tokens` each (ignore_eos), all submitted at once. Reported per loop (the fastest of `--repeats` alternating runs): decode
 throughput (output tokens/s over the whole run), mean step time, the scheduler thread's CPU time
 per step (recv + schedule + launch + process, not the wait for the device nor an inline forward),
 and the device idle fraction: the share of wall time with no forward running (forward intervals
@@ -16,8 +17,9 @@ timed with CUDA events on a GPU, with perf_counter on the CPU).
 On a CPU `--cpu-layout` is the engine's `--cpu-forward-stream`: with "auto" and intra-op threads
 on every core the overlap loop runs the normal step order (the JSON's `overlap_step_order` says
 which order ran). For one batch size per model (`--timeline-bs`) both runs record a trace (as
-`--trace-file` does); `--plot` draws the throughput ratio, the idle fractions and, per model, a
-few decode steps of both loops: the scheduler thread's phases above the forward's busy intervals.
+`--trace-file` does); `--trace-dir` keeps those Chrome traces (open them in Perfetto or
+chrome://tracing), `--plot` draws the throughput ratio, the idle fractions and, per model, a few
+decode steps of both loops: the scheduler thread's phases above the forward's busy intervals.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from model_shapes import MODEL_SHAPES, write_shape_folder  # noqa: E402
 
 from radixengine.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from radixengine.managers.scheduler import Scheduler  # noqa: E402
@@ -43,44 +46,12 @@ from radixengine.model_executor.tp_worker import TpModelWorker  # noqa: E402
 from radixengine.sampling.sampling_params import SamplingParams  # noqa: E402
 from radixengine.server_args import CPU_FORWARD_STREAMS, ServerArgs  # noqa: E402
 
-CONFIGS = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    ),
-    "smollm2": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    ),
-}
-
 
 def model_folder(name: str, root: Path) -> tuple[str, str]:
-    """(path, load format): a config-only folder for the dummy shapes, else the path itself."""
-    if name not in CONFIGS:
+    """(path, load format): a config-only folder for a named shape, else the path itself."""
+    if name not in MODEL_SHAPES:
         return name, "auto"
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "torch_dtype": "float32",
-        **CONFIGS[name],
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder), "dummy"
+    return write_shape_folder(name, root, max_position_embeddings=2048), "dummy"
 
 
 class TimedWorker:
@@ -318,7 +289,10 @@ def bench_model(args, model: str, sizes: list[int], traced_bs: int, tmp: Path) -
     for bs in sizes:
 
         def run(loop: str, bs: int = bs) -> dict:
-            trace_file = str(tmp / f"trace_{model}_{loop}.json") if bs == traced_bs else None
+            trace_dir = Path(args.trace_dir) if args.trace_dir else tmp
+            trace_file = (
+                str(trace_dir / f"trace_{Path(model).name}_bs{bs}_{loop}.json") if bs == traced_bs else None
+            )
             return run_once(args, worker, model_args, bs, loop == "overlap", vocab, trace_file)
 
         pair = best_of(args.repeats, run)
@@ -337,7 +311,7 @@ def bench_model(args, model: str, sizes: list[int], traced_bs: int, tmp: Path) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="tiny,smollm2")
+    p.add_argument("--models", default="tiny,smollm2", help="shapes of model_shapes.py or HF folders")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batch-sizes", default="1,8,32,64,128")
@@ -362,7 +336,10 @@ def main() -> None:
     )
     p.add_argument("--out", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--trace-dir", default=None, help="keep the traced runs' Chrome traces here")
     args = p.parse_args()
+    if args.trace_dir:
+        Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
 
     tmp = Path(tempfile.mkdtemp())
     sizes = [int(b) for b in args.batch_sizes.split(",")]

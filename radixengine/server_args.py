@@ -364,8 +364,9 @@ _HELP = {
         "/get_server_info)."
     ),
     "attention_backend": (
-        "auto: flashinfer, else triton on CUDA; native_cpu (the built C++ kernels), else torch_native on a "
-        "CPU. A backend that is not installed or cannot run on --device is refused at start with the reason."
+        "auto: triton on CUDA; native_cpu (the built C++ kernels), else torch_native on a CPU. A backend "
+        "that is not installed or cannot run on --device is refused at start with the reason; flashinfer "
+        "(SGLang's name) is not implemented yet and is refused."
     ),
     "host": "Address the HTTP server listens on.",
     "port": "Port the HTTP server listens on.",

@@ -232,7 +232,7 @@ def test_random_seed_as_sglang():
             ["--attention-backend", "triton"],
             "--attention-backend triton: the triton backend runs on CUDA only",
         ),
-        (["--attention-backend", "flashinfer"], "radixengine has no flashinfer attention backend"),
+        (["--attention-backend", "flashinfer"], "radixengine has no flashinfer backend yet"),
     ],
 )
 def test_a_choice_that_cannot_run_here_is_refused_at_start(flags, reason, capsys):

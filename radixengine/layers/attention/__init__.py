@@ -16,8 +16,16 @@ logger = logging.getLogger(__name__)
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch_native": "radixengine.layers.attention.torch_native_backend:TorchNativeAttnBackend",
     "native_cpu": "radixengine.layers.attention.native_cpu_backend:NativeCpuAttnBackend",
-    "flashinfer": "radixengine.layers.attention.flashinfer_backend:FlashInferAttnBackend",
     "triton": "radixengine.layers.attention.triton_backend:TritonAttnBackend",
+}
+
+# SGLang's backend names that --attention-backend accepts but this build does not implement:
+# refused at start with the reason, never picked by `auto`.
+UNIMPLEMENTED_BACKENDS: dict[str, str] = {
+    "flashinfer": (
+        "radixengine has no flashinfer backend yet; on CUDA use --attention-backend triton "
+        "(what auto picks there) or torch_native"
+    ),
 }
 
 
@@ -28,8 +36,8 @@ def register_attention_backend(name: str, target: str) -> None:
 def resolve_attention_backend(
     name: str, device: str, dtype: torch.dtype | None = None, head_dim: int | None = None
 ) -> str:
-    """`auto`: on CUDA flashinfer when it is installed, else triton when that is; on a CPU
-    native_cpu when its kernels are built and cover the model, else torch_native."""
+    """`auto`: on CUDA triton when it is installed; on a CPU native_cpu when its kernels are built
+    and cover the model; else torch_native."""
     if name != "auto":
         return name
     if device == "cpu" and dtype is not None and head_dim is not None:
@@ -42,20 +50,21 @@ def resolve_attention_backend(
             native_cpu_ops.native_unavailable_reason()
             or f"no native kernel for {dtype} / head_dim {head_dim}",
         )
-    if device == "cuda" and _available("flashinfer") and _available(_module("flashinfer")):
-        return "flashinfer"
     if device == "cuda" and _available("triton"):
         return "triton"
     return "torch_native"
 
 
 def attention_backend_unavailable(name: str, device: str) -> str | None:
-    """Why backend `name` cannot run on `device` here (not installed, wrong device); None if it can."""
+    """Why backend `name` cannot run on `device` here (not implemented, not installed, wrong device);
+    None if it can."""
+    if name in UNIMPLEMENTED_BACKENDS:
+        return UNIMPLEMENTED_BACKENDS[name]
     if name not in ATTENTION_BACKENDS:
         return f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}"
     if not _available(_module(name)):
         return f"radixengine has no {name} attention backend ({_module(name)} is missing)"
-    if name in ("flashinfer", "triton"):
+    if name == "triton":
         if device != "cuda":
             return f"the {name} backend runs on CUDA only (the device is {device})"
         if not _available(name):
@@ -96,6 +105,7 @@ def _available(module: str) -> bool:
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "UNIMPLEMENTED_BACKENDS",
     "AttentionBackend",
     "attention_backend_unavailable",
     "create_attention_backend",
