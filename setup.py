@@ -36,7 +36,6 @@ EXTRAS = {
         "llguidance==1.9.1",
     ],
     "llguidance": ["llguidance==1.9.1"],
-    "cuda": ["flashinfer-python", "sgl-kernel"],
 }
 
 
