@@ -17,7 +17,8 @@
 #   offline   benchmarks/bench_offline.py on the GPU: W1/W2 through the Engine against transformers
 #
 # Results: $RESULTS (default gpu_out/) holds a log per stage, the tests' junit XML, the benchmarks'
-# JSON, traces/ and summary.md (the tables, by benchmarks/gpu_summary.py), rewritten after each stage.
+# JSON, traces/ and summary.md (the tables, by benchmarks/gpu_summary.py), rewritten after each stage;
+# stages run by separate calls add up there (the summary takes each stage's latest run).
 # With $OUT set (a folder collected after the run), each stage also packs $RESULTS into
 # $OUT/gpu_check.tgz and copies summary.md there.
 #
@@ -36,7 +37,6 @@ PY=${PY:-python3}
 WORKLOADS_DIR=${WORKLOADS_DIR:-../shared/workloads}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$RESULTS"
-: >"$RESULTS/stages.jsonl"
 
 if [ -n "${WHEELS:-}" ]; then
   site=${WHEELS_TARGET:-/tmp/radixengine_wheels}

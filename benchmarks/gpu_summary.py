@@ -25,10 +25,16 @@ CHECKS = {
 
 
 def read_stages(results: Path) -> list[dict]:
+    """Each stage's latest run, in the order the stages first ran."""
     path = results / "stages.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    latest: dict[str, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            stage = json.loads(line)
+            latest[stage["stage"]] = stage
+    return list(latest.values())
 
 
 def junit_cases(path: Path) -> list[tuple[str, str, str]]:

@@ -100,3 +100,13 @@ def test_summary_lists_test_outcomes_from_junit(tmp_path):
     assert lines[-1] == (
         "- `tests.test_gpu_backends::test_cuda_graph_on_off_equal[fp32-1]`: AssertionError: tokens differ"
     )
+
+
+def test_summary_takes_each_stages_latest_run(tmp_path):
+    runs = [
+        {"stage": "env", "rc": 0, "seconds": 1, "note": ""},
+        {"stage": "suite", "rc": 124, "seconds": 560, "note": ""},
+        {"stage": "suite", "rc": 0, "seconds": 300, "note": "again"},
+    ]
+    (tmp_path / "stages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    assert [(s["stage"], s["rc"]) for s in gpu_summary.read_stages(tmp_path)] == [("env", 0), ("suite", 0)]
