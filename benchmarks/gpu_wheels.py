@@ -71,12 +71,19 @@ def main() -> None:
     p.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
     p.add_argument("--extras", default="test")
     p.add_argument("--leave-out", default="ruff", help="comma list: packages the GPU run does not use")
+    p.add_argument(
+        "--add",
+        default="",
+        help="comma list of further pins, e.g. flashinfer-python==0.6.1,apache-tvm-ffi==0.1.15.post2",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the wheels, download nothing")
     args = p.parse_args()
 
     packages = needed("radixengine", set(args.extras.split(",")), args.python_version)
     skip = have_names(args.have) | {canonical(n) for n in args.leave_out.split(",") if n}
-    pins = sorted(f"{name}=={version}" for name, version in packages.items() if name not in skip)
+    added = {canonical(pin.split("==")[0]): pin for pin in args.add.split(",") if pin}
+    pins = sorted(f"{name}=={version}" for name, version in packages.items() if name not in skip | set(added))
+    pins += added.values()
     print("\n".join(pins))
     if args.dry_run:
         return
