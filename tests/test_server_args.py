@@ -89,7 +89,7 @@ def test_chunked_prefill_can_be_disabled():
 
 
 def test_kv_cache_dtype_choices_and_device():
-    assert ServerArgs(kv_cache_dtype="float16").kv_cache_dtype == "float16"
+    assert ServerArgs(kv_cache_dtype="float16", device="cpu").kv_cache_dtype == "float16"
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         ServerArgs(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="CPU only"):

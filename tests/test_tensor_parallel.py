@@ -111,7 +111,8 @@ def test_tp_flags_are_checked():
 # The engine with two ranks ------------------------------------------------------------------
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-ENGINE = dict(dtype="float32", num_threads=1, log_level="warning", tp_size=2, random_seed=7)
+# gloo ranks on the CPU, also on a machine with a GPU (CUDA TP needs one GPU a rank)
+ENGINE = dict(device="cpu", dtype="float32", num_threads=1, log_level="warning", tp_size=2, random_seed=7)
 CASES = {
     "radix-overlap": dict(
         max_total_tokens=4096, cpu_forward_stream="thread"
@@ -213,6 +214,8 @@ def test_two_nodes_on_loopback_serve_http_and_a_lost_node_ends_the_other(tiny_mo
     """--nnodes 2: node 1 runs rank 1 only, node 0 serves; killing node 0 ends node 1 naming its rank."""
     path, hf = tiny_model
     args = [
+        "--device",
+        "cpu",
         "--dtype",
         "float32",
         "--tp-size",

@@ -66,7 +66,9 @@ class ExpertGroups:
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
     flat = topk_ids.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not bincount: on CUDA it reads the ids' range back to the host, which CUDA-graph capture forbids
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     return ExpertGroups(order, order // topk_ids.shape[1], flat[order], counts, offsets)
