@@ -7,6 +7,7 @@ optionally, llama-cpp-python) on the shared workloads, in one run.
     python benchmarks/bench_offline.py --policies lpm --overlap on,off  # overlap loop on vs off, same run
     python benchmarks/bench_offline.py --dtypes float32 --kv-cache-dtypes auto,float16  # 16-bit KV cache too
     python benchmarks/bench_offline.py --device cuda --dtypes bfloat16 --policies lpm      # both on one GPU
+    python benchmarks/bench_offline.py --model-path DIR --random-weights   # DIR: config + tokenizer only
 
 For each dtype and workload: one Engine per policy gets all 32 requests in one call (streamed, to
 time the first token of each); transformers runs the same prompts as one left-padded batch of 32
@@ -16,7 +17,10 @@ that an earlier prompt of the batch already has, at least one token recomputed p
 `--overlap on,off` runs each policy with the overlap schedule on and off (`disable_overlap_schedule`);
 on a CPU, `--cpu-forward-stream` decides whether "on" really overlaps (the JSON's
 `overlap_step_order`). `--kv-cache-dtypes auto,float16` adds runs with a 16-bit KV cache; their
-`same_tokens_as_exact` counts the requests whose greedy tokens equal the exact (auto) run's."""
+`same_tokens_as_exact` counts the requests whose greedy tokens equal the exact (auto) run's.
+`--random-weights` (a machine without the model's weights): seeded random weights of the model's
+shape, saved once so that the engine and transformers load the same; the prompts and their shared
+prefixes are the workloads', the outputs run to their max_new_tokens (no real EOS)."""
 
 from __future__ import annotations
 
@@ -25,8 +29,10 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,6 +268,23 @@ def run_llamacpp(prompts: list[list[int]], max_new_tokens: int, threads: int, gg
 
 # Main -----------------------------------------------------------------------------------------
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".index.json", ".done")
+
+
+def random_weights_folder(shape_path: str, root: Path, seed: int = 0) -> str:
+    """`shape_path`'s config and tokenizer beside seeded random weights of its shape."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = root / "random_weights"
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in Path(shape_path).iterdir():
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy(f, folder / f.name)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape_path)).save_pretrained(folder)
+    return str(folder)
+
 
 def bench_workload(name: str, items: list[dict], dtype: str, args, hf_path: str, tokenizer) -> list[dict]:
     prompts = prompt_ids(tokenizer, items)
@@ -355,12 +378,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "gguf", "none"],
         help="the engine's --quantization (none: float32 weights even for a GGUF's blocks)",
     )
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="seeded random weights of --model-path's shape (a folder with its config and tokenizer)",
+    )
     parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_offline.json"))
     args = parser.parse_args(argv)
     for name in ("workloads", "policies", "dtypes", "peers", "overlap", "kv_cache_dtypes"):
         setattr(args, name, [x for x in getattr(args, name).split(",") if x])
     if not args.overlap or set(args.overlap) - {"on", "off"}:
         parser.error(f"--overlap takes a comma list of on, off; got {','.join(args.overlap)!r}")
+    if "llamacpp" in args.peers and args.random_weights:
+        parser.error("--peers llamacpp needs the model's GGUF, not --random-weights")
     if "llamacpp" in args.peers and args.device != "cpu":
         parser.error("--peers llamacpp runs on the CPU only (llama-cpp-python's CPU build)")
     if not args.kv_cache_dtypes or set(args.kv_cache_dtypes) - set(KV_CACHE_DTYPES):
@@ -370,6 +400,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.random_weights:
+            from radixengine.model_loader import resolve_model_path
+
+            args.model_path = random_weights_folder(resolve_model_path(args.model_path), Path(tmp))
+        rows, load_before = run_all(args)
+    print_table(rows)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": " ".join(sys.argv),
+        "threads": args.threads,
+        "cpu": _cpu_name(),
+        "device": args.device,
+        "gpu": _gpu_name() if args.device == "cuda" else None,
+        "random_weights": args.random_weights,
+        "time": time.ctime(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
+    with open(args.output, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    print(f"\nwrote {args.output}", file=sys.stderr)
+
+
+def run_all(args) -> tuple[list[dict], tuple[float, float, float]]:
     from radixengine.model_loader import default_model_path, get_tokenizer, resolve_model_path
 
     args.gguf_path = args.model_path or default_model_path()
@@ -381,21 +436,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.workloads:
             items = load_workload(Path(args.workloads_dir) / f"{name}.jsonl")[: args.limit]
             rows += bench_workload(name, items, dtype, args, hf_path, tokenizer)
-    print_table(rows)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "command": " ".join(sys.argv),
-        "threads": args.threads,
-        "cpu": _cpu_name(),
-        "device": args.device,
-        "gpu": _gpu_name() if args.device == "cuda" else None,
-        "time": time.ctime(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-    }
-    with open(args.output, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    print(f"\nwrote {args.output}", file=sys.stderr)
+    return rows, load_before
 
 
 def _cpu_name() -> str:

