@@ -1,12 +1,12 @@
 """What `benchmarks/gpu_check.sh` needs on a GPU machine without network, gathered where PyPI is
 reachable: the wheels of every package radixengine and its tests need (the versions installed here,
 so the GPU runs what CI runs) for the GPU machine's Python, less torch and its CUDA libraries and
-less what that machine already has; and, with `--model-files`, the default model's config and
+less what that machine already has; with `--model-files`, the default model's config and
 tokenizer without its weights (3.5 MB: gpu_check's offline stage then runs on random weights of
-its shape).
+its shape), and the shared workloads W1/W2 beside them (`workloads/`).
 
     python benchmarks/gpu_prepare.py --dest .whl --have their_pip_freeze.txt --model-files .gpu_model
-    # there: WHEELS=.whl MODEL_PATH=.gpu_model bash benchmarks/gpu_check.sh
+    # there: WHEELS=.whl MODEL_PATH=.gpu_model WORKLOADS_DIR=.gpu_model/workloads bash benchmarks/gpu_check.sh
 
 `--have` is the GPU machine's `pip list --format=freeze` (or one package name a line). Run it in
 the environment that has radixengine[test] installed (`make setup`'s .venv).
@@ -68,6 +68,9 @@ def have_names(path: str | None) -> set[str]:
     return {canonical(re.split(r"[=<>@ ]", line.strip())[0]) for line in lines if line.strip()}
 
 
+WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+
+
 def copy_model_files(dest: Path) -> None:
     """The default model's config, tokenizer and chat template, no weights."""
     from radixengine.model_loader import resolve_model_path
@@ -78,6 +81,13 @@ def copy_model_files(dest: Path) -> None:
         if (source / name).exists():
             shutil.copy(source / name, dest / name)
     print(f"model files of {source} in {dest}")
+
+
+def copy_workloads(dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("W1.jsonl", "W2.jsonl"):
+        shutil.copy(WORKLOADS / name, dest / name)
+    print(f"workloads of {WORKLOADS} in {dest}")
 
 
 def main() -> None:
@@ -92,7 +102,11 @@ def main() -> None:
         default="",
         help="comma list of further pins, e.g. flashinfer-python==0.6.1,apache-tvm-ffi==0.1.15.post2",
     )
-    p.add_argument("--model-files", default=None, help="copy the default model's config and tokenizer here")
+    p.add_argument(
+        "--model-files",
+        default=None,
+        help="copy the default model's config and tokenizer here, the workloads below it",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the wheels, download nothing")
     args = p.parse_args()
 
@@ -106,6 +120,7 @@ def main() -> None:
         return
     if args.model_files:
         copy_model_files(Path(args.model_files))
+        copy_workloads(Path(args.model_files) / "workloads")
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(dest)]
