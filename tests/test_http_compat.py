@@ -498,3 +498,49 @@ def test_api_key_leaves_probes_open_and_takes_any_bearer_case(server):
         assert httpx.get(server.base_url + "/v1/models", headers={"Authorization": header}).status_code == 200
     for header in (API_KEY, f"Basic {API_KEY}", f"Bearer {API_KEY}x", "Bearer"):
         assert httpx.get(server.base_url + "/v1/models", headers={"Authorization": header}).status_code == 401
+
+
+def test_cors_preflight_is_answered_without_the_key(server):
+    """As SGLang's CORSMiddleware: any origin, method and header; a browser's preflight needs no
+    key, the request it announces still does, and its answer (a 401 too) names the origin."""
+    origin = "http://app.example"
+    preflight = {
+        "Origin": origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-custom",
+    }
+    url = server.base_url + "/v1/chat/completions"
+    r = httpx.options(url, headers=preflight, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] in ("*", origin)
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "x-custom" in r.headers["access-control-allow-headers"].lower()
+    body = {"messages": MESSAGES, "max_tokens": 1}
+    r = httpx.post(url, json=body, headers={"Origin": origin}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    assert r.headers["access-control-allow-origin"] in ("*", origin)
+    r = httpx.post(url, json=body, headers={**AUTH, "Origin": origin}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] in ("*", origin)
+
+
+# Error types ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method,path,status,err_type",
+    [
+        ("GET", "/v1/chat/completions", 405, "MethodNotAllowedError"),
+        ("DELETE", "/generate", 405, "MethodNotAllowedError"),
+        ("GET", "/v1/nothing-here", 404, "NotFoundError"),
+        ("POST", "/nothing-here", 404, "NotFoundError"),
+    ],
+)
+def test_wrong_method_and_unknown_route_error_types(server, method, path, status, err_type):
+    r = httpx.request(method, server.base_url + path, headers=AUTH, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (err_type, status, None)
+    assert path in error["message"]
+    if status == 405:
+        assert "POST" in r.headers["allow"]

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from radixengine.managers.request_errors import error_type
+
 
 def error_response(
     message: str, status_code: int = 400, param: str | None = None, err_type: str | None = None
 ) -> JSONResponse:
-    if err_type is None:
-        err_type = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(
-            status_code, "ServiceUnavailableError" if status_code == 503 else "InternalServerError"
-        )
+    err_type = err_type or error_type(status_code)
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status_code}}
     return JSONResponse(body, status_code=status_code)

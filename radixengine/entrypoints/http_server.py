@@ -5,7 +5,7 @@ load), over the TokenizerManager; and its launch. docs/api.md lists the routes.
 FastAPI + uvicorn, one worker; the TokenizerManager lives in uvicorn's event loop, the scheduler
 and detokenizer in child processes. Errors are OpenAI-style JSON, `{"error": {"message", "type",
 "param", "code"}}`, with the HTTP status: 400 bad input, 401 missing API key, 404 unknown route,
-503 queue full or engine down."""
+405 wrong method, 503 queue full or engine down. CORS is open to any origin, as in SGLang."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import signal
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixengine.entrypoints import native_routes, openai_routes, operations_routes
@@ -40,6 +41,11 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     _install_error_handlers(app)
     if server_args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
+    # As SGLang: any origin, method and header. Added last, so outermost: it answers preflights
+    # before the API key is asked for, and puts its headers on a 401 too.
+    app.add_middleware(
+        CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"]
+    )
     for module in (native_routes, openai_routes, operations_routes):
         app.include_router(module.router)
     return app
@@ -56,10 +62,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        message = (
-            f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        )
-        return error_response(message, e.status_code)
+        headers = e.headers or {}
+        message = str(e.detail)
+        if e.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif e.status_code == 405:
+            allowed = headers.get("Allow")
+            message = f"method {request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+        response = error_response(message, e.status_code)
+        response.headers.update(headers)
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception):

@@ -3,6 +3,36 @@ and `EngineDeadError` (a child process died), and the abort finish reason read b
 
 from __future__ import annotations
 
+import re
+from http import HTTPStatus
+
+# The `type` of an error body, by HTTP status: the openai client's exception names where it has
+# one for the status, else the status phrase (`405` -> `MethodNotAllowedError`).
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_type(status_code: int) -> str:
+    """The error `type` of an HTTP status: 5xx other than 503 are `InternalServerError`, an
+    unnamed 4xx is `BadRequestError`."""
+    if status_code in ERROR_TYPES:
+        return ERROR_TYPES[status_code]
+    if status_code >= 500:
+        return "InternalServerError"
+    try:
+        phrase = HTTPStatus(status_code).phrase
+    except ValueError:
+        return "BadRequestError"
+    return "".join(word.capitalize() for word in re.split(r"[^A-Za-z]+", phrase)) + "Error"
+
 
 class RequestError(Exception):
     """A request the engine refused or aborted (bad input, full queue, ...), with its HTTP status."""
@@ -14,7 +44,7 @@ class RequestError(Exception):
         self.message = message
         self.status_code = status_code
         self.param = param
-        self.err_type = err_type or ("BadRequestError" if status_code < 500 else "ServiceUnavailableError")
+        self.err_type = err_type or error_type(status_code)
 
 
 class EngineDeadError(RuntimeError):
