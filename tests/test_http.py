@@ -259,6 +259,29 @@ def test_completions_echo_streaming(client, model_name, oracle):
         assert [c.text for c in whole.choices] == [echoed + expected] * n
 
 
+@pytest.mark.parametrize("echo", [False, True], ids=["completion", "echo"])
+def test_completions_streamed_text_offsets_match_the_whole_answer(client, model_name, echo):
+    """text_offset counts from the start of the text the client gets (echoed prompt included), in
+    a stream as in the whole answer: a chunk's offsets go on from where the previous chunk's
+    tokens end."""
+    kwargs = dict(model=model_name, prompt="The sky is", max_tokens=5, temperature=0, logprobs=1, echo=echo,
+                  n=2, extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.completions.create(**kwargs)
+    streamed: dict[int, dict[str, list]] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            got = streamed.setdefault(choice.index, {"tokens": [], "text_offset": []})
+            if choice.logprobs is not None:
+                got["tokens"] += choice.logprobs.tokens
+                got["text_offset"] += choice.logprobs.text_offset
+    assert sorted(streamed) == [0, 1]
+    for choice in whole.choices:
+        offsets = choice.logprobs.text_offset
+        echoed = whole.usage.prompt_tokens if echo else 0
+        assert offsets[0] == 0 and len(offsets) == len(choice.logprobs.tokens) == echoed + 5
+        assert streamed[choice.index] == {"tokens": choice.logprobs.tokens, "text_offset": offsets}
+
+
 def test_64_concurrent_streams(server, model_name):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int]:
         stream = await client.chat.completions.create(

@@ -391,8 +391,10 @@ async def completion_stream(
     tm: TokenizerManager, req: CompletionRequest, outs: AsyncIterator[tuple[int, dict]], prompts: list
 ) -> AsyncIterator[dict]:
     """Chunks of every choice as they come; with `echo`, a choice's first chunk starts with its
-    prompt (SGLang's rule)."""
+    prompt (SGLang's rule). A chunk's `text_offset`s count from the start of all the choice's
+    text, as the whole answer's do (`offsets`: per choice, where its next token starts)."""
     rid, created, deltas, finals, started = make_id("cmpl"), now(), _Deltas(), {}, set()
+    offsets: dict[int, int] = {}
     async for i, out in outs:
         if is_abort(out):
             raise abort_to_error(out)
@@ -404,11 +406,11 @@ async def completion_stream(
         lp = None
         if req.logprobs is not None:
             tokens, tops = lps
-            offset = deltas.text_len[i] - len(text)
             if first and req.echo:
                 in_tokens, in_tops = _logprobs_of(out, "input")
-                tokens, tops, offset = in_tokens + tokens, in_tops + tops, 0
-            lp = completion_logprobs(tokens, tops, req.logprobs, offset)
+                tokens, tops = in_tokens + tokens, in_tops + tops
+            lp = completion_logprobs(tokens, tops, req.logprobs, offsets.get(i, 0))
+            offsets[i] = offsets.get(i, 0) + sum(len(t) for t in lp["tokens"])
         if first:
             started.add(i)
             text = echo_text(tm, prompts[i // req.n]) + text if req.echo else text
