@@ -3,8 +3,12 @@ folder with a real byte-level BPE tokenizer (and a chat template), and the trans
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
 import time
+from contextlib import contextmanager
 
 import psutil
 
@@ -187,3 +191,62 @@ def stop_test_server(proc) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+# Driving a running server -----------------------------------------------------------------------
+
+
+@contextmanager
+def children_paused(server):
+    """The server's scheduler and detokenizer stopped (SIGSTOP): requests reach the tokenizer
+    manager and wait there, and nothing is generated, until the block ends."""
+    kids = [
+        p
+        for p in psutil.Process(server.pid).children(recursive=True)
+        if "resource_tracker" not in _cmdline(p)
+    ]
+    assert kids
+    for p in kids:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in kids:
+            p.send_signal(signal.SIGCONT)
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def raw_post(server, path: str, body: dict, api_key: str | None = None) -> socket.socket:
+    """Send a request on a plain socket (the test decides when the client goes away)."""
+    data = json.dumps(body).encode()
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: test\r\n{auth}"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    host, port = server.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    got = b""
+    while marker not in got:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection before {marker!r}: {got!r}"
+        got += chunk
+    return got

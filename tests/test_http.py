@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import time
-from contextlib import contextmanager
 
 import httpx
 import openai
@@ -19,11 +17,15 @@ import pytest
 import torch
 from test_engine_utils import (
     build_tiny_model,
+    children_paused,
     hf_greedy,
     launch_test_server,
     load_hf_model,
+    raw_post,
+    read_until,
     stop_test_server,
     wait_gone,
+    wait_until,
 )
 
 API_KEY = "sk-test-key"
@@ -307,32 +309,6 @@ def test_64_concurrent_streams(server, model_name):
     assert_idle_accounting(server)
 
 
-@contextmanager
-def children_paused(server):
-    """The server's scheduler and detokenizer stopped (SIGSTOP): requests reach the tokenizer
-    manager and wait there, and nothing is generated, until the block ends."""
-    kids = [
-        p
-        for p in psutil.Process(server.pid).children(recursive=True)
-        if "resource_tracker" not in _cmdline(p)
-    ]
-    assert kids
-    for p in kids:
-        p.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for p in kids:
-            p.send_signal(signal.SIGCONT)
-
-
-def _cmdline(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
-
-
 def rid_taken(server, rid: str) -> bool:
     """Whether the server holds a request with this rid: the rid is checked before anything else,
     so a probe with a bad parameter is refused for its rid (taken) or for the parameter (free),
@@ -340,35 +316,6 @@ def rid_taken(server, rid: str) -> bool:
     r = post(server, "/generate", {"text": "probe", "rid": rid, "sampling_params": {"temperature": -1}})
     assert r.status_code == 400, r.text
     return r.json()["error"]["param"] == "rid"
-
-
-def wait_until(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
-def raw_post(server, path: str, body: dict) -> socket.socket:
-    """Send a request on a plain socket (the test decides when the client goes away)."""
-    data = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {API_KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    host, port = server.base_url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=60)
-    sock.sendall(head.encode() + data)
-    return sock
-
-
-def read_until(sock: socket.socket, marker: bytes) -> bytes:
-    got = b""
-    while marker not in got:
-        chunk = sock.recv(65536)
-        assert chunk, f"the server closed the connection before {marker!r}: {got!r}"
-        got += chunk
-    return got
 
 
 LONG = {"max_new_tokens": 900, "ignore_eos": True}
@@ -382,9 +329,8 @@ def test_client_that_leaves_before_any_output_aborts_its_request(server, stream)
     rid = f"left-early-{stream}"
     before = get(server, "/get_server_info").json()["num_generated_tokens"]
     with children_paused(server):
-        sock = raw_post(
-            server, "/generate", {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": stream}
-        )
+        body = {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": stream}
+        sock = raw_post(server, "/generate", body, api_key=API_KEY)
         wait_until(lambda: rid_taken(server, rid), "the request did not reach the server")
         sock.close()
         wait_until(
@@ -398,9 +344,8 @@ def test_client_that_leaves_before_any_output_aborts_its_request(server, stream)
 def test_disconnect_mid_stream_aborts_and_frees(server):
     rid = "left-mid-stream"
     before = get(server, "/get_server_info").json()["num_generated_tokens"]
-    sock = raw_post(
-        server, "/generate", {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": True}
-    )
+    body = {"text": "a long one", "sampling_params": LONG, "rid": rid, "stream": True}
+    sock = raw_post(server, "/generate", body, api_key=API_KEY)
     read_until(sock, b"data: ")  # the stream has started
     with children_paused(server):  # no more tokens while the server notices the client left
         sock.close()

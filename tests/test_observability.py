@@ -18,7 +18,16 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from test_engine_utils import build_tiny_model, launch_test_server, stop_test_server, subprocess_env
+from test_engine_utils import (
+    build_tiny_model,
+    children_paused,
+    launch_test_server,
+    raw_post,
+    read_until,
+    stop_test_server,
+    subprocess_env,
+    wait_until,
+)
 
 from radixengine.launch_server import parse_args
 from radixengine.managers.io_struct import GenerateReqInput
@@ -192,6 +201,42 @@ def test_metrics_move_with_a_request(server, first_request):
         "sglang:inter_token_latency_seconds_count"
     ] == 4  # fmt: skip
     assert after["sglang:num_running_reqs"] == 0 and after["sglang:num_queue_reqs"] == 0
+
+
+@pytest.mark.parametrize("how", ["client_left", "abort_request"])
+def test_an_aborted_request_counts_once_with_its_tokens(server, first_request, how):
+    """A chat stream its client drops after the first chunk counts as an /abort_request abort does
+    (as in SGLang, where a disconnect calls abort_request): one request, aborted, with the tokens
+    it got and its latency."""
+    rid, max_tokens, aborted = f"obs-aborted-{how}", 900, "sglang:num_aborted_requests_total"
+    body = {"messages": [{"role": "user", "content": "a long one"}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "rid": rid}  # fmt: skip
+    before = totals(server)
+    sock = raw_post(server, "/v1/chat/completions", body)
+    try:
+        read_until(sock, b"data: ")  # the stream has started
+        with children_paused(server):  # no more tokens until the abort is on its way
+            if how == "client_left":
+                sock.close()
+                marker = f"client disconnected mid-stream; aborted request(s) {rid}"
+                wait_until(lambda: marker in server.log.read_text(), "the disconnect was not seen")
+            else:
+                r = httpx.post(server.base_url + "/abort_request", json={"rid": rid}, timeout=60)
+                assert r.status_code == 200, r.text
+        wait_until(lambda: totals(server).get(aborted, 0) > before.get(aborted, 0), "no abort counted")
+    finally:
+        sock.close()
+    after = totals(server)
+
+    def added(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert added(aborted) == 1
+    assert added("sglang:num_requests_total") == 1
+    assert added("sglang:e2e_request_latency_seconds_count") == 1
+    assert added("sglang:time_to_first_token_seconds_count") == 1
+    assert 1 <= added("sglang:generation_tokens_total") < max_tokens
+    assert added("sglang:prompt_tokens_total") > 0
 
 
 # Flags -----------------------------------------------------------------------------------------

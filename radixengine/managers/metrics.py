@@ -192,10 +192,11 @@ class TokenizerMetricsCollector:
                 hist.observe(per_token)
 
     def observe_finished(self, meta: dict, created: float, now: float) -> None:
+        """A request the scheduler is done with. As in SGLang, an aborted one (its client left, or
+        /abort_request) counts as a request too, with the tokens it got, and as aborted."""
         reason = meta.get("finish_reason") or {}
         if reason.get("type") == "abort":
             self.num_aborted.labels(**self.labels).inc()
-            return
         prompt, generated, cached = meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]
         self.num_requests.labels(**self.labels).inc()
         self.prompt_tokens.labels(**self.labels).inc(prompt)

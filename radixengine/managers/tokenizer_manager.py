@@ -246,11 +246,12 @@ class TokenizerManager:
             if state is None:
                 continue  # failed already (the engine died or shut down)
             reason = recv.finished_reasons[i]
-            if state.aborted:
+            self._add_output(state, recv, i, now)
+            if state.aborted:  # its client left: the outputs only count in the metrics
                 if reason is not None:  # the scheduler is done with it: the rid is free again
                     del self.rid_to_state[rid]
+                    self._observe_finished(state, state.make_output(recv, i, now), now)
                 continue
-            self._add_output(state, recv, i, now)
             if reason is None and not state.obj.stream:
                 continue
             out = state.make_output(recv, i, now)
@@ -258,10 +259,13 @@ class TokenizerManager:
             if reason is not None:
                 state.finished = True
                 del self.rid_to_state[rid]
-                if self.metrics is not None and state.obj.log_metrics:
-                    self.metrics.observe_finished(out["meta_info"], state.created_time, now)
+                self._observe_finished(state, out, now)
                 self.request_logger.log_finished(state.obj, out)
             state.event.set()
+
+    def _observe_finished(self, state: ReqState, out: dict, now: float) -> None:
+        if self.metrics is not None and state.obj.log_metrics:
+            self.metrics.observe_finished(out["meta_info"], state.created_time, now)
 
     def _add_output(self, state: ReqState, recv: BatchStrOut, i: int, now: float) -> None:
         num_new = state.add_output(recv, i, self.decode_tokens)
