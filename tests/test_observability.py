@@ -359,3 +359,24 @@ def test_log_requests_levels(caplog):
     caplog.clear()
     RequestLogger(False, 3).log_finished(obj, out)
     assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    "reason, aborted",
+    [
+        ({"type": "abort", "message": "aborted", "status_code": 499}, 1),
+        ({"type": "abort", "message": "bad input", "status_code": 400}, 0),
+        ({"type": "abort", "message": "queue full", "status_code": 503}, 0),
+        ({"type": "length", "length": 3}, 0),
+    ],
+)
+def test_only_an_abort_counts_as_aborted(reason, aborted):
+    """As in SGLang: a request the scheduler refused counts as a request, not as an aborted one."""
+    from radixengine.managers.metrics import TokenizerMetricsCollector
+
+    metrics = TokenizerMetricsCollector("obs-refusals")
+    meta = {"finish_reason": reason, "prompt_tokens": 4, "completion_tokens": 3, "cached_tokens": 0}
+    metrics.observe_finished(meta, created=0.0, now=1.0)
+    samples = {s.name: s.value for m in metrics.registry.collect() for s in m.samples}
+    assert samples.get("sglang:num_aborted_requests_total", 0) == aborted
+    assert samples["sglang:num_requests_total"] == 1

@@ -193,9 +193,10 @@ class TokenizerMetricsCollector:
 
     def observe_finished(self, meta: dict, created: float, now: float) -> None:
         """A request the scheduler is done with. As in SGLang, an aborted one (its client left, or
-        /abort_request) counts as a request too, with the tokens it got, and as aborted."""
+        /abort_request: status 499) counts as a request too, with the tokens it got, and as aborted;
+        one the scheduler refused (a 400, a full queue's 503) counts as a request, not as aborted."""
         reason = meta.get("finish_reason") or {}
-        if reason.get("type") == "abort":
+        if reason.get("type") == "abort" and reason.get("status_code") == 499:
             self.num_aborted.labels(**self.labels).inc()
         prompt, generated, cached = meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]
         self.num_requests.labels(**self.labels).inc()
