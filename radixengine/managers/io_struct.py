@@ -286,5 +286,11 @@ def finish_matched_str(stop: str) -> dict:
     return {"type": "stop", "matched": stop}
 
 
-def finish_abort(message: str, status_code: int = 400, err_type: str = "BadRequestError") -> dict:
-    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+def finish_abort(
+    message: str, status_code: int = 400, err_type: str = "BadRequestError", param: str | None = None
+) -> dict:
+    """An aborted request's reason; `param`, when known, names the request field at fault."""
+    reason = {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+    if param is not None:
+        reason["param"] = param
+    return reason
