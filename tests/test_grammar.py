@@ -196,6 +196,36 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
     ({"extra_body": {"regex": r"[^\s\S]"}}, "regex", "the regex matches no output"),
+    (  # compiles (its start allows '"'), then dead-ends: a 400 naming the field while decoding
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": r"[^\s\S]"}},
+            }
+        },
+        "response_format",
+        "the json_schema matches no output",
+    ),
+    (  # a forced call whose arguments cannot be written
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"a": {"type": "string", "pattern": r"[^\s\S]"}},
+                            "required": ["a"],
+                        },
+                    },
+                }
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+        "matches no output",
+    ),
     (
         {"response_format": {"type": "json_object"}, "extra_body": {"regex": "a+"}},
         "regex",

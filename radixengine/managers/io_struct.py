@@ -42,6 +42,9 @@ class GenerateReqInput:
     continue_final_message: bool = False
     tools: list[dict] | None = None  # OpenAI tool definitions, for the chat template
     log_metrics: bool = True
+    # The field the grammar came from where it is not the grammar's own sampling parameter (chat's
+    # response_format, tools): the `param` of the scheduler's errors about the grammar.
+    grammar_field: str | None = None
 
     def prompt_field(self) -> str:
         """The name of the one prompt field given (text, input_ids or messages)."""
