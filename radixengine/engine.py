@@ -26,7 +26,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from radixengine.managers.io_struct import GenerateReqInput
+from radixengine.managers.io_struct import GenerateReqInput, finish_abort
 from radixengine.managers.request_errors import EngineDeadError, RequestError, abort_to_error, is_abort
 from radixengine.managers.served_model import load_tokenizer
 from radixengine.managers.tokenizer_manager import TokenizerManager, collect
@@ -339,7 +339,7 @@ async def _collect_or_error(manager: TokenizerManager, obj: GenerateReqInput) ->
     try:
         return await collect(manager, obj)
     except RequestError as e:
-        reason = {"type": "abort", "message": e.message, "status_code": e.status_code, "err_type": e.err_type}
+        reason = finish_abort(e.message, e.status_code, e.err_type, e.param)
         meta = {"id": obj.rid, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
                 "finish_reason": reason, "e2e_latency": 0.0}  # fmt: skip
         return {"text": "", "output_ids": [], "meta_info": meta, "error": e.message}

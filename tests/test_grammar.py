@@ -195,6 +195,37 @@ BAD = [
     ),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+    ({"extra_body": {"regex": r"[^\s\S]"}}, "regex", "the regex matches no output"),
+    (  # compiles (its start allows '"'), then dead-ends: a 400 naming the field while decoding
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": r"[^\s\S]"}},
+            }
+        },
+        "response_format",
+        "the json_schema matches no output",
+    ),
+    (  # a forced call whose arguments cannot be written
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"a": {"type": "string", "pattern": r"[^\s\S]"}},
+                            "required": ["a"],
+                        },
+                    },
+                }
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+        "matches no output",
+    ),
     (
         {"response_format": {"type": "json_object"}, "extra_body": {"regex": "a+"}},
         "regex",
@@ -211,6 +242,23 @@ def test_bad_grammars_are_400_and_the_server_keeps_serving(client, kwargs, param
     err = e.value.body
     assert err["param"] == param and fragment in err["message"], err
     assert chat(client, "hi", max_tokens=4).choices[0].message.content is not None
+
+
+@pytest.mark.slow
+def test_a_regex_that_matches_nothing_is_a_400_on_generate(server):
+    """/generate with a regex no output can match is a 400 naming the regex (it was a 500 "no
+    finite logits"); a regex that can match still answers with a match."""
+    import httpx
+
+    url = server.base_url + "/generate"
+    params = {"max_new_tokens": 8, "temperature": 0, "regex": r"[^\s\S]"}
+    r = httpx.post(url, json={"text": "hi", "sampling_params": params}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "regex" and "the regex matches no output" in err["message"], err
+    params["regex"] = "(yes|no)"
+    r = httpx.post(url, json={"text": "Is the sky blue?", "sampling_params": params}, timeout=60)
+    assert r.status_code == 200 and r.json()["text"] in ("yes", "no"), r.text
 
 
 @pytest.fixture(scope="module")

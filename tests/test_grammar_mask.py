@@ -12,6 +12,7 @@ from test_engine_utils import build_tokenizer
 
 from radixengine.constrained.base_grammar_backend import (
     BaseGrammarObject,
+    InvalidGrammarObject,
     allocate_vocab_mask,
     apply_vocab_mask,
     create_grammar_backend,
@@ -99,6 +100,36 @@ def test_matcher_masks_the_vocabulary_padding_and_ends_with_eos(tokenizer, backe
         text += tokenizer.decode([token])
     assert grammar.is_terminated()
     assert text.startswith("ab")
+    grammar_backend.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_grammar_that_allows_no_first_token_fails_to_compile(tokenizer, backend):
+    """Found once, when the grammar compiles (its failure is cached with it): a grammar that
+    allows no token at its start and has not ended matches no output. One that allows only EOS
+    (the empty string) or a first token is fine."""
+    grammar_backend = create_grammar_backend(backend, tokenizer, VOCAB, [tokenizer.eos_token_id])
+    empty = grammar_backend.get_future(("regex", r"[^\s\S]")).result()
+    assert isinstance(empty, InvalidGrammarObject)
+    assert "the regex matches no output" in empty.error_message
+    for text in ("", "ab+"):
+        grammar = grammar_backend.get_future(("regex", text)).result()
+        assert isinstance(grammar, BaseGrammarObject), (text, grammar)
+        assert not grammar.copy().allows_no_token(VOCAB)
+    grammar_backend.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_dead_end_fills_an_all_zero_row(tokenizer, backend):
+    """The matcher of a grammar stuck with no allowed token fills a row that allows nothing (so
+    the sampler flags the row, and the scheduler fails that request alone); llguidance, which
+    would allow only EOS there, too."""
+    grammar_backend = create_grammar_backend(backend, tokenizer, VOCAB, [tokenizer.eos_token_id])
+    grammar = grammar_backend.dispatch_regex(r"[^\s\S]")
+    mask = allocate_vocab_mask(2, VOCAB)
+    grammar.fill_vocab_mask(mask, 1)
+    assert not mask[1].any() and (mask[0] == -1).all()
+    assert grammar.allows_no_token(VOCAB) and not grammar.is_terminated()
     grammar_backend.shutdown()
 
 

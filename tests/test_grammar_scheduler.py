@@ -253,6 +253,32 @@ def test_a_bad_grammar_that_reaches_the_scheduler_is_a_400_and_the_rest_runs(mod
     assert_valid(tokenizer, [good], results)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_grammar_that_matches_nothing_is_a_400_and_the_rest_runs(model_dir, tokenizer, backend, overlap):
+    """A regex no output can match is a 400 naming the regex: one that allows no first token
+    (found once, when it compiles), and one that dead-ends after its first token (xgrammar lets
+    "a" start it; llguidance sees at once that nothing can follow). The rest of the batch runs
+    as it would alone."""
+    free_alone = run(make_scheduler(model_dir, tokenizer, overlap=overlap), free_reqs(tokenizer, "u"))
+    sched = make_scheduler(model_dir, tokenizer, overlap=overlap, grammar_backend=backend)
+    dead = [
+        req(tokenizer, "empty", PROMPTS[0], regex=r"[^\s\S]"),
+        req(tokenizer, "dead-end", PROMPTS[1], regex=r"a[^\s\S]"),
+    ]
+    good = req(tokenizer, "good", PROMPTS[2], regex=REGEX)
+    results = run(sched, dead + [good] + free_reqs(tokenizer, "u"))
+    for r in dead:
+        reason = results[r.rid].finished_reason
+        assert reason["type"] == "abort" and reason["status_code"] == 400, (r.rid, reason)
+        assert reason["param"] == "regex" and "the regex matches no output" in reason["message"], reason
+    if backend == "xgrammar":  # found while decoding: its row had no token to sample
+        assert "begins with the 1 token(s) generated" in results["dead-end"].finished_reason["message"]
+    assert_valid(tokenizer, [good], results)
+    for r in free_reqs(tokenizer, "u"):
+        assert results[r.rid].output_ids == free_alone[r.rid].output_ids, r.rid
+
+
 def test_grammar_backend_none_refuses_constrained_requests(model_dir, tokenizer):
     sched = make_scheduler(model_dir, tokenizer, overlap=False, grammar_backend="none")
     results = run(sched, [req(tokenizer, "c", PROMPTS[0], regex=REGEX), req(tokenizer, "f", PROMPTS[0])])

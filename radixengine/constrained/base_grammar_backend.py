@@ -42,6 +42,16 @@ class BaseGrammarObject:
         """A fresh matcher of the same compiled grammar (at its start)."""
         raise NotImplementedError
 
+    def allows_no_token(self, vocab_size: int) -> bool:
+        """Stuck: not ended, and no token (EOS included) may come next, so no output that goes
+        through this state matches the grammar. One mask fill: asked once per compiled grammar
+        and when a row had nothing to sample, never per step."""
+        if self.is_terminated():
+            return False
+        mask = allocate_vocab_mask(1, vocab_size)
+        self.fill_vocab_mask(mask, 0)
+        return not _any_token(mask[0], vocab_size)
+
     @classmethod
     def batch_fill_vocab_mask(
         cls, grammars: list[BaseGrammarObject], vocab_mask: torch.Tensor, rows: list[int]
@@ -59,7 +69,8 @@ class InvalidGrammarObject:
 
 
 class BaseGrammarBackend:
-    def __init__(self, num_threads: int = 2) -> None:
+    def __init__(self, vocab_size: int, num_threads: int = 2) -> None:
+        self.vocab_size = vocab_size
         self.executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile")
         self.cache: OrderedDict[GrammarKey, Future] = OrderedDict()
 
@@ -79,10 +90,14 @@ class BaseGrammarBackend:
     def _compile(self, key: GrammarKey) -> BaseGrammarObject | InvalidGrammarObject:
         kind, text = key
         try:
-            return getattr(self, f"dispatch_{kind}")(text)
+            grammar = getattr(self, f"dispatch_{kind}")(text)
+            stuck = grammar.copy().allows_no_token(self.vocab_size)
         except Exception as e:  # a compile error is the request's, never the scheduler's
             logger.info("invalid %s grammar: %s", kind, e)
             return InvalidGrammarObject(f"Failed to compile the {kind} grammar: {e}")
+        if stuck:
+            return InvalidGrammarObject(no_output_message(kind))
+        return grammar
 
     def dispatch_json_schema(self, text: str) -> BaseGrammarObject:
         raise NotImplementedError
@@ -138,6 +153,24 @@ def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor, rows: list[
     if vocab_mask.device != logits.device:
         vocab_mask = vocab_mask.to(logits.device, non_blocking=True)
     xgrammar.apply_token_bitmask_inplace(logits, vocab_mask, vocab_size=logits.shape[-1], indices=rows)
+
+
+def no_output_message(kind: str, num_generated: int = 0) -> str:
+    """Why a request whose grammar allows no next token fails (`num_generated` output tokens in)."""
+    if num_generated == 0:
+        return f"the {kind} matches no output: it allows no first token"
+    return (
+        f"the {kind} matches no output that begins with the {num_generated} token(s) generated: "
+        f"it allows no next token"
+    )
+
+
+def _any_token(row: torch.Tensor, vocab_size: int) -> bool:
+    """Whether a packed mask row allows any of the first `vocab_size` tokens."""
+    full, rest = divmod(vocab_size, 32)
+    if bool(row[:full].any()):
+        return True
+    return rest > 0 and bool(int(row[full]) & ((1 << rest) - 1))
 
 
 def validate_grammar(backend: str, kind: str, text: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import torch
 from llguidance import LLMatcher, LLTokenizer, grammar_from
@@ -10,6 +11,8 @@ from llguidance.hf import from_tokenizer
 from llguidance.torch import fill_next_token_bitmask
 
 from radixengine.constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
+
+logger = logging.getLogger(__name__)
 
 ANY_JSON = "$$ANY$$"
 
@@ -31,7 +34,6 @@ class GuidanceGrammar(BaseGrammarObject):
             return
         if not self.matcher.consume_token(token):
             raise ValueError(f"token {token} is not allowed by the grammar: {self.matcher.get_error()}")
-        self._check_err()
         self.finished = token in self.eos_tokens and self.matcher.is_stopped()
 
     def is_terminated(self) -> bool:
@@ -39,7 +41,11 @@ class GuidanceGrammar(BaseGrammarObject):
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         fill_next_token_bitmask(self.matcher, vocab_mask, idx)
-        self._check_err()
+        if self.matcher.is_error():
+            # A dead end (nothing can follow): llguidance allows only EOS there, which would end
+            # the request with an output that does not match. No token at all, as xgrammar does.
+            logger.info("llguidance: no token can continue: %s", self.matcher.get_error().partition("\n")[0])
+            vocab_mask[idx].zero_()
 
     def copy(self) -> GuidanceGrammar:
         return GuidanceGrammar(self.tokenizer, self.serialized_grammar)
@@ -51,7 +57,7 @@ class GuidanceGrammar(BaseGrammarObject):
 
 class GuidanceBackend(BaseGrammarBackend):
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], any_whitespace: bool) -> None:
-        super().__init__()
+        super().__init__(vocab_size)
         self.tokenizer = from_tokenizer(tokenizer, vocab_size, eos_token=sorted(eos_token_ids) or None)
         self.any_whitespace = any_whitespace
 

@@ -48,7 +48,7 @@ class XGrammarGrammar(BaseGrammarObject):
 
 class XGrammarGrammarBackend(BaseGrammarBackend):
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], any_whitespace: bool) -> None:
-        super().__init__()
+        super().__init__(vocab_size)
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids) or None
         )

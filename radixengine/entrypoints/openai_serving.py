@@ -8,10 +8,13 @@ from collections.abc import AsyncIterator
 
 from radixengine.entrypoints.chat_output_parser import ChatOutputParser, StreamParser
 from radixengine.entrypoints.chat_tools import (
+    CONSTRAINT_FIELDS,
     add_tool_params,
     check_tools,
+    is_forced,
     template_tool_calls,
     template_tools,
+    tools_active,
 )
 from radixengine.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -114,6 +117,17 @@ def check_constraint(
             tm.check_grammar(kind, params[kind], "response_format" if from_format else kind)
 
 
+def grammar_field(req: CompletionRequest | ChatCompletionRequest, params: dict) -> str | None:
+    """The field the request's grammar came from where it is not the grammar's own extra (as
+    check_constraint names them): response_format, or tools for a forced call."""
+    kind = next((name for name in CONSTRAINT_FIELDS if params.get(name) is not None), None)
+    if kind is None or getattr(req, kind, None):
+        return None
+    if isinstance(req, ChatCompletionRequest) and tools_active(req) and is_forced(req):
+        return "tools"
+    return "response_format" if req.response_format is not None else None
+
+
 def _response_schema(fmt: dict) -> dict | bool:
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
@@ -152,6 +166,7 @@ def completion_requests(tm: TokenizerManager, req: CompletionRequest):
         rid=req.rid,
         stream=req.stream,
         priority=req.priority,
+        grammar_field=grammar_field(req, params),
         **completion_logprob_args(req),
     )
     return batch.normalize_batch_and_arguments()[0], prompts
@@ -229,6 +244,7 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
         priority=req.priority,
         chat_template_kwargs=req.chat_template_kwargs,
         continue_final_message=req.continue_final_message,
+        grammar_field=grammar_field(req, params),
     )
     return batch.normalize_batch_and_arguments()[0]
 

@@ -42,6 +42,9 @@ class GenerateReqInput:
     continue_final_message: bool = False
     tools: list[dict] | None = None  # OpenAI tool definitions, for the chat template
     log_metrics: bool = True
+    # The field the grammar came from where it is not the grammar's own sampling parameter (chat's
+    # response_format, tools): the `param` of the scheduler's errors about the grammar.
+    grammar_field: str | None = None
 
     def prompt_field(self) -> str:
         """The name of the one prompt field given (text, input_ids or messages)."""
@@ -286,5 +289,11 @@ def finish_matched_str(stop: str) -> dict:
     return {"type": "stop", "matched": stop}
 
 
-def finish_abort(message: str, status_code: int = 400, err_type: str = "BadRequestError") -> dict:
-    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+def finish_abort(
+    message: str, status_code: int = 400, err_type: str = "BadRequestError", param: str | None = None
+) -> dict:
+    """An aborted request's reason; `param`, when known, names the request field at fault."""
+    reason = {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+    if param is not None:
+        reason["param"] = param
+    return reason

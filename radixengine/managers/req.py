@@ -250,8 +250,14 @@ class Req:
                     self.finished_reason = finish_matched_str(stop)
                     return
 
-    def abort(self, message: str, status_code: int = 400, err_type: str = "BadRequestError") -> None:
-        self.finished_reason = finish_abort(message, status_code, err_type)
+    def abort(
+        self,
+        message: str,
+        status_code: int = 400,
+        err_type: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
+        self.finished_reason = finish_abort(message, status_code, err_type, param)
 
     def reset_for_retract(self) -> None:
         self._clear_round_state()

@@ -112,7 +112,7 @@ class ReqState:
             "prompt_tokens": recv.prompt_tokens[i],
             "completion_tokens": len(self.output_ids),
             "cached_tokens": recv.cached_tokens[i],
-            "finish_reason": reason,
+            "finish_reason": self._name_grammar_field(reason),
             "e2e_latency": now - self.created_time,
         }
         finished = reason is not None
@@ -121,6 +121,13 @@ class ReqState:
         text = self.text if finished else self.visible_text()
         ids = self.output_ids if finished else list(self.output_ids)
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _name_grammar_field(self, reason: dict | None) -> dict | None:
+        """A scheduler error naming the grammar by its kind names the field it came from."""
+        field, key = self.obj.grammar_field, self.sampling_params.grammar_key
+        if field is None or reason is None or key is None or reason.get("param") != key[0]:
+            return reason
+        return {**reason, "param": field}
 
     def visible_text(self) -> str:
         """While streaming, hold back a tail that may turn out to be the start of a stop string."""

@@ -61,5 +61,6 @@ def abort_to_error(out: dict) -> RequestError:
     return RequestError(
         reason.get("message", "request aborted"),
         reason.get("status_code", 400),
+        param=reason.get("param"),
         err_type=reason.get("err_type"),
     )

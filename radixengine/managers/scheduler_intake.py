@@ -96,7 +96,10 @@ class SchedulerIntakeMixin:
         error = recv.error or validate_request(req, self.vocab_size, self.max_req_input_len, self.max_req_len)
         if error is None and req.sampling_params.grammar_key is not None:
             error = self.grammar_manager.process_req_with_grammar(req)
-            if error is None and isinstance(req.grammar, Future):
+            if error is not None:
+                self._finish_at_once(req, error, 400, param=req.sampling_params.grammar_key[0])
+                return
+            if isinstance(req.grammar, Future):
                 return  # in the grammar queue until its grammar compiles
         if error is not None:
             self._finish_at_once(req, error, 400)
@@ -114,13 +117,15 @@ class SchedulerIntakeMixin:
         )
         for req, error in self.grammar_manager.get_ready_grammar_requests(block=nothing_else):
             if error is not None:
-                self._finish_at_once(req, error, 400)
+                self._finish_at_once(req, error, 400, param=req.sampling_params.grammar_key[0])
             else:
                 self._add_request_to_queue(req)
 
-    def _finish_at_once(self: Scheduler, req: Req, message: str, status_code: int) -> None:
+    def _finish_at_once(
+        self: Scheduler, req: Req, message: str, status_code: int, param: str | None = None
+    ) -> None:
         err_type = "ServiceUnavailableError" if status_code == 503 else "BadRequestError"
-        req.abort(message, status_code, err_type)
+        req.abort(message, status_code, err_type, param)
         req.time_stats.finish_time = time.perf_counter()
         self._pending_outputs.append(req)
 

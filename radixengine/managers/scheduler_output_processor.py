@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixengine.constrained.base_grammar_backend import no_output_message
 from radixengine.managers.io_struct import (
     INIT_INCREMENTAL_DETOKENIZATION_OFFSET,
     BatchTokenIDOut,
@@ -88,14 +89,10 @@ class SchedulerOutputProcessorMixin:
 
     def _take_result(self: Scheduler, req: Req, res: HostResults, row: int, batch: ScheduleBatch) -> None:
         """Append the token sampled for `row` to `req` and finish it if it stops; a row whose
-        logits had nothing to sample (all NaN or -inf) fails that request alone."""
+        logits had nothing to sample (all NaN or -inf) fails that request alone: a 400 when its
+        grammar allowed no token, else a 500."""
         if row in res.invalid_rows:
-            logger.error("request %s: the model's logits are all NaN or -inf; aborting it", req.rid)
-            req.abort(
-                "The model produced no finite logits (all NaN or -inf) for this request.",
-                500,
-                "InternalServerError",
-            )
+            self._abort_invalid_row(req)
             req.time_stats.finish_time = time.perf_counter()
             # Its KV covers every token this batch computed (no new token is appended) and may
             # hold NaN: freed, not inserted.
@@ -106,6 +103,19 @@ class SchedulerOutputProcessorMixin:
         if req.finished():
             req.time_stats.finish_time = time.perf_counter()
             self.tree_cache.cache_finished_req(req)
+
+    def _abort_invalid_row(self: Scheduler, req: Req) -> None:
+        if req.grammar is not None and req.grammar.allows_no_token(self.vocab_size):
+            kind = req.sampling_params.grammar_key[0]
+            logger.info("request %s: its %s allows no next token; aborting it", req.rid, kind)
+            req.abort(no_output_message(kind, len(req.output_ids)), 400, "BadRequestError", kind)
+            return
+        logger.error("request %s: the model's logits are all NaN or -inf; aborting it", req.rid)
+        req.abort(
+            "The model produced no finite logits (all NaN or -inf) for this request.",
+            500,
+            "InternalServerError",
+        )
 
     def process_batch_result_prefill(self: Scheduler, batch: ScheduleBatch, result: BatchResult) -> None:
         res = self._host_results(batch, result)
