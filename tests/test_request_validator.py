@@ -9,6 +9,7 @@ import pytest
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import RequestError
 from radixengine.managers.request_validator import RequestLimits, RequestValidator
+from radixengine.managers.served_model import max_chars_per_token
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +118,23 @@ def test_an_implicit_max_new_tokens_is_clipped_to_the_room_left(tokenizer):
     assert short.sampling_params.max_new_tokens == 128
     explicit = refusal(v, input_ids=[1] * 190, sampling_params={"max_new_tokens": 128})
     assert explicit.param == "max_new_tokens"
+
+
+def test_the_characters_a_token_can_cover_come_from_the_vocabulary(tmp_path):
+    """L is the longest token string (a byte-level token's: a character per byte), times 4 under a
+    composing normalizer; none where a token may cover any number of characters."""
+    from test_engine_utils import build_tokenizer
+    from tokenizers import normalizers, pre_tokenizers
+
+    tok = build_tokenizer(str(tmp_path))
+    longest = max(len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))))
+    assert max_chars_per_token(tok) == longest
+    tok.backend_tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(" ", "_")]
+    )
+    assert max_chars_per_token(tok) == 4 * longest
+    tok.backend_tokenizer.normalizer = normalizers.Strip()
+    assert max_chars_per_token(tok) is None
+    tok.backend_tokenizer.normalizer = None
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # drops runs of spaces
+    assert max_chars_per_token(tok) is None

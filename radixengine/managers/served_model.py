@@ -55,7 +55,8 @@ def load_chat_template(value: str) -> str:
 _KEEPING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend"}
 _COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
 _MAX_COMPOSED = 4
-# Pre-tokenizers that split a text without dropping any of it.
+# Pre-tokenizers that split a text without dropping any of it (Split too, unless it removes the
+# matches; no pre-tokenizer whose behavior is "Removed").
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"}
 
 
@@ -64,10 +65,12 @@ def max_chars_per_token(tokenizer) -> int | None:
     vocabulary (a byte-level token's string has a character per byte, so at least as many as the
     characters it covers), times what the normalizer can fold into one character. None where a
     token may cover any number of characters: a tokenizer that fuses unknown characters into one
-    token (BPE's fuse_unk, Unigram, WordPiece), drops text (a whitespace pre-tokenizer, a
+    token (BPE's fuse_unk without byte fallback, Unigram, WordPiece), drops text (a whitespace pre-tokenizer, a
     stripping added token) or is not a fast tokenizer."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or type(backend.model).__name__ != "BPE" or backend.model.fuse_unk:
+    if backend is None or type(backend.model).__name__ != "BPE":
+        return None
+    if backend.model.fuse_unk and not backend.model.byte_fallback:
         return None
     if any(t.lstrip or t.rstrip for t in tokenizer.added_tokens_decoder.values()):
         return None
@@ -105,10 +108,12 @@ def _normalizer_fold(state: dict | None) -> int | None:
 
 def _keeps_text(state: dict | None) -> bool:
     kind = None if state is None else state.get("type")
-    if kind is None or kind in _KEEPING_PRE_TOKENIZERS:
+    if kind is None:
         return True
-    if kind == "Split":
-        return state.get("behavior") != "Removed"
+    if state.get("behavior") == "Removed":
+        return False
+    if kind in _KEEPING_PRE_TOKENIZERS or kind == "Split":
+        return True
     if kind == "Sequence":
         return all(_keeps_text(part) for part in state.get("pretokenizers", []))
     return False
