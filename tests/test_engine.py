@@ -305,3 +305,32 @@ def test_bad_logprob_fields_are_refused(engine):
     out = asyncio.run_coroutine_threadsafe(run(top_logprobs_num=0), engine.loop).result(60)
     assert len(out["meta_info"]["output_token_logprobs"]) == MAX_NEW
     assert out["meta_info"]["input_token_logprobs"] == [] and "output_top_logprobs" not in out["meta_info"]
+
+
+def test_a_lone_surrogate_is_refused_and_the_engine_keeps_serving(engine, oracle):
+    """A string UTF-8 cannot encode (a stop string the scheduler's tokenizer would choke on, a
+    prompt) is a RequestError naming the field; the scheduler lives on."""
+    for call, param in (
+        (lambda: engine.generate(PROMPTS[0], {**GREEDY, "stop": "\ud800"}), "stop"),
+        (lambda: engine.generate("a\ud800b", GREEDY), "text"),
+        (lambda: engine.chat([{"role": "user", "content": "\udc00"}], GREEDY), "messages[0].content"),
+    ):
+        with pytest.raises(RequestError, match="surrogate") as e:
+            call()
+        assert e.value.param == param and e.value.status_code == 400
+    assert engine.generate(PROMPTS[0], GREEDY)["output_ids"] == oracle([oracle.encode(PROMPTS[0])])[0]
+    assert_accounting(engine)
+
+
+def test_an_implicit_max_new_tokens_is_clipped_to_the_room_left(engine):
+    """SGLang's rule: without max_new_tokens, the default 128 shrinks to what the context leaves
+    (a prompt near the context still runs); an explicit max_new_tokens past it is refused."""
+    max_req_len = engine.get_server_info()["max_req_len"]
+    ids = [5] * (max_req_len - 10)
+    out = engine.generate(input_ids=ids, sampling_params={"ignore_eos": True, "temperature": 0})
+    assert out["meta_info"]["completion_tokens"] == 10
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    with pytest.raises(RequestError, match="max_new_tokens") as e:
+        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 128})
+    assert e.value.param == "max_new_tokens"
+    assert_accounting(engine)

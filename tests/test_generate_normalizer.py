@@ -110,6 +110,10 @@ def test_routing_key_is_one_for_every_prompt_or_one_per_prompt():
         ({"text": "a", "stream": "yes"}, "stream"),
         ({"text": "a", "log_metrics": "no"}, "log_metrics"),
         ({"text": "a", "return_text_in_logprobs": 1}, "return_text_in_logprobs"),
+        ({"text": "a", "sampling_params": {"n": 129}}, "n"),
+        ({"text": ["a"] * 4097}, "text"),
+        ({"input_ids": [[1]] * 4097}, "input_ids"),
+        ({"text": ["a"] * 33, "sampling_params": {"n": 128}}, "n"),
     ],
 )
 def test_bad_shapes_are_request_errors_naming_the_field(fields, param):
@@ -129,3 +133,10 @@ def test_the_http_body_goes_through_the_same_normalisation():
     with pytest.raises(RequestError) as e:
         native_requests({"input_ids": [1], "text": "hi"})
     assert e.value.param == "text"
+
+
+def test_the_largest_fan_out_is_allowed():
+    """n up to 128 (OpenAI's maximum), prompts x n up to 4096 requests."""
+    assert len(normalize(text="a", sampling_params={"n": 128})[0]) == 128
+    assert len(normalize(text=["a"] * 32, sampling_params={"n": 128})[0]) == 4096
+    assert len(normalize(input_ids=[[1]] * 4096)[0]) == 4096

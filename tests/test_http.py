@@ -437,7 +437,35 @@ BAD_INPUTS = [
         "top_logprobs",
     ),  # fmt: skip
     ("/v1/completions", {"model": "MODEL", "prompt": "hi", "rid": {"a": 1}}, "rid"),
-]
+    # A lone UTF-16 surrogate (JSON's "\ud800" escape) in any string, the field named by its path
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}', "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "\\udc00": 1}', "body"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 3}', "prompt"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 3}', "model"),
+    ("/generate", b'{"text": "hi", "sampling_params": {"stop": "\\ud800"}}', "sampling_params.stop"),
+    ("/generate", b'{"text": "a\\ud800b"}', "text"),
+    ("/generate", b'{"text": "hi", "rid": "\\ud800", "sampling_params": {"max_new_tokens": 2}}', "rid"),
+    ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt"),
+    # JSON nested past the parser's depth
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "body"),
+    ("/generate", b'{"text": ' + b"[" * 5000 + b"]" * 5000 + b"}", "body"),
+    # n at most 128, at most 4096 requests (prompts x n) in one call
+    ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "max_tokens": 1, "n": 129}, "n"),
+    ("/v1/completions", {"model": "MODEL", "prompt": "hi", "max_tokens": 1, "n": 129}, "n"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1, "n": 129}}, "n"),
+    ("/v1/completions", {"model": "MODEL", "prompt": ["hi"] * 4097, "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"model": "MODEL", "prompt": ["hi"] * 33, "max_tokens": 1, "n": 128}, "n"),
+    ("/generate", {"input_ids": [[5]] * 4097, "sampling_params": {"max_new_tokens": 1}}, "input_ids"),
+    ("/tokenize", {"prompt": ["hi"] * 4097}, "prompt"),
+    # Non-finite floats
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "temperature": Infinity}', "temperature"),
+    ("/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}', "temperature"),
+    ("/generate", b'{"text": "hi", "sampling_params": {"min_p": NaN}}', "min_p"),
+    # OpenAI's rule: top_logprobs needs logprobs
+    ("/v1/chat/completions", {"model": "MODEL", "messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("route,body,param", BAD_INPUTS, ids=[f"{r}:{p}" for r, _, p in BAD_INPUTS])
@@ -449,6 +477,37 @@ def test_bad_input_gets_400_naming_the_field(server, model_name, route, body, pa
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["code"] == 400 and err["type"]
+
+
+def test_a_lone_surrogate_leaves_the_server_serving(server, client, model_name):
+    """A stop string the tokenizer cannot take used to kill the scheduler: now a 400, and the next
+    requests are served."""
+    for route, body in (
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stop": "\\ud800"}'),
+        ("/generate", b'{"text": "hi", "sampling_params": {"max_new_tokens": 3, "stop": ["a", "\\udfff"]}}'),
+    ):  # fmt: skip
+        r = post(server, route, content=body)
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    r = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=2, stop=["\U0001f600"])
+    assert r.usage.completion_tokens <= 2
+    assert_idle_accounting(server)
+
+
+def test_a_prompt_longer_than_any_tokenization_is_refused_before_tokenizing(server, oracle):
+    """No token covers more characters than the vocabulary's longest token string (L): a text
+    of more than (max input tokens) x L characters is refused by its length, untokenized; one
+    character less is tokenized (and refused by its token count)."""
+    per_token = max(len(t) for t in oracle.tok.convert_ids_to_tokens(list(range(len(oracle.tok)))))
+    max_input = get(server, "/get_server_info").json()["max_req_input_len"] - 1
+    bound = max_input * per_token
+    r = post(server, "/v1/completions", {"prompt": "a" * (bound + 1), "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert f"{bound + 1} characters" in r.json()["error"]["message"]
+    r = post(server, "/generate", {"text": "a" * bound, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text"
+    assert f"the maximum is {max_input}" in r.json()["error"]["message"]
+    r = post(server, "/generate", {"text": "a" * 100, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] > 0
 
 
 def test_penalties_and_logit_bias(server, client, model_name, model_path, oracle):

@@ -9,6 +9,7 @@ import pytest
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import RequestError
 from radixengine.managers.request_validator import RequestLimits, RequestValidator
+from radixengine.managers.served_model import max_chars_per_token
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +69,72 @@ def test_ids_of_a_tokenized_text_outside_the_models_vocabulary_are_refused(token
     assert validator(tokenizer, vocab_size=max(ids) + 1).tokenize_request(
         GenerateReqInput(input_ids=ids), "r"
     )
+
+
+@pytest.mark.parametrize(
+    "fields,rid,param",
+    [
+        ({"text": "a\ud800b"}, "r", "text"),
+        ({"messages": [{"role": "user", "content": "\udfff"}]}, "r", "messages[0].content"),
+        ({"text": "hi", "sampling_params": {"stop": "\ud800"}}, "r", "stop"),
+        ({"text": "hi", "sampling_params": {"stop": ["x", "\ud800"]}}, "r", "stop[1]"),
+        ({"text": "hi", "sampling_params": {"regex": "a\udc00"}}, "r", "regex"),
+        ({"text": "hi", "routing_key": "\ud800"}, "r", "routing_key"),
+        ({"text": "hi"}, "\ud800", "rid"),
+    ],
+)
+def test_a_lone_surrogate_in_any_string_is_refused_naming_its_path(tokenizer, fields, rid, param):
+    """JSON's "\\ud800" escape gives a string UTF-8 cannot encode: refused here, before the
+    tokenizer (a TypeError) or the scheduler's stop-string window sees it."""
+    with pytest.raises(RequestError) as e:
+        validator(tokenizer).tokenize_request(GenerateReqInput(**fields), rid)
+    assert e.value.status_code == 400 and e.value.param == param and "surrogate" in e.value.message
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(tokenizer):
+    """No token of the vocabulary covers more than L characters (its longest token string), so a
+    text of more than (max input tokens) x L characters cannot fit: refused by its length alone.
+    One character less is tokenized (and refused by its token count)."""
+    per_token = max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    bound = 199 * per_token  # max_req_input_len 200: at most 199 prompt tokens
+    over = refusal(validator(tokenizer), text="a" * (bound + 1))
+    assert over.param == "text" and f"{bound + 1} characters" in over.message
+    at = refusal(validator(tokenizer), text="a" * bound)
+    assert at.param == "text" and "tokens, the maximum is 199" in at.message
+    chat = refusal(validator(tokenizer), messages=[{"role": "user", "content": "a" * (bound + 1)}])
+    assert chat.param == "messages" and "characters" in chat.message
+    fits = validator(tokenizer).tokenize_request(GenerateReqInput(text="hello " * 30), "r")
+    assert fits.input_ids == tokenizer.encode("hello " * 30)
+
+
+def test_an_implicit_max_new_tokens_is_clipped_to_the_room_left(tokenizer):
+    """SGLang's rule: the default 128 new tokens shrinks to what the context leaves (max_req_len
+    256 here); an explicit max_new_tokens past it stays a 400."""
+    v = validator(tokenizer)
+    for params in (None, {}, {"temperature": 0}):
+        out = v.tokenize_request(GenerateReqInput(input_ids=[1] * 190, sampling_params=params), "r")
+        assert out.sampling_params.max_new_tokens == 256 - 190
+    short = v.tokenize_request(GenerateReqInput(input_ids=[1] * 10), "r")
+    assert short.sampling_params.max_new_tokens == 128
+    explicit = refusal(v, input_ids=[1] * 190, sampling_params={"max_new_tokens": 128})
+    assert explicit.param == "max_new_tokens"
+
+
+def test_the_characters_a_token_can_cover_come_from_the_vocabulary(tmp_path):
+    """L is the longest token string (a byte-level token's: a character per byte), times 4 under a
+    composing normalizer; none where a token may cover any number of characters."""
+    from test_engine_utils import build_tokenizer
+    from tokenizers import normalizers, pre_tokenizers
+
+    tok = build_tokenizer(str(tmp_path))
+    longest = max(len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))))
+    assert max_chars_per_token(tok) == longest
+    tok.backend_tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.NFC(), normalizers.Replace(" ", "_")]
+    )
+    assert max_chars_per_token(tok) == 4 * longest
+    tok.backend_tokenizer.normalizer = normalizers.Strip()
+    assert max_chars_per_token(tok) is None
+    tok.backend_tokenizer.normalizer = None
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # drops runs of spaces
+    assert max_chars_per_token(tok) is None

@@ -1,6 +1,17 @@
+import math
+
 import pytest
 
 from radixengine.sampling.sampling_params import SamplingParams
+
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
 
 
 def test_temperature_zero_is_greedy():
@@ -28,6 +39,8 @@ def test_stop_is_normalised_to_a_list():
         ("sampling_seed", -3),
         ("stop_token_ids", [1, "x"]),
         ("ignore_eos", "yes"),
+        ("n", 129),
+        *[(name, bad) for name in FLOAT_FIELDS for bad in (math.nan, math.inf, -math.inf)],
     ],
 )
 def test_bad_values_name_the_field(field, value):
@@ -43,3 +56,9 @@ def test_unknown_field_is_rejected():
 def test_min_new_tokens_cannot_exceed_max():
     with pytest.raises(ValueError, match="min_new_tokens"):
         SamplingParams(max_new_tokens=2, min_new_tokens=3)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_logit_bias_is_rejected(bad):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"3": bad})

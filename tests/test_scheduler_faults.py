@@ -7,7 +7,15 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from sched_utils import assert_matches_oracle, collect, gen_req, make_scheduler, oracle_greedy, random_prompts
+from sched_utils import (
+    EOS,
+    assert_matches_oracle,
+    collect,
+    gen_req,
+    make_scheduler,
+    oracle_greedy,
+    random_prompts,
+)
 
 
 @contextmanager
@@ -58,6 +66,31 @@ def test_nan_logits_abort_that_request_and_the_scheduler_keeps_serving(overlap):
     assert_matches_oracle(good, results)
     # Nothing leaked, nothing poisoned: the same prompts again give the same tokens.
     again = [gen_req(f"again{i}", p, 12) for i, p in enumerate(clean)]
+    sched.io.put(*again)
+    sched.run_until_idle()
+    assert_matches_oracle(again, collect(sched.io.take_outputs()))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_request_that_fails_to_initialise_fails_alone(overlap, tmp_path):
+    """A stop string the tokenizer cannot encode (a lone surrogate, which the front end refuses
+    first) makes the stop-string window raise: that request is finished with a 400, the others
+    run, and the scheduler keeps serving."""
+    from test_engine_utils import build_tokenizer
+
+    sched = make_scheduler(tokenizer=build_tokenizer(str(tmp_path)), overlap=overlap)
+    sched.eos_token_ids = frozenset({EOS})  # the model's, as the oracle has it (not the tokenizer's)
+    _, _, clean = pick_poison_token()
+    good = [gen_req(f"good{i}", p, 8) for i, p in enumerate(clean[:2])]
+    sched.io.put(gen_req("bad", clean[0], 8, stop="\ud800"), *good)
+    sched.run_until_idle()
+    results = collect(sched.io.take_outputs())
+    reason = results["bad"].finished_reason
+    assert (
+        reason["type"] == "abort" and reason["status_code"] == 400 and "Invalid request" in reason["message"]
+    )
+    assert_matches_oracle(good, results)
+    again = [gen_req("again", clean[1], 8)]
     sched.io.put(*again)
     sched.run_until_idle()
     assert_matches_oracle(again, collect(sched.io.take_outputs()))

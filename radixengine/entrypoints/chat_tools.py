@@ -165,7 +165,7 @@ def template_tool_calls(i: int, message) -> list[dict] | None:
             param = f"messages[{i}].tool_calls[{j}].function.arguments"
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:
                 raise RequestError(f"{param} must be JSON text: {e}", param=param) from None
             if not isinstance(arguments, dict):
                 raise RequestError(f"{param} must be a JSON object", param=param)

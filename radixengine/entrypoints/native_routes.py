@@ -13,7 +13,7 @@ from radixengine.entrypoints.openai_protocol import ChatCompletionRequest
 from radixengine.entrypoints.openai_serving import chat_messages
 from radixengine.entrypoints.request_fields import parse_json, parse_model, read_fields
 from radixengine.entrypoints.request_runner import serve_requests, tm_of
-from radixengine.managers.io_struct import GenerateReqInput
+from radixengine.managers.io_struct import MAX_BATCH_REQUESTS, GenerateReqInput
 from radixengine.managers.request_errors import RequestError, abort_to_error, is_abort
 
 router = APIRouter()
@@ -119,6 +119,10 @@ async def tokenize(request: Request) -> dict:
         tokens = tm.tokenizer.encode(prompt, add_special_tokens=add_special)
         count = len(tokens)
     elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        if len(prompt) > MAX_BATCH_REQUESTS:
+            raise RequestError(
+                f"prompt has {len(prompt)} texts; at most {MAX_BATCH_REQUESTS}", param="prompt"
+            )
         tokens = [tm.tokenizer.encode(p, add_special_tokens=add_special) for p in prompt]
         count = [len(t) for t in tokens]
     else:

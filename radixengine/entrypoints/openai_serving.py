@@ -26,6 +26,7 @@ from radixengine.entrypoints.openai_protocol import (
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import RequestError, abort_to_error, is_abort
 from radixengine.managers.tokenizer_manager import TokenizerManager
+from radixengine.sampling.sampling_params import MAX_N
 
 MAX_LOGPROBS = 20
 
@@ -51,8 +52,8 @@ def sampling_params_of(
         raise RequestError(f"temperature must be >= 0, got {req.temperature}", param="temperature")
     if not 0 < req.top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
-    if req.n < 1:
-        raise RequestError(f"n must be at least 1, got {req.n}", param="n")
+    if not 1 <= req.n <= MAX_N:
+        raise RequestError(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     if req.seed is not None and req.seed < 0:
         raise RequestError(f"seed must be >= 0, got {req.seed}", param="seed")
     params = {
@@ -222,6 +223,8 @@ def apply_sampling_defaults(req: ChatCompletionRequest, defaults: dict) -> None:
 
 def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[GenerateReqInput]:
     check_unsupported(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("logprobs must be true when top_logprobs is set", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
     if req.max_completion_tokens is not None:

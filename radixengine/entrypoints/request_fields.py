@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from radixengine.managers.request_errors import RequestError
+from radixengine.utils.unicode_check import first_unencodable_path
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +39,31 @@ UNHONOURED = {
 }
 
 
+# A `\uD800`-`\uDFFF` escape: the only way a UTF-8 body decodes to a lone surrogate (a UTF-16 or
+# UTF-32 body, which JSON also allows, is walked whatever it holds).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 async def parse_json(request: Request) -> object:
-    body = await request.body()
+    return loads_body(await request.body())
+
+
+def loads_body(body: bytes) -> object:
+    """The decoded body; a 400 for what is not JSON (too deeply nested included) and for a string
+    or key UTF-8 cannot encode (a lone surrogate escape such as `"\\ud800"`), naming its path."""
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        value = json.loads(body)
+    except ValueError as e:  # not JSON, not UTF-8/16/32, an integer of more than 4300 digits
         raise RequestError(f"invalid JSON body: {e}", param="body") from None
+    except RecursionError:
+        raise RequestError("invalid JSON body: nested too deeply", param="body") from None
+    if json.detect_encoding(body) != "utf-8" or _SURROGATE_ESCAPE.search(body):
+        path = first_unencodable_path(value)
+        if path is not None:
+            raise RequestError(
+                f"{path}: not valid Unicode text (a lone UTF-16 surrogate such as \\ud800)", param=path
+            )
+    return value
 
 
 def read_fields(

@@ -7,7 +7,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from radixengine.managers.request_errors import RequestError
-from radixengine.sampling.sampling_params import SamplingParams
+from radixengine.sampling.sampling_params import MAX_N, SamplingParams
+
+# The most requests one call expands to (prompts x n): a bigger batch is a 400, not a server that
+# queues a million requests.
+MAX_BATCH_REQUESTS = 4096
 
 # Front end (Engine, HTTP) -> tokenizer manager ------------------------------------------------
 
@@ -71,6 +75,12 @@ class GenerateReqInput:
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be a boolean", param=name)
         n = _num_samples(per_prompt["sampling_params"])
+        if len(prompts) * n > MAX_BATCH_REQUESTS:
+            raise RequestError(
+                f"{len(prompts)} prompts x n = {n} is {len(prompts) * n} requests; at most "
+                f"{MAX_BATCH_REQUESTS} in one call",
+                param="n",
+            )
         rids = _expand_rids(self.rid, len(prompts), n, single)
         reqs = []
         for i, prompt in enumerate(prompts):
@@ -105,6 +115,10 @@ def _prompt_batch(value: object, kind: str) -> tuple[list, bool]:
     prompts = [value] if single else value
     if not isinstance(prompts, list) or not prompts:
         raise RequestError(f"{kind} must be a prompt or a non-empty list of prompts", param=kind)
+    if len(prompts) > MAX_BATCH_REQUESTS:
+        raise RequestError(
+            f"{kind} has {len(prompts)} prompts; at most {MAX_BATCH_REQUESTS} in one call", param=kind
+        )
     return prompts, single
 
 
@@ -126,8 +140,8 @@ def _num_samples(params: list) -> int:
             )
         n = (p or {}).get("n")
         n = 1 if n is None else n
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise RequestError(f"n must be a positive integer, got {n!r}", param="n")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
         values.add(n)
     if len(values) > 1:
         raise RequestError("n must be the same in every prompt's sampling_params", param="n")

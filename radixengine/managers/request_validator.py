@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from radixengine.constrained.base_grammar_backend import validate_grammar
 from radixengine.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from radixengine.managers.request_errors import RequestError
-from radixengine.sampling.sampling_params import SamplingParams
+from radixengine.managers.served_model import max_chars_per_token
+from radixengine.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from radixengine.utils.unicode_check import first_unencodable_path
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,11 @@ class RequestValidator:
         self.limits = limits
         self.vocab_size = limits.vocab_size
         self.grammar_backend = grammar_backend
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
 
     def tokenize_request(self, obj: GenerateReqInput, rid: str) -> TokenizedGenerateReqInput:
         """The request for the scheduler under `rid`; a RequestError if it is refused."""
+        check_unicode_fields(obj, rid)
         input_text, input_ids, param = self.tokenize_prompt(obj)
         sampling_params = self.make_sampling_params(obj.sampling_params, len(input_ids))
         self.validate_input_ids(input_ids, sampling_params, param)
@@ -63,17 +67,22 @@ class RequestValidator:
         )
 
     def make_sampling_params(self, params: dict | SamplingParams | None, prompt_len: int) -> SamplingParams:
-        """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default); any
-        other None is the field's default."""
+        """`max_new_tokens: None` means up to the end of the context (OpenAI's chat default), and
+        absent the default (128) clipped to the room the context leaves; any other None is the
+        field's default."""
         if isinstance(params, SamplingParams):
             return self._with_vocab_checked(params)
         if params is not None and not isinstance(params, dict):
             raise RequestError("sampling_params must be an object", param="sampling_params")
         if params is not None:
             params = {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
+        room = (self.limits.max_req_len or prompt_len + DEFAULT_MAX_NEW_TOKENS) - prompt_len
         if params is not None and "max_new_tokens" in params and params["max_new_tokens"] is None:
-            room = (self.limits.max_req_len or prompt_len + 128) - prompt_len
             params = dict(params, max_new_tokens=max(room, 1))
+        elif params is None or "max_new_tokens" not in params:
+            # SGLang's init_req_max_new_tokens: the implicit default is clipped to the room left
+            # (an explicit max_new_tokens past the context stays a 400).
+            params = dict(params or {}, max_new_tokens=max(min(DEFAULT_MAX_NEW_TOKENS, room), 1))
         try:
             sampling_params = SamplingParams.from_dict(params)
         except (ValueError, TypeError) as e:
@@ -107,15 +116,29 @@ class RequestValidator:
             text = self.apply_chat_template(
                 obj.messages, obj.chat_template_kwargs, obj.continue_final_message, obj.tools
             )
+            self.check_text_length(text, "messages")
             return text, self.tokenizer.encode(text, add_special_tokens=False), "messages"
         if obj.text is not None:
             if not isinstance(obj.text, str):
                 raise RequestError("text must be a string", param="text")
+            self.check_text_length(obj.text, "text")
             return obj.text, self.tokenizer.encode(obj.text), "text"
         ids = obj.input_ids
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise RequestError("input_ids must be a list of integers", param="input_ids")
         return None, list(ids), "input_ids"
+
+    def check_text_length(self, text: str, param: str) -> None:
+        """A text longer than the most tokens a prompt may have can cover is refused before it
+        is tokenized (a long text would hold the event loop for seconds)."""
+        max_tokens, per_token = self.limits.max_req_input_len, self.max_chars_per_token
+        if max_tokens is None or per_token is None or len(text) <= (max_tokens - 1) * per_token:
+            return
+        raise RequestError(
+            f"the prompt is too long: {len(text)} characters, more than {max_tokens - 1} tokens (the "
+            f"maximum) can cover at {per_token} characters a token at most",
+            param=param,
+        )
 
     def apply_chat_template(
         self,
@@ -172,6 +195,28 @@ class RequestValidator:
                 f"tokens a request may have (context length {limits.context_len})",
                 param="max_new_tokens" if n < limits.max_req_len else param,
             )
+
+
+def check_unicode_fields(obj: GenerateReqInput, rid: str) -> None:
+    """Every string of the request encodable as UTF-8 (JSON's `"\\ud800"` gives a lone surrogate,
+    which the tokenizer, the stop-string window and the answer's encoder refuse); the field named
+    by its path (`text`, `messages[0].content`, `stop[1]`, ...)."""
+    params = obj.sampling_params
+    fields = {
+        "rid": rid,
+        "text": obj.text,
+        "messages": obj.messages,
+        "tools": obj.tools,
+        "chat_template_kwargs": obj.chat_template_kwargs,
+        "routing_key": obj.routing_key,
+        "": vars(params) if isinstance(params, SamplingParams) else params,
+    }
+    for root, value in fields.items():
+        path = first_unencodable_path(value, root)
+        if path is not None:
+            if path == "body":
+                path = "sampling_params"
+            raise RequestError(f"{path}: not valid Unicode text (a lone UTF-16 surrogate)", param=path)
 
 
 def check_scheduling_fields(obj: GenerateReqInput) -> None:

@@ -90,10 +90,11 @@ class SchedulerIntakeMixin:
 
     def handle_generate_request(self: Scheduler, recv: TokenizedGenerateReqInput) -> None:
         req = req_from_input(recv)
-        req.init_stop_str_window(self.tokenizer)
-        if self.enable_priority_scheduling and req.priority is None:
-            req.priority = lowest_priority_value(self.schedule_low_priority_values_first)
-        error = recv.error or validate_request(req, self.vocab_size, self.max_req_input_len, self.max_req_len)
+        try:
+            error = recv.error or self._init_request(req)
+        except Exception as e:  # one bad request fails alone; the scheduler keeps serving
+            logger.exception("scheduler: cannot initialise request %r", req.rid)
+            error = f"Invalid request: {type(e).__name__}: {e}"
         if error is None and req.sampling_params.grammar_key is not None:
             error = self.grammar_manager.process_req_with_grammar(req)
             if error is not None:
@@ -105,6 +106,14 @@ class SchedulerIntakeMixin:
             self._finish_at_once(req, error, 400)
             return
         self._add_request_to_queue(req)
+
+    def _init_request(self: Scheduler, req: Req) -> str | None:
+        """The request's scheduler-side state (stop-string window, default priority), or why it
+        cannot run."""
+        req.init_stop_str_window(self.tokenizer)
+        if self.enable_priority_scheduling and req.priority is None:
+            req.priority = lowest_priority_value(self.schedule_low_priority_values_first)
+        return validate_request(req, self.vocab_size, self.max_req_input_len, self.max_req_len)
 
     def move_ready_grammar_requests(self: Scheduler) -> None:
         """Requests whose grammar has compiled join the waiting queue (or fail with a 400). When

@@ -1,6 +1,6 @@
 """What the server serves, as the front end names it: the model's paths (as given, as located,
 its HF folder), its served name, the sampling defaults of its generation_config.json, and its
-tokenizer with the server's chat template."""
+tokenizer with the server's chat template (and how many characters one of its tokens can cover)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,75 @@ def load_chat_template(value: str) -> str:
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+# Normalizers that never shrink a text, and those that fold at most 4 characters into one
+# (canonical composition: no character decomposes into more than 4).
+_KEEPING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend"}
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+_MAX_COMPOSED = 4
+# Pre-tokenizers that split a text without dropping any of it (Split too, unless it removes the
+# matches; no pre-tokenizer whose behavior is "Removed").
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"}
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most characters of a text one token can stand for: the longest token string of the
+    vocabulary (a byte-level token's string has a character per byte, so at least as many as the
+    characters it covers), times what the normalizer can fold into one character. None where a
+    token may cover any number of characters: a tokenizer that fuses unknown characters into one
+    token (BPE's fuse_unk without byte fallback, Unigram, WordPiece), drops text (a whitespace pre-tokenizer, a
+    stripping added token) or is not a fast tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "BPE":
+        return None
+    if backend.model.fuse_unk and not backend.model.byte_fallback:
+        return None
+    if any(t.lstrip or t.rstrip for t in tokenizer.added_tokens_decoder.values()):
+        return None
+    fold = _normalizer_fold(_state(backend.normalizer))
+    if fold is None or not _keeps_text(_state(backend.pre_tokenizer)):
+        return None
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len(t or "") for t in tokens) * fold
+
+
+def _state(component) -> dict | None:
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _normalizer_fold(state: dict | None) -> int | None:
+    """How many characters the normalizer may turn into one (None: any number)."""
+    kind = None if state is None else state.get("type")
+    if kind is None or kind in _KEEPING_NORMALIZERS:
+        return 1
+    if kind in _COMPOSING_NORMALIZERS:
+        return _MAX_COMPOSED
+    if kind == "Replace":
+        pattern = state.get("pattern", {}).get("String")
+        return 1 if pattern is not None and len(state.get("content", "")) >= len(pattern) else None
+    if kind == "Sequence":
+        fold = 1
+        for part in state.get("normalizers", []):
+            part_fold = _normalizer_fold(part)
+            if part_fold is None:
+                return None
+            fold *= part_fold
+        return fold
+    return None
+
+
+def _keeps_text(state: dict | None) -> bool:
+    kind = None if state is None else state.get("type")
+    if kind is None:
+        return True
+    if state.get("behavior") == "Removed":
+        return False
+    if kind in _KEEPING_PRE_TOKENIZERS or kind == "Split":
+        return True
+    if kind == "Sequence":
+        return all(_keeps_text(part) for part in state.get("pretokenizers", []))
+    return False
 
 
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

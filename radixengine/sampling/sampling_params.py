@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 _EPS = 1e-6
+MAX_N = 128  # samples per prompt, OpenAI's documented maximum
+DEFAULT_MAX_NEW_TOKENS = 128
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -103,6 +106,8 @@ class SamplingParams:
             )
         _verify_logit_bias(self.logit_bias, vocab_size)
         _int("n", self.n, minimum=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
         if self.sampling_seed is not None:
             _int("sampling_seed", self.sampling_seed, minimum=0)
         if self.stop is not None:
@@ -158,3 +163,5 @@ def _int(name: str, value, minimum: int | None = None) -> None:
 def _number(name: str, value) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")

@@ -1,0 +1,42 @@
+"""Where a decoded JSON value holds a string that UTF-8 cannot encode: JSON's `\\ud800` escape
+gives Python a lone UTF-16 surrogate, which tokenizers, loggers and response encoders refuse."""
+
+from __future__ import annotations
+
+
+def is_utf8_encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def first_unencodable_path(value: object, root: str = "") -> str | None:
+    """The JSON path (`stop`, `messages[0].content`, `sampling_params.stop[1]`) of the first string,
+    or object key, UTF-8 cannot encode; None when there is none. The path of a bad key is its
+    object's; `root` names the value itself (`""`: the body). Walks without recursion, so any
+    nesting depth is safe."""
+    stack: list[tuple[object, str]] = [(value, root)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not is_utf8_encodable(item):
+                return path or "body"
+        elif isinstance(item, dict):
+            if not all(is_utf8_encodable(k) for k in item if isinstance(k, str)):
+                return path or "body"
+            stack.extend(
+                (child, f"{path}.{key}" if path else str(key))
+                for key, child in reversed(item.items())
+                if isinstance(child, (str, dict, list, tuple))
+            )
+        elif isinstance(item, (list, tuple)):
+            stack.extend(
+                (child, f"{path}[{i}]")
+                for i, child in reversed(list(enumerate(item)))
+                if isinstance(child, (str, dict, list, tuple))
+            )
+    return None
