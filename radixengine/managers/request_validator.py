@@ -74,15 +74,7 @@ class RequestValidator:
             return self._with_vocab_checked(params)
         if params is not None and not isinstance(params, dict):
             raise RequestError("sampling_params must be an object", param="sampling_params")
-        if params is not None:
-            params = {k: v for k, v in params.items() if v is not None or k == "max_new_tokens"}
-        room = (self.limits.max_req_len or prompt_len + DEFAULT_MAX_NEW_TOKENS) - prompt_len
-        if params is not None and "max_new_tokens" in params and params["max_new_tokens"] is None:
-            params = dict(params, max_new_tokens=max(room, 1))
-        elif params is None or "max_new_tokens" not in params:
-            # SGLang's init_req_max_new_tokens: the implicit default is clipped to the room left
-            # (an explicit max_new_tokens past the context stays a 400).
-            params = dict(params or {}, max_new_tokens=max(min(DEFAULT_MAX_NEW_TOKENS, room), 1))
+        params = self._with_max_new_tokens(params or {}, prompt_len)
         try:
             sampling_params = SamplingParams.from_dict(params)
         except (ValueError, TypeError) as e:
@@ -92,6 +84,18 @@ class RequestValidator:
                 "n > 1 is expanded by the front end; the tokenizer manager takes n == 1", param="n"
             )
         return self._with_vocab_checked(sampling_params)
+
+    def _with_max_new_tokens(self, params: dict, prompt_len: int) -> dict:
+        """`params` without its None values but max_new_tokens', which becomes the room the context
+        leaves; an absent one, the default clipped to that room (SGLang's init_req_max_new_tokens:
+        an explicit max_new_tokens past the context stays a 400)."""
+        room = (self.limits.max_req_len or prompt_len + DEFAULT_MAX_NEW_TOKENS) - prompt_len
+        explicit = {k: v for k, v in params.items() if v is not None}
+        if "max_new_tokens" in explicit:
+            return explicit
+        if "max_new_tokens" in params:  # None: up to the end of the context
+            return dict(explicit, max_new_tokens=max(room, 1))
+        return dict(explicit, max_new_tokens=max(min(DEFAULT_MAX_NEW_TOKENS, room), 1))
 
     def _with_vocab_checked(self, sampling_params: SamplingParams) -> SamplingParams:
         """The checks that need the vocabulary (logit_bias's token ids) or the grammar backend."""
