@@ -10,9 +10,11 @@ import sys
 from radixengine.model_executor.runtime_support import check_runtime_support
 from radixengine.server_args import ServerArgs
 
+PROG = "python -m radixengine.launch_server"
+
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="python -m radixengine.launch_server", description=__doc__)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     try:
@@ -24,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from radixengine.entrypoints.http_server import launch_server
+    from radixengine.entrypoints.http_server import ServerStartError, launch_server
 
     server_args = parse_args(argv)
     if server_args.node_rank > 0:  # tensor parallel over nodes: this node runs its ranks only
@@ -32,7 +34,11 @@ def main(argv: list[str] | None = None) -> None:
 
         run_tp_node(server_args)
         return
-    launch_server(server_args)
+    try:
+        launch_server(server_args)
+    except ServerStartError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -82,14 +84,47 @@ def _install_error_handlers(app: FastAPI) -> None:
 # Launch ---------------------------------------------------------------------------------------
 
 
+GRACEFUL_SHUTDOWN_S = 10  # after SIGINT / SIGTERM, how long open requests may still finish
+
+
+class ServerStartError(Exception):
+    """The server could not start (its address, the model, a flag): the message says why."""
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, tm: TokenizerManager) -> None:
+        super().__init__(config)
+        self.tm = tm
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # A signal to the whole process group ends the children too: that is this shutdown, not a crash.
+        self.tm.stopping = True
+        super().handle_exit(sig, frame)
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse an address that cannot be listened on before the model loads (uvicorn binds later)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as e:
+        raise ServerStartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def launch_server(server_args) -> None:
     """Start the child processes, then serve until SIGINT / SIGTERM (or a child dies)."""
-    import uvicorn
-
     from radixengine.engine import launch_subprocesses, shutdown_subprocesses
 
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
-    tm = launch_subprocesses(server_args)
+    check_address(server_args.host, server_args.port)
+    try:
+        tm = launch_subprocesses(server_args)
+    except (OSError, ValueError, RuntimeError) as e:
+        logger.debug("start-up failed", exc_info=True)
+        raise ServerStartError(str(e)) from e
     app = create_app(tm, server_args)
     config = uvicorn.Config(
         app,
@@ -97,8 +132,9 @@ def launch_server(server_args) -> None:
         port=server_args.port,
         log_level=server_args.log_level,
         timeout_keep_alive=5,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, tm)
     exit_code = 0
 
     def on_dead(_: str) -> None:

@@ -39,6 +39,7 @@ from radixengine.managers.served_model import ServedModel, load_chat_template, l
 logger = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL = 0.2
+SHUTTING_DOWN_MESSAGE = "the server is shutting down"
 
 
 async def collect(tm: TokenizerManager, obj: GenerateReqInput) -> dict:
@@ -302,12 +303,12 @@ class TokenizerManager:
     async def watchdog_loop(self) -> None:
         while self.dead_error is None:
             await asyncio.sleep(WATCHDOG_INTERVAL)
-            if self.stopping:
-                return
-            for name, proc in self.processes:
-                if not proc.is_alive():
-                    self.fail_all(self._death_message(name, proc))
-                    break
+            dead = next(((name, proc) for name, proc in self.processes if not proc.is_alive()), None)
+            if dead is not None and self.stopping:  # ended with the server (one signal to the group)
+                logger.info("the %s process has ended: the server is shutting down", dead[0])
+                self.fail_pending(SHUTTING_DOWN_MESSAGE)
+            elif dead is not None:
+                self.fail_all(self._death_message(*dead))
 
     def _death_message(self, name: str, proc) -> str:
         if name == "scheduler" and proc.exitcode == WATCHDOG_EXIT_CODE:
