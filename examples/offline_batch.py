@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -54,7 +55,8 @@ def parse_line(raw: str, line: int, defaults: dict) -> Item:
         raise ValueError("messages must be a list of objects")
     if key == "input_ids" and not (isinstance(value, list) and all(isinstance(t, int) for t in value)):
         raise ValueError("input_ids must be a list of integers")
-    params = obj.get("sampling_params", {})
+    params = obj.get("sampling_params")
+    params = {} if params is None else params  # null: the defaults, as on HTTP and in Engine
     if not isinstance(params, dict):
         raise ValueError("sampling_params must be an object")
     request = {
@@ -129,20 +131,69 @@ def summarize(results: list[dict], elapsed: float, num_bad: int) -> dict:
     }
 
 
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
+
+
+def check_paths(input_path: str, output_path: str) -> str | None:
+    """Why the input cannot be read or the output cannot be written (None: both fine); creates the
+    output's parent directories, so that a long batch is not lost at the end."""
+    if not os.path.exists(input_path):
+        return f"--input {input_path}: no such file"
+    if not os.path.isfile(input_path):
+        return f"--input {input_path}: not a file"
+    if not os.access(input_path, os.R_OK):
+        return f"--input {input_path}: not readable"
+    if os.path.isdir(output_path):
+        return f"--output {output_path}: is a directory"
+    parent = os.path.dirname(os.path.abspath(output_path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        return f"--output {output_path}: cannot create its directory {parent} ({e.strerror})"
+    if not os.access(parent, os.W_OK):
+        return f"--output {output_path}: its directory {parent} is not writable"
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, ServerArgs]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--input", default=str(SAMPLE_INPUT), help="JSONL of prompts (default: the sample)")
-    parser.add_argument("--output", default="offline_batch_output.jsonl", help="JSONL of results")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="default for lines without one")
-    parser.add_argument("--temperature", type=float, default=None, help="default for lines without one")
+    parser.add_argument(
+        "--output",
+        default="offline_batch_output.jsonl",
+        help="JSONL of results (its parent directories are created)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        help="max_new_tokens of the lines whose sampling_params do not give their own (default: the engine's)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="temperature of the lines whose sampling_params do not give their own (default: the engine's)",
+    )
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(argv)
     try:
-        return args, ServerArgs.from_cli_args(args)
+        server_args = ServerArgs.from_cli_args(args)
     except ValueError as e:
         parser.error(str(e))
+    problem = check_paths(args.input, args.output)
+    if problem is not None:
+        parser.error(problem)
+    return args, server_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -66,7 +69,8 @@ def launch_subprocesses(server_args: ServerArgs, tokenizer=None) -> TokenizerMan
             proc = ctx.Process(
                 target=target, args=(args, port_args, writer), name=f"radixengine-{name}", daemon=True
             )
-            proc.start()
+            with _main_module_spawnable():
+                proc.start()
             writer.close()
             procs.append((name, proc, reader))
         if tokenizer is None:
@@ -80,6 +84,29 @@ def launch_subprocesses(server_args: ServerArgs, tokenizer=None) -> TokenizerMan
     manager.processes = [(name, proc) for name, proc, _ in procs]
     manager.ipc_dir = ipc_dir
     return manager
+
+
+@contextlib.contextmanager
+def _main_module_spawnable() -> Iterator[None]:
+    """A spawned child re-imports the main module from its `__file__`; a script piped to `python -`
+    has `__file__ == '<stdin>'`, which the child cannot open. Such a main module is hidden from
+    the child as `python -c`'s is (no `__file__`: not re-imported) while it starts."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        yield  # no file to re-import, or re-imported by module name (`python -m`)
+        return
+    if not os.path.isabs(path) and mp.process.ORIGINAL_DIR is not None:
+        path = os.path.join(mp.process.ORIGINAL_DIR, path)
+    if os.path.isfile(path):
+        yield
+        return
+    saved = main.__file__
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = saved
 
 
 def _silent_exit_reason(exitcode: int | None) -> str:

@@ -285,6 +285,9 @@ def test_the_engine_normalises_its_calls_as_http_generate_does(engine, oracle):
         with pytest.raises(ValueError) as e:
             call()
         assert isinstance(e.value, RequestError) and e.value.param == param and e.value.status_code == 400
+    with pytest.raises(RequestError, match=r"^text\[1\] must be a string, got None$") as e:
+        engine.generate([PROMPTS[0], None], GREEDY)
+    assert e.value.param == "text"
 
 
 def test_bad_logprob_fields_are_refused(engine):

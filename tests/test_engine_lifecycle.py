@@ -170,3 +170,28 @@ def test_an_engine_started_at_import_time_says_how_to_fix_it(model_path, tmp_pat
     )
     assert done.returncode != 0
     assert "failed to start" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+
+
+PIPED_SCRIPT = """
+import sys
+from radixengine import Engine
+if __name__ == "__main__":
+    with Engine(model_path=sys.argv[1], dtype="float32", max_total_tokens=4096, num_threads=1, log_level="error") as e:
+        out = e.generate("hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+    print("generated", len(out["output_ids"]))
+"""
+
+
+def test_an_engine_started_from_a_script_piped_on_stdin_works(model_path):
+    """`python - < script.py`: the main module's __file__ is '<stdin>', which the spawned children
+    cannot re-import; they start as under `python -c`, without it."""
+    done = subprocess.run(
+        [sys.executable, "-", model_path],
+        input=PIPED_SCRIPT,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["generated", "3"]

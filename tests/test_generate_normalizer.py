@@ -122,6 +122,23 @@ def test_bad_shapes_are_request_errors_naming_the_field(fields, param):
     assert e.value.param == param and e.value.status_code == 400
 
 
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"text": ["a", None]}, "text[1] must be a string, got None"),
+        ({"text": ["a", 5]}, "text[1] must be a string, got int"),
+        ({"text": [None, "a"]}, "text[0] must be a string, got None"),
+        ({"input_ids": [[1], None]}, "input_ids[1] must be a list, got None"),
+        ({"messages": [[{"role": "user", "content": "a"}], None]}, "messages[1] must be a list, got None"),
+    ],
+)
+def test_a_batch_item_of_the_wrong_type_is_named_by_its_index(fields, message):
+    """Not "give exactly one of text or input_ids" for a None in a batch of texts: the item is named."""
+    with pytest.raises(RequestError) as e:
+        normalize(**fields)
+    assert e.value.message == message and e.value.param == next(iter(fields))
+
+
 def test_the_http_body_goes_through_the_same_normalisation():
     reqs, single = native_requests(
         {"text": "hi", "sampling_params": {"n": 2}, "rid": "h", "model": "m", "no_logs": True, "unknown": 1}

@@ -119,7 +119,18 @@ def _prompt_batch(value: object, kind: str) -> tuple[list, bool]:
         raise RequestError(
             f"{kind} has {len(prompts)} prompts; at most {MAX_BATCH_REQUESTS} in one call", param=kind
         )
+    if not single:
+        _check_batch_items(prompts, kind)
     return prompts, single
+
+
+def _check_batch_items(prompts: list, kind: str) -> None:
+    """Each prompt of a batch is of its field's type (what is inside is checked per request)."""
+    expected, name = (str, "a string") if kind == "text" else (list, "a list")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, expected):
+            got = "None" if prompt is None else type(prompt).__name__
+            raise RequestError(f"{kind}[{i}] must be {name}, got {got}", param=kind)
 
 
 def _per_prompt(value: object, n: int, name: str) -> list:
