@@ -368,8 +368,8 @@ _HELP = {
         "that is not installed or cannot run on --device is refused at start with the reason; flashinfer "
         "(SGLang's name) is not implemented yet and is refused."
     ),
-    "host": "Address the HTTP server listens on.",
-    "port": "Port the HTTP server listens on.",
+    "host": "Address the HTTP server listens on. Default: 127.0.0.1.",
+    "port": "Port the HTTP server listens on. Default: 30000.",
     "api_key": (
         "Require `Authorization: Bearer KEY` on every route but /health and /metrics (as SGLang). "
         "Default: no key."
