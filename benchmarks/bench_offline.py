@@ -6,6 +6,7 @@ optionally, llama-cpp-python) on the shared workloads, in one run.
     python benchmarks/bench_offline.py --peers transformers,llamacpp    # llama-cpp-python must be installed
     python benchmarks/bench_offline.py --policies lpm --overlap on,off  # overlap loop on vs off, same run
     python benchmarks/bench_offline.py --dtypes float32 --kv-cache-dtypes auto,float16  # 16-bit KV cache too
+    python benchmarks/bench_offline.py --shared-prefix on,off     # shared-prefix attention on vs off
     python benchmarks/bench_offline.py --device cuda --dtypes bfloat16 --policies lpm      # both on one GPU
     python benchmarks/bench_offline.py --model-path DIR --random-weights   # DIR: config + tokenizer only
 
@@ -18,6 +19,8 @@ that an earlier prompt of the batch already has, at least one token recomputed p
 on a CPU, `--cpu-forward-stream` decides whether "on" really overlaps (the JSON's
 `overlap_step_order`). `--kv-cache-dtypes auto,float16` adds runs with a 16-bit KV cache; their
 `same_tokens_as_exact` counts the requests whose greedy tokens equal the exact (auto) run's.
+`--shared-prefix on,off` adds runs with `disable_shared_prefix_attention`; their
+`same_tokens_as_shared_on` counts the requests whose greedy tokens equal the run with it on.
 `--random-weights` (a machine without the model's weights): seeded random weights of the model's
 shape, saved once so that the engine and transformers load the same; the prompts and their shared
 prefixes are the workloads', the outputs run to their max_new_tokens (no real EOS)."""
@@ -117,11 +120,14 @@ class EngineConfig:
     overlap: bool
     cpu_forward_stream: str
     kv_cache_dtype: str = "auto"
+    shared_prefix: bool = True
 
     def label(self, ablation: bool) -> str:
         label = f"radixengine {self.policy}" + (
             f", overlap {'on' if self.overlap else 'off'}" if ablation else ""
         )
+        if not self.shared_prefix:
+            label += ", shared-prefix attention off"
         return label if self.kv_cache_dtype == "auto" else f"{label}, KV {DTYPE_NAMES[self.kv_cache_dtype]}"
 
 
@@ -147,6 +153,7 @@ def run_radixengine(
         cpu_forward_stream=config.cpu_forward_stream,
         kv_cache_dtype=config.kv_cache_dtype,
         quantization=quantization,
+        disable_shared_prefix_attention=not config.shared_prefix,
     ) as engine:
         engine.generate("Warm-up.", {"max_new_tokens": 8, "temperature": 0})
         engine.flush_cache()
@@ -160,6 +167,7 @@ def run_radixengine(
         "overlap": config.overlap,
         "cpu_forward_stream": config.cpu_forward_stream,
         "kv_cache_dtype": config.kv_cache_dtype,
+        "shared_prefix_attention": config.shared_prefix,
         "output_ids": output_ids,
         "overlap_step_order": config.overlap and _overlaps(config.cpu_forward_stream, threads, info),
         "elapsed_s": elapsed,
@@ -295,17 +303,29 @@ def bench_workload(name: str, items: list[dict], dtype: str, args, hf_path: str,
     for policy in args.policies:
         for overlap in args.overlap:
             for kv_dtype in args.kv_cache_dtypes:
-                config = EngineConfig(policy, overlap == "on", args.cpu_forward_stream, kv_dtype)
-                print(f"[{name} {dtype}] {config.label(ablation)} ...", file=sys.stderr, flush=True)
-                row = {"system": config.label(ablation)}
-                row.update(
-                    run_radixengine(
-                        items, config, dtype, args.threads, args.model_path, args.quantization, args.device
+                for shared in args.shared_prefix:
+                    config = EngineConfig(
+                        policy, overlap == "on", args.cpu_forward_stream, kv_dtype, shared == "on"
                     )
-                )
-                rows.append(row)
+                    print(f"[{name} {dtype}] {config.label(ablation)} ...", file=sys.stderr, flush=True)
+                    row = {"system": config.label(ablation)}
+                    row.update(
+                        run_radixengine(
+                            items,
+                            config,
+                            dtype,
+                            args.threads,
+                            args.model_path,
+                            args.quantization,
+                            args.device,
+                        )
+                    )
+                    rows.append(row)
     exact = next((r["output_ids"] for r in rows if r["kv_cache_dtype"] == "auto"), None)
+    shared_on = next((r["output_ids"] for r in rows if r["shared_prefix_attention"]), None)
     for row in rows:
+        if shared_on is not None and not row["shared_prefix_attention"]:
+            row["same_tokens_as_shared_on"] = sum(a == b for a, b in zip(row["output_ids"], shared_on))
         row["ideal_cached_tokens"] = ideal
         row["cached_vs_ideal"] = row["cached_tokens"] / ideal if ideal else None
         if exact is not None and row["kv_cache_dtype"] != "auto":
@@ -337,6 +357,8 @@ def print_table(rows: list[dict]) -> None:
         system = r["system"]
         if "same_tokens_as_exact" in r:
             system += f" ({r['same_tokens_as_exact']}/{len(r['output_ids'])} outputs = exact)"
+        if "same_tokens_as_shared_on" in r:
+            system += f" ({r['same_tokens_as_shared_on']}/{len(r['output_ids'])} outputs = shared-prefix on)"
         print(f"| {r['workload']} | {DTYPE_NAMES.get(r['dtype'], r['dtype'])} | {system} | "
               f"{r['output_tok_s']:.1f} | {ratio} | {ttft} | {hit} | {ideal} |")  # fmt: skip
 
@@ -367,6 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma list of the engine's --kv-cache-dtype values (auto, bfloat16, float16)",
     )
     parser.add_argument(
+        "--shared-prefix", default="on", help="comma list of on, off: the engine's shared-prefix attention"
+    )
+    parser.add_argument(
         "--cpu-forward-stream",
         default="auto",
         choices=CPU_FORWARD_STREAMS,
@@ -385,10 +410,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_offline.json"))
     args = parser.parse_args(argv)
-    for name in ("workloads", "policies", "dtypes", "peers", "overlap", "kv_cache_dtypes"):
+    for name in ("workloads", "policies", "dtypes", "peers", "overlap", "kv_cache_dtypes", "shared_prefix"):
         setattr(args, name, [x for x in getattr(args, name).split(",") if x])
     if not args.overlap or set(args.overlap) - {"on", "off"}:
         parser.error(f"--overlap takes a comma list of on, off; got {','.join(args.overlap)!r}")
+    if not args.shared_prefix or set(args.shared_prefix) - {"on", "off"}:
+        parser.error(f"--shared-prefix takes a comma list of on, off; got {','.join(args.shared_prefix)!r}")
     if "llamacpp" in args.peers and args.random_weights:
         parser.error("--peers llamacpp needs the model's GGUF, not --random-weights")
     if "llamacpp" in args.peers and args.device != "cpu":

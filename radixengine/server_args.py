@@ -42,6 +42,8 @@ class ServerArgs:
     context_length: int | None = None
     random_seed: int | None = None  # None: a random seed, drawn in __post_init__ (as SGLang)
     attention_backend: str = "auto"
+    disable_shared_prefix_attention: bool = False  # see _HELP
+    shared_prefix_attention_min_len: int = 64  # see _HELP
     quantization: str = "auto"  # see _HELP
     chat_template: str | None = None  # see _HELP
     sampling_defaults: str = "model"  # see _HELP
@@ -142,6 +144,7 @@ class ServerArgs:
                 f"on {self.device}"
             )
         _check_positive("--page-size", self.page_size)
+        _check_positive("--shared-prefix-attention-min-len", self.shared_prefix_attention_min_len)
         _check_positive("--max-prefill-tokens", self.max_prefill_tokens)
         _check_positive("--max-total-tokens", self.max_total_tokens, optional=True)
         _check_positive("--max-running-requests", self.max_running_requests, optional=True)
@@ -367,6 +370,17 @@ _HELP = {
         "auto: triton on CUDA; native_cpu (the built C++ kernels), else torch_native on a CPU. A backend "
         "that is not installed or cannot run on --device is refused at start with the reason; flashinfer "
         "(SGLang's name) is not implemented yet and is refused."
+    ),
+    "disable_shared_prefix_attention": (
+        "Decode attention reads every request's whole KV, also where requests of the batch share a "
+        "cached prefix. By default a prefix shared by two or more requests of a decode batch (the same "
+        "KV slots, as a radix-cache hit gives) is computed once for all their queries and merged with "
+        "each request's own part by log-sum-exp (cascade attention; exact). native_cpu and "
+        "torch_native backends; not for sliding-window layers."
+    ),
+    "shared_prefix_attention_min_len": (
+        "Shortest shared prefix (tokens) given its own pass in shared-prefix attention; shorter ones "
+        "are read per request. Default 64."
     ),
     "host": "Address the HTTP server listens on. Default: 127.0.0.1.",
     "port": "Port the HTTP server listens on. Default: 30000.",

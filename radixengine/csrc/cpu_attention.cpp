@@ -24,6 +24,7 @@
 #include <numeric>
 #include <vector>
 
+#include "cpu_attention_common.h"
 #include "cpu_common.h"
 #include "cpu_gemm.h"
 #include "cpu_ops.h"
@@ -33,56 +34,8 @@ namespace radixengine::cpu {
 namespace {
 
 constexpr int64_t kDecodeBlock = 64;       // keys per online-softmax step in decode
-constexpr int64_t kMinSplitLen = 128;      // shortest KV split in decode
-constexpr int64_t kTasksPerThread = 4;     // decode split target
 constexpr int64_t kExtendKeyBlock = 64;    // keys per block in extend
 constexpr int64_t kExtendRowTarget = 96;   // query rows (queries x group) per extend task
-constexpr int64_t kMaxGroup = 64;          // query heads per kv head
-
-struct PoolView {
-  int64_t num_slots;
-  int64_t num_kv_heads;
-  int64_t head_dim;
-  const int32_t* req_to_token;
-  int64_t max_context_len;
-};
-
-inline int64_t slot_at(const PoolView& pool, int64_t row, int64_t pos) {
-  const int64_t slot = pool.req_to_token[row * pool.max_context_len + pos];
-  TORCH_CHECK(slot >= 0 && slot < pool.num_slots, "req_to_token holds slot ", slot,
-              " outside the KV buffer of ", pool.num_slots, " slots");
-  return slot;
-}
-
-// dst[d] = src[d] * s (fp32), d < D (D is a multiple of the vector width).
-template <typename T>
-inline void load_scaled(const T* src, float* dst, int64_t D, float s) {
-  const VecF sv = VecF::broadcast(s);
-  for (int64_t d = 0; d < D; d += kVecWidth) (VecF::load(src + d) * sv).store(dst + d);
-}
-
-// dst[d] = src[d] * s, converted to the output type.
-template <typename T>
-inline void store_scaled(const float* src, T* dst, int64_t D, float s) {
-  const VecF sv = VecF::broadcast(s);
-  for (int64_t d = 0; d < D; d += kVecWidth) (VecF::load(src + d) * sv).store(dst + d);
-}
-
-// x[i] = cap * tanh(x[i] / cap) (scalar tanh: soft-capped models only).
-inline void soft_cap(float* x, int64_t n, float cap) {
-  const float inv = 1.0f / cap;
-  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] * inv);
-}
-
-// The first key position a query at `pos` reads: pos - window_left (0 without a window).
-inline int64_t window_start(int64_t pos, int64_t window_left) {
-  return window_left >= 0 ? std::max<int64_t>(0, pos - window_left) : 0;
-}
-
-inline void scale_row(float* x, int64_t D, float s) {
-  const VecF sv = VecF::broadcast(s);
-  for (int64_t d = 0; d < D; d += kVecWidth) (VecF::load(x + d) * sv).store(x + d);
-}
 
 // Decode scores for GB query rows and four keys: out[g * ld + j] = dot(q[g], k_rows[j] + k_col0)
 // (q rows contiguous, length D). Four keys per tile turn the horizontal sums into one
@@ -165,27 +118,16 @@ struct DecodeArgs {
   float scale;
   int64_t window_left;  // -1: no sliding window
   float logit_cap;      // 0: no soft-capping
-  float* partial_out;  // [batch, H, num_splits, D] when num_splits > 1
-  float* partial_lse;  // [batch, H, num_splits]
+  // Partial results, merged by their log-sum-exp: [batch, H, num_slots, D] and [batch, H,
+  // num_slots], when num_splits > 1 or under a shared-prefix pass (nullptr: write `out`).
+  float* partial_out;
+  float* partial_lse;
+  int64_t num_slots;
+  // Shared-prefix pass: request b reads only its own keys from position own_start[b], into
+  // slots own_slot[b] .. + num_splits (nullptr: from position 0 into slots 0 .. num_splits).
+  const int64_t* own_start;
+  const int64_t* own_slot;
 };
-
-// Reads one word of every cache line of a pool row (all kv heads of one slot) and returns their
-// sum, which the caller keeps alive. Run over a whole key block before its compute, these
-// independent loads keep many cache misses in flight at once; the compute's own loads, with
-// arithmetic in between, do not. Measured on scattered slots (batch 8-32 x 512, 30 layers):
-// decode 1.4-2x faster than reading in place; software prefetches of the next block gained
-// 12-15% alone and nothing on top of this; copying the block out gained less and slowed the
-// cache-resident case.
-inline uint32_t touch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  uint32_t sum = 0;
-  for (int64_t off = 0; off < bytes; off += 64) {
-    uint32_t word;
-    std::memcpy(&word, c + off, sizeof(word));
-    sum += word;
-  }
-  return sum;
-}
 
 // One task: request b, keys [split * chunk, (split + 1) * chunk), all heads.
 template <typename QT, typename KVT>
@@ -197,7 +139,8 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   const int64_t Hkv = a.pool.num_kv_heads;
   const int64_t row = a.req_pool_indices[b];
   const int64_t seq_len = a.seq_lens[b];
-  const int64_t first = std::min(seq_len, window_start(seq_len - 1, a.window_left));
+  const int64_t own = a.own_start != nullptr ? a.own_start[b] : 0;
+  const int64_t first = std::min(seq_len, std::max(own, window_start(seq_len - 1, a.window_left)));
   const int64_t num_keys = seq_len - first;
   const int64_t chunk = round_up((num_keys + a.num_splits - 1) / a.num_splits, kDecodeBlock);
   const int64_t begin = first + std::min(num_keys, split * chunk);
@@ -267,10 +210,11 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   for (int64_t h = 0; h < H; ++h) {
     const bool empty = row_sum[h] == 0.0f;
     const float inv = empty ? 0.0f : 1.0f / row_sum[h];
-    if (a.num_splits == 1) {
+    if (a.partial_out == nullptr) {
       store_scaled(acc + h * D, out + b * a.out_stride0 + h * a.out_stride1, D, inv);
     } else {
-      const int64_t idx = (b * H + h) * a.num_splits + split;
+      const int64_t slot = (a.own_slot != nullptr ? a.own_slot[b] : 0) + split;
+      const int64_t idx = (b * H + h) * a.num_slots + slot;
       store_scaled(acc + h * D, a.partial_out + idx * D, D, inv);
       a.partial_lse[idx] = empty ? kNegInf : row_max[h] + std::log(row_sum[h]);
     }
@@ -280,20 +224,24 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
 template <typename QT>
 void merge_splits(const DecodeArgs& a, QT* out) {
   const int64_t D = a.pool.head_dim;
-  const int64_t S = a.num_splits;
-  run_tasks(a.batch * a.num_heads, [&](int64_t task) {
+  const int64_t S = a.num_slots;
+  // Equal cheap tasks: static ranges (a shared task counter would cost more than the work).
+  at::parallel_for(0, a.batch * a.num_heads, 16, [&](int64_t task_begin, int64_t task_end) {
+   for (int64_t task = task_begin; task < task_end; ++task) {
     const int64_t b = task / a.num_heads;
     const int64_t h = task % a.num_heads;
     const float* lse = a.partial_lse + task * S;
     const float* po = a.partial_out + task * S * D;
+    // Under a shared-prefix pass a request fills only its first own_slot[b] + num_splits slots.
+    const int64_t used = a.own_slot != nullptr ? a.own_slot[b] + a.num_splits : S;
     float* acc = thread_scratch(D);
     std::fill(acc, acc + D, 0.0f);
     // Empty splits (lse -inf) are skipped; a NaN lse (a NaN score) makes its weight, and so
     // the output, NaN (the max skips NaN, so it does not depend on the order of the splits).
     float max_lse = kNegInf;
-    for (int64_t s = 0; s < S; ++s) max_lse = lse[s] > max_lse ? lse[s] : max_lse;
+    for (int64_t s = 0; s < used; ++s) max_lse = lse[s] > max_lse ? lse[s] : max_lse;
     float total = 0.0f;
-    for (int64_t s = 0; s < S; ++s) {
+    for (int64_t s = 0; s < used; ++s) {
       if (lse[s] == kNegInf) continue;
       const float w = std::exp(lse[s] - max_lse);
       total += w;
@@ -304,44 +252,8 @@ void merge_splits(const DecodeArgs& a, QT* out) {
     }
     store_scaled(acc, out + b * a.out_stride0 + h * a.out_stride1, D,
                  total == 0.0f ? 0.0f : 1.0f / total);
+   }
   });
-}
-
-int64_t choose_num_splits(int64_t batch, int64_t max_len) {
-  const int64_t threads = at::get_num_threads();
-  if (threads <= 1 || batch >= kTasksPerThread * threads) return 1;
-  const int64_t wanted = (kTasksPerThread * threads + batch - 1) / batch;
-  const int64_t most = std::max<int64_t>(1, max_len / kMinSplitLen);
-  return std::max<int64_t>(1, std::min(wanted, most));
-}
-
-void check_pool(const at::Tensor& q, const at::Tensor& k_buffer,
-                const at::Tensor& v_buffer, const at::Tensor& req_to_token,
-                const char* name) {
-  TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu(), name, ": CPU tensors only");
-  TORCH_CHECK(q.dim() == 3, name, ": q must be 3-D, got ", q.sizes());
-  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(), name,
-              ": k_buffer and v_buffer must be [num_slots, num_kv_heads, head_dim]");
-  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), name,
-              ": k_buffer and v_buffer dtypes differ");
-  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), name,
-              ": k_buffer and v_buffer must be contiguous");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 &&
-                  req_to_token.is_contiguous(),
-              name, ": req_to_token must be a contiguous int32 [max_reqs, max_context_len]");
-  const int64_t D = q.size(2);
-  TORCH_CHECK(k_buffer.size(2) == D, name, ": head_dim of q (", D, ") and the KV buffer (",
-              k_buffer.size(2), ") differ");
-  TORCH_CHECK(D % 16 == 0 && D <= 512, name, ": head_dim must be a multiple of 16, got ", D);
-  TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, name, ": ", q.size(1),
-              " query heads are not a multiple of ", k_buffer.size(1), " kv heads");
-  TORCH_CHECK(q.size(1) / k_buffer.size(1) <= kMaxGroup, name, ": at most ", kMaxGroup,
-              " query heads per kv head");
-}
-
-PoolView make_pool_view(const at::Tensor& k_buffer, const at::Tensor& req_to_token) {
-  return PoolView{k_buffer.size(0), k_buffer.size(1), k_buffer.size(2),
-                  req_to_token.data_ptr<int32_t>(), req_to_token.size(1)};
 }
 
 // Indices of the batch sorted by a cost, largest first (so the longest tasks start first).
@@ -430,7 +342,6 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   // weights 0 until a visible key comes.
   const int64_t key_begin = window_start(first_pos, a.window_left);
   const bool windowed = a.window_left >= 0;
-  const VecF max_floor = VecF::broadcast(-std::numeric_limits<float>::max());
   for (int64_t start = key_begin; start < num_keys; start += BK) {
     const int64_t n = std::min(BK, num_keys - start);
     for (int64_t i = 0; i < n; ++i) {
@@ -462,23 +373,7 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
       }
     }
 
-    // Online softmax down the columns of S^T (one column per query row).
-    for (int64_t c = 0; c < ld; c += kVecWidth) {
-      VecF mx = VecF::broadcast(kNegInf);
-      for (int64_t i = 0; i < n; ++i) mx = vmax(mx, VecF::load(st + i * ld + c));
-      const VecF old_max = VecF::load(row_max + c);
-      const VecF new_max = windowed ? vmax(max_floor, vmax(old_max, mx)) : vmax(old_max, mx);
-      const VecF scale_old = vexp(old_max - new_max);
-      VecF sum = VecF::zero();
-      for (int64_t i = 0; i < n; ++i) {
-        const VecF p = vexp(VecF::load(st + i * ld + c) - new_max);
-        p.store(st + i * ld + c);
-        sum = sum + p;
-      }
-      fmadd(VecF::load(row_sum + c), scale_old, sum).store(row_sum + c);
-      new_max.store(row_max + c);
-      scale_old.store(alpha + c);
-    }
+    softmax_columns(st, n, ld, row_max, row_sum, alpha, windowed);
     if (start > key_begin) {
       for (int64_t m = 0; m < M; ++m) {
         if (alpha[m] != 1.0f) scale_row(acc + m * D, D, alpha[m]);
@@ -505,11 +400,12 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
 
 }  // namespace
 
-at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
-                            const at::Tensor& v_buffer, const at::Tensor& req_to_token,
-                            const at::Tensor& req_pool_indices_in,
-                            const at::Tensor& seq_lens_in, double scale,
-                            int64_t num_kv_splits, int64_t window_left, double logit_cap) {
+at::Tensor decode_attention_impl(const at::Tensor& q_in, const at::Tensor& k_buffer,
+                                 const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                                 const at::Tensor& req_pool_indices_in,
+                                 const at::Tensor& seq_lens_in, double scale,
+                                 int64_t num_kv_splits, int64_t window_left, double logit_cap,
+                                 const DecodeOwnPart* own) {
   check_pool(q_in, k_buffer, v_buffer, req_to_token, "decode_attention");
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const at::Tensor req_pool_indices = as_int64(req_pool_indices_in);
@@ -552,9 +448,17 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
   args.logit_cap = static_cast<float>(logit_cap);
 
   at::Tensor partial_out, partial_lse;
-  if (args.num_splits > 1) {
+  if (own != nullptr) {
+    args.num_splits = own->num_splits;
+    args.num_slots = own->num_slots;
+    args.partial_out = own->partial_out;
+    args.partial_lse = own->partial_lse;
+    args.own_start = own->own_start;
+    args.own_slot = own->own_slot;
+  } else if (args.num_splits > 1) {
     partial_out = at::empty({bs, H, args.num_splits, D}, q.options().dtype(at::kFloat));
     partial_lse = at::empty({bs, H, args.num_splits}, q.options().dtype(at::kFloat));
+    args.num_slots = args.num_splits;
     args.partial_out = partial_out.data_ptr<float>();
     args.partial_lse = partial_lse.data_ptr<float>();
   }
@@ -568,14 +472,27 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
       const KVT* kp = k_buffer.data_ptr<KVT>();
       const KVT* vp = v_buffer.data_ptr<KVT>();
       QT* op = out.data_ptr<QT>();
-      run_tasks(bs * per_request, [&](int64_t task) {
+      // A shared-prefix pass's unit tasks (longest) run first, in the same parallel region.
+      const int64_t extra = own != nullptr ? own->num_unit_tasks : 0;
+      run_tasks(extra + bs * per_request, [&](int64_t task) {
+        if (task < extra) return own->run_unit_task(task);
+        task -= extra;
         decode_task<QT, KVT>(args, qp, kp, vp, op, order[task / per_request],
                              task % per_request);
       });
-      if (args.num_splits > 1) merge_splits<QT>(args, op);
+      if (args.partial_out != nullptr) merge_splits<QT>(args, op);
     });
   });
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                            const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                            const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                            double scale, int64_t num_kv_splits, int64_t window_left,
+                            double logit_cap) {
+  return decode_attention_impl(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+                               scale, num_kv_splits, window_left, logit_cap, nullptr);
 }
 
 at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,

@@ -10,6 +10,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),
         py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("num_kv_splits") = 0, py::arg("window_left") = -1, py::arg("logit_cap") = 0.0);
+  m.def("decode_attention_cascade", &cpu::decode_attention_cascade,
+        "Decode attention with shared prefixes computed once for all their requests",
+        py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),
+        py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("scale"), py::arg("unit_rows"),
+        py::arg("unit_start"), py::arg("unit_end"), py::arg("unit_member_ptr"),
+        py::arg("unit_members"), py::arg("unit_member_slots"), py::arg("own_start"),
+        py::arg("own_slot"), py::arg("num_kv_splits") = 0, py::arg("logit_cap") = 0.0,
+        py::arg("use_amx") = true);
+  m.def("amx_available", &cpu::amx_available, "Whether the cascade kernel can use AMX tiles here");
   m.def("extend_attention", &cpu::extend_attention,
         "Causal extend (prefill) attention over the paged KV pool with a cached prefix",
         py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),

@@ -36,6 +36,25 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& extend_start_loc, double scale,
                             int64_t window_left, double logit_cap);
 
+// decode_attention with a shared-prefix plan (cpu_cascade_attention.cpp): unit u covers
+// positions unit_start[u] .. unit_end[u] - 1 of row unit_rows[u], whose KV slots every request
+// of unit_members[unit_member_ptr[u] .. unit_member_ptr[u + 1]) holds at the same positions;
+// it is computed once for all their query heads, into the partial slot unit_member_slots[i] of
+// member i. Request b then reads its own keys from position own_start[b] into its slots
+// own_slot[b] .., and all parts are merged by their log-sum-exp. No sliding window.
+// use_amx: the unit products may run on AMX tiles where the CPU has them (bf16 q and KV).
+at::Tensor decode_attention_cascade(
+    const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+    const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+    const at::Tensor& seq_lens, double scale, const at::Tensor& unit_rows,
+    const at::Tensor& unit_start, const at::Tensor& unit_end, const at::Tensor& unit_member_ptr,
+    const at::Tensor& unit_members, const at::Tensor& unit_member_slots,
+    const at::Tensor& own_start, const at::Tensor& own_slot, int64_t num_kv_splits,
+    double logit_cap, bool use_amx);
+
+// Whether decode_attention_cascade can use AMX tiles in this process.
+bool amx_available();
+
 // k_buffer[loc[t]] = k[t], v_buffer[loc[t]] = v[t] (in place).
 void set_kv_buffer(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc,
                    const at::Tensor& k, const at::Tensor& v);

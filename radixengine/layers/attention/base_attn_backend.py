@@ -23,6 +23,7 @@ import torch
 
 from radixengine.layers import native_small_ops  # a module: it imports this package too
 from radixengine.layers.attention import native_cpu_ops
+from radixengine.layers.attention.cascade_plan import CascadePlan, build_cascade_plan
 
 if TYPE_CHECKING:
     from radixengine.layers.radix_attention import RadixAttention
@@ -122,3 +123,39 @@ def save_kv(k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_bat
         native_cpu_ops.set_kv_buffer(k_buffer, v_buffer, loc, k, v)
     else:
         pool.set_kv_buffer(layer.layer_id, loc, k, v)
+
+
+def shared_prefix_min_len(model_runner) -> int | None:
+    """The shortest prefix given its own shared-prefix pass, or None when the pass is off (the
+    switch, a device other than the CPU, or no model runner: a backend built bare in a test)."""
+    args = getattr(model_runner, "server_args", None)
+    if args is None or args.disable_shared_prefix_attention or model_runner.device.type != "cpu":
+        return None
+    return args.shared_prefix_attention_min_len
+
+
+def decode_cascade_plan(forward_batch: ForwardBatch, min_len: int | None) -> CascadePlan | None:
+    """The shared-prefix plan of a DECODE batch (None: off, not a decode, or nothing shared)."""
+    if min_len is None or not forward_batch.forward_mode.is_decode():
+        return None
+    return build_cascade_plan(
+        forward_batch.req_to_token_pool.req_to_token,
+        forward_batch.req_pool_indices,
+        forward_batch.seq_lens_cpu,
+        min_len,
+    )
+
+
+def cascade_decode(
+    kernel: Callable[..., torch.Tensor],
+    qkv: QKV,
+    layer: RadixAttention,
+    forward_batch: ForwardBatch,
+    save: bool,
+    plan: CascadePlan,
+) -> torch.Tensor:
+    """DECODE with a shared-prefix plan through `kernel` (`native_cpu_ops.decode_attention_cascade`
+    or its reference); the layer must have no sliding window."""
+    args = paged_kernel_args(qkv, layer, forward_batch, save)
+    out = kernel(*args, layer.scaling, *plan.kernel_args(), logit_cap=layer.logit_cap)
+    return out.reshape(args[0].shape[0], -1)

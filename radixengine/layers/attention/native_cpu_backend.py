@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixengine.layers.attention import native_cpu_ops
-from radixengine.layers.attention.base_attn_backend import AttentionBackend, paged_decode, paged_kernel_args
+from radixengine.layers.attention.base_attn_backend import (
+    AttentionBackend,
+    cascade_decode,
+    decode_cascade_plan,
+    paged_decode,
+    paged_kernel_args,
+    shared_prefix_min_len,
+)
+from radixengine.layers.attention.cascade_plan import CascadePlan
 
 if TYPE_CHECKING:
     from radixengine.model_executor.forward_batch_info import ForwardBatch
@@ -20,6 +28,8 @@ if TYPE_CHECKING:
 class NativeCpuAttnBackend(AttentionBackend):
     def __init__(self, model_runner=None) -> None:
         native_cpu_ops.require_native()
+        self.shared_prefix_min_len = shared_prefix_min_len(model_runner)
+        self.cascade_plan: CascadePlan | None = None
         if model_runner is not None:
             if model_runner.device.type != "cpu":
                 raise ValueError("the native_cpu attention backend runs on a CPU only")
@@ -32,7 +42,7 @@ class NativeCpuAttnBackend(AttentionBackend):
                 )
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        pass
+        self.cascade_plan = decode_cascade_plan(forward_batch, self.shared_prefix_min_len)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
         args = paged_kernel_args((q, k, v), layer, forward_batch, save_kv_cache)
@@ -47,4 +57,8 @@ class NativeCpuAttnBackend(AttentionBackend):
         return out.reshape(args[0].shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
+        plan = self.cascade_plan
+        if plan is not None and layer.sliding_window_size < 0:
+            kernel = native_cpu_ops.decode_attention_cascade
+            return cascade_decode(kernel, (q, k, v), layer, forward_batch, save_kv_cache, plan)
         return paged_decode(native_cpu_ops.decode_attention, (q, k, v), layer, forward_batch, save_kv_cache)

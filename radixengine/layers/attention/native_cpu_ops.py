@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "decode_attention",
+    "decode_attention_cascade",
+    "decode_attention_cascade_reference",
     "decode_attention_reference",
     "extend_attention",
     "extend_attention_reference",
@@ -285,6 +287,74 @@ def extend_attention_reference(
     return out
 
 
+def _attend_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, logit_cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, H, D], k/v [L, Hkv, D] (fp32): every query over every key. Returns the output
+    [n, H, D] and its log-sum-exp [n, H]."""
+    n, heads, dim = q.shape
+    num_kv = k.shape[1]
+    qg = q.view(n, num_kv, heads // num_kv, dim).permute(1, 0, 2, 3).reshape(num_kv, -1, dim)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [Hkv, n * G, L]
+    if logit_cap > 0:
+        scores = torch.tanh(scores / logit_cap) * logit_cap
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.permute(1, 0, 2))  # [Hkv, n * G, D]
+    out = out.view(num_kv, n, -1, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
+    return out, lse.view(num_kv, n, -1).permute(1, 0, 2).reshape(n, heads)
+
+
+def decode_attention_cascade_reference(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    unit_rows: torch.Tensor,
+    unit_start: torch.Tensor,
+    unit_end: torch.Tensor,
+    unit_member_ptr: torch.Tensor,
+    unit_members: torch.Tensor,
+    unit_member_slots: torch.Tensor,
+    own_start: torch.Tensor,
+    own_slot: torch.Tensor,
+    num_kv_splits: int = 0,
+    logit_cap: float = 0.0,
+    use_amx: bool = True,
+) -> torch.Tensor:
+    """`decode_attention_reference` computed as the shared-prefix pass does (a plan of
+    `radixengine.layers.attention.cascade_plan`): each unit's keys once for all its members'
+    queries, each request's own keys alone, the parts merged by their log-sum-exp. The result
+    equals the plain decode's (up to rounding). ``num_kv_splits`` and ``use_amx`` are the native
+    kernel's (ignored here)."""
+    bs, heads, _ = q.shape
+    qf = q.float()
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bs)]
+    ptr = unit_member_ptr.tolist()
+    for u, (row, start, end) in enumerate(zip(unit_rows.tolist(), unit_start.tolist(), unit_end.tolist())):
+        members = unit_members[ptr[u] : ptr[u + 1]].to(q.device)
+        slots = req_to_token[row, start:end].to(torch.long)
+        k, v = k_buffer.index_select(0, slots).float(), v_buffer.index_select(0, slots).float()
+        out, lse = _attend_with_lse(qf.index_select(0, members), k, v, scale, logit_cap)
+        for j, b in enumerate(members.tolist()):
+            parts[b].append((out[j], lse[j]))
+    rows, lens, firsts = req_pool_indices.tolist(), seq_lens.tolist(), own_start.tolist()
+    for b in range(bs):
+        slots = req_to_token[rows[b], firsts[b] : lens[b]].to(torch.long)
+        k, v = k_buffer.index_select(0, slots).float(), v_buffer.index_select(0, slots).float()
+        out, lse = _attend_with_lse(qf[b : b + 1], k, v, scale, logit_cap)
+        parts[b].append((out[0], lse[0]))
+    result = torch.empty_like(q)
+    for b in range(bs):
+        outs = torch.stack([o for o, _ in parts[b]])  # [P, H, D]
+        lses = torch.stack([lse for _, lse in parts[b]])  # [P, H]
+        weights = torch.softmax(lses, dim=0)
+        result[b] = (weights.unsqueeze(-1) * outs).sum(0).to(q.dtype)
+    return result
+
+
 def set_kv_buffer_reference(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
@@ -354,6 +424,7 @@ def native_op(reference: Callable[P, R]) -> Callable[P, R]:
 
 
 decode_attention = native_op(decode_attention_reference)
+decode_attention_cascade = native_op(decode_attention_cascade_reference)
 extend_attention = native_op(extend_attention_reference)
 set_kv_buffer = native_op(set_kv_buffer_reference)
 rms_norm = native_op(rms_norm_reference)

@@ -5,6 +5,10 @@ the batch into chunks of consecutive requests, gathers each chunk's K/V padded t
 request, and runs one masked SDPA per chunk: on a CPU a chunk's K/V stays in cache between the
 gather and the SDPA, and uneven lengths do not pad the whole batch. On CUDA the batch is one chunk.
 
+A decode batch whose requests share a cached prefix (the same KV slots) runs the shared-prefix
+pass in plain torch instead (`native_cpu_ops.decode_attention_cascade_reference`): each shared
+prefix once for all its requests' queries, merged by log-sum-exp; see `cascade_plan`.
+
 A sliding-window layer (`RadixAttention.sliding_window_size` >= 0) gathers only the keys inside
 its window and masks the rest; a soft-capped layer (`logit_cap` > 0) computes its scores
 explicitly (SDPA cannot cap them). The per-request indices and masks are built once per forward
@@ -19,7 +23,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from radixengine.layers.attention.base_attn_backend import AttentionBackend, save_kv, split_heads
+from radixengine.layers.attention import native_cpu_ops
+from radixengine.layers.attention.base_attn_backend import (
+    AttentionBackend,
+    cascade_decode,
+    decode_cascade_plan,
+    save_kv,
+    shared_prefix_min_len,
+    split_heads,
+)
+from radixengine.layers.attention.cascade_plan import CascadePlan
 
 if TYPE_CHECKING:
     from radixengine.layers.radix_attention import RadixAttention
@@ -60,10 +73,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         # Gathered K/V of one chunk at a time; reused across chunks, layers and steps (a fresh
         # large tensor per layer costs page faults on a CPU).
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.shared_prefix_min_len = shared_prefix_min_len(model_runner)
+        self.cascade_plan: CascadePlan | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self._forward_batch = forward_batch
         self._metadata = {}
+        self.cascade_plan = decode_cascade_plan(forward_batch, self.shared_prefix_min_len)
 
     def _metadata_for(self, window: int, forward_batch: ForwardBatch) -> list:
         """This forward's extend requests or decode chunks for layers of `window`."""
@@ -104,6 +120,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out.reshape(q.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
+        if forward_batch is not self._forward_batch:  # a forward that skipped init_forward_metadata
+            self.init_forward_metadata(forward_batch)
+        plan = self.cascade_plan
+        if plan is not None and layer.sliding_window_size < 0:
+            # The shared-prefix pass in plain torch: the reference of the native kernel.
+            kernel = native_cpu_ops.decode_attention_cascade_reference
+            return cascade_decode(kernel, (q, k, v), layer, forward_batch, save_kv_cache, plan)
         q, k, v = split_heads(q, k, v, layer)
         if save_kv_cache:
             save_kv(k, v, layer, forward_batch)

@@ -1,0 +1,288 @@
+// The unit kernel of the shared-prefix decode pass on AMX tiles (bf16); see cpu_cascade.h.
+//
+// One task computes a whole unit, every kv head: a block of 64 shared keys reads whole pool rows
+// (all heads of a slot), and per head, 16 query rows at a time:
+//   S [16][64] = Q [16][D] * K^T            (tdpbf16ps: bf16 products, fp32 sums)
+//   online softmax along each row of S      (fp32, AVX-512)
+//   O [16][D] += P [16][64] * V [64][D]      (P split into bf16 hi + lo parts, two tdpbf16ps,
+//                                            so P keeps ~16 bits: the result matches the fp32
+//                                            path to fp32 rounding, not to bf16 rounding)
+// K and V are copied out of the pool into the VNNI layout the tile B operand needs (pairs of
+// consecutive K-dimension values side by side), once per block for all query rows.
+//
+// Compiled into every level; only the AVX-512 build has the AMX code (enabled for these
+// functions alone with target pragmas), and it runs only after the CPU and the kernel allowed it.
+#include "cpu_cascade.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
+#define RADIX_HAVE_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace radixengine::cpu {
+
+#if RADIX_HAVE_AMX
+
+namespace {
+
+constexpr int64_t kBlock = 64;   // keys per block
+constexpr int64_t kRows = 16;    // query rows per tile
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+bool cpu_has_amx_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amx_bf16 = (edx >> 22) & 1u;
+  const bool amx_tile = (edx >> 24) & 1u;
+  return amx_bf16 && amx_tile;
+}
+
+bool request_amx_permission() {
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+// Tiles 0-3: C (16 rows x 16 fp32); 4: A (16 rows x 32 bf16); 5: B (16 rows x 32 bf16).
+void load_tile_config() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // The intrinsic's asm names only the first 8 bytes of the config, so the compiler may drop the
+  // stores to the rest; this operand is the whole struct.
+  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
+// s [16][kBlock] = qp rows [16][D] * kv (VNNI [D / 2][kBlock * 2]).
+void scores_tile(const bf16* qp, int64_t D, const bf16* kv, float* s) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t d = 0; d < D; d += 32) {
+    _tile_loadd(4, qp + d, D * 2);
+    const bf16* b = kv + (d / 2) * kBlock * 2;
+    _tile_loadd(5, b + 0, kBlock * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(5, b + 32, kBlock * 4);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(5, b + 64, kBlock * 4);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, b + 96, kBlock * 4);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, s + 0, kBlock * 4);
+  _tile_stored(1, s + 16, kBlock * 4);
+  _tile_stored(2, s + 32, kBlock * 4);
+  _tile_stored(3, s + 48, kBlock * 4);
+}
+
+// acc [16][D] += p_hi * v + p_lo * v (p [16][kBlock] bf16, v VNNI [kBlock / 2][D * 2]).
+void values_tile(const bf16* p_hi, const bf16* p_lo, const bf16* vv, int64_t D, float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t nt = std::min<int64_t>(4, (D - d0) / 16);
+    if (nt > 0) _tile_loadd(0, acc + d0 + 0, D * 4);
+    if (nt > 1) _tile_loadd(1, acc + d0 + 16, D * 4);
+    if (nt > 2) _tile_loadd(2, acc + d0 + 32, D * 4);
+    if (nt > 3) _tile_loadd(3, acc + d0 + 48, D * 4);
+    for (int part = 0; part < 2; ++part) {
+      const bf16* p = part == 0 ? p_hi : p_lo;
+      for (int64_t k = 0; k < kBlock; k += 32) {
+        _tile_loadd(4, p + k, kBlock * 2);
+        const bf16* b = vv + (k / 2) * D * 2 + d0 * 2;
+        if (nt > 0) { _tile_loadd(5, b + 0, D * 4); _tile_dpbf16ps(0, 4, 5); }
+        if (nt > 1) { _tile_loadd(5, b + 32, D * 4); _tile_dpbf16ps(1, 4, 5); }
+        if (nt > 2) { _tile_loadd(5, b + 64, D * 4); _tile_dpbf16ps(2, 4, 5); }
+        if (nt > 3) { _tile_loadd(5, b + 96, D * 4); _tile_dpbf16ps(3, 4, 5); }
+      }
+    }
+    if (nt > 0) _tile_stored(0, acc + d0 + 0, D * 4);
+    if (nt > 1) _tile_stored(1, acc + d0 + 16, D * 4);
+    if (nt > 2) _tile_stored(2, acc + d0 + 32, D * 4);
+    if (nt > 3) _tile_stored(3, acc + d0 + 48, D * 4);
+  }
+}
+
+void release_tiles() { _tile_release(); }
+
+#pragma GCC pop_options
+
+// K block (n keys, rows of D bf16) to VNNI: kv[r][2i + e] = K[i][2r + e]; keys >= n are 0.
+void pack_keys(const bf16* const* k_rows, int64_t n, int64_t D, int64_t col0, bf16* kv) {
+  uint32_t* out = reinterpret_cast<uint32_t*>(kv);
+  const int64_t pairs = D / 2;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(k_rows[i] + col0);
+    for (int64_t r = 0; r < pairs; ++r) out[r * kBlock + i] = src[r];
+  }
+  for (int64_t i = n; i < kBlock; ++i) {
+    for (int64_t r = 0; r < pairs; ++r) out[r * kBlock + i] = 0;
+  }
+}
+
+// V block to VNNI: vv[i][2d + e] = V[2i + e][d]; keys >= n are 0.
+void pack_values(const bf16* const* v_rows, int64_t n, int64_t D, int64_t col0, bf16* vv) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t i = 0; i < kBlock / 2; ++i) {
+    uint16_t* out = reinterpret_cast<uint16_t*>(vv + i * 2 * D);
+    const bool has0 = 2 * i < n, has1 = 2 * i + 1 < n;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = has0 ? _mm512_loadu_si512(v_rows[2 * i] + col0 + d) : zero;
+      const __m512i b = has1 ? _mm512_loadu_si512(v_rows[2 * i + 1] + col0 + d) : zero;
+      // 16-bit interleave of a and b, in order: lanes 0..15 then 16..31.
+      const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                              39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+      const __m512i idx_hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                              55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+      _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(a, idx_lo, b));
+      _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(a, idx_hi, b));
+    }
+  }
+}
+
+// Online softmax of s [16][kBlock] rows (scaled, soft-capped, keys >= n hidden); writes p as bf16
+// hi + lo parts and each row's rescale factor for the accumulated output.
+void softmax_rows(float* s, int64_t n, float scale, float logit_cap, float* row_max,
+                  float* row_sum, float* alpha, bf16* p_hi, bf16* p_lo) {
+  const VecF sv = VecF::broadcast(scale);
+  for (int64_t r = 0; r < kRows; ++r) {
+    float* x = s + r * kBlock;
+    for (int64_t i = 0; i < kBlock; i += kVecWidth) (VecF::load(x + i) * sv).store(x + i);
+    if (logit_cap > 0.0f) soft_cap(x, n, logit_cap);
+    std::fill(x + n, x + kBlock, kNegInf);
+    VecF mx = VecF::broadcast(kNegInf);
+    for (int64_t i = 0; i < kBlock; i += kVecWidth) mx = vmax(mx, VecF::load(x + i));
+    const float new_max = std::max(row_max[r], hmax(mx));
+    alpha[r] = std::exp(row_max[r] - new_max);
+    const VecF mv = VecF::broadcast(new_max);
+    VecF sum = VecF::zero();
+    for (int64_t i = 0; i < kBlock; i += kVecWidth) {
+      const VecF p = vexp(VecF::load(x + i) - mv);
+      sum = sum + p;
+      const VecF hi = p.round_bf16();
+      hi.store(p_hi + r * kBlock + i);
+      (p - hi).store(p_lo + r * kBlock + i);
+    }
+    row_sum[r] = row_sum[r] * alpha[r] + hsum(sum);
+    row_max[r] = new_max;
+  }
+}
+
+}  // namespace
+
+bool cascade_amx_available() {
+  static const bool available = cpu_has_amx_bf16() && request_amx_permission();
+  return available;
+}
+
+void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_buf,
+                           const bf16* v_buf, int64_t u) {
+  const int64_t D = a.pool.head_dim;
+  const int64_t G = a.group;
+  const int64_t Hkv = a.pool.num_kv_heads;
+  const int64_t row = a.unit_rows[u];
+  const int64_t m0 = a.member_ptr[u];
+  const int64_t num_members = a.member_ptr[u + 1] - m0;
+  const int64_t M = num_members * G;  // query rows per kv head, member-major: j * G + g
+  const int64_t Mp = round_up(M, kRows);
+  const int64_t row_stride = Hkv * D;
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(bf16));
+
+  thread_local std::vector<bf16> bufs;
+  bufs.resize(Hkv * Mp * D + kBlock * D * 2 + 2 * kRows * kBlock);
+  bf16* qp = bufs.data();           // [Hkv][Mp][D]
+  bf16* kv = qp + Hkv * Mp * D;     // K block of one head, VNNI
+  bf16* vv = kv + kBlock * D;       // V block of one head, VNNI
+  bf16* p_hi = vv + kBlock * D;     // [16][kBlock]
+  bf16* p_lo = p_hi + kRows * kBlock;
+  // fp32 scratch, per kv head: acc [Mp][D], max/sum/alpha [Mp]; and s [16][kBlock].
+  const int64_t per_head = Mp * D + 3 * Mp;
+  float* scratch = thread_scratch(Hkv * per_head + kRows * kBlock);
+  float* s = scratch + Hkv * per_head;
+
+  std::fill(qp, qp + Hkv * Mp * D, bf16(0.0f));
+  for (int64_t j = 0; j < num_members; ++j) {
+    const int64_t b = a.members[m0 + j];
+    for (int64_t h = 0; h < a.num_heads; ++h) {
+      const int64_t m = (h / G) * Mp * D + (j * G + h % G) * D;
+      std::memcpy(qp + m, q + b * a.q_stride0 + h * a.q_stride1, D * sizeof(bf16));
+    }
+  }
+  for (int64_t h = 0; h < Hkv; ++h) {
+    float* acc = scratch + h * per_head;
+    std::fill(acc, acc + Mp * D, 0.0f);
+    std::fill(acc + Mp * D, acc + Mp * D + Mp, kNegInf);
+    std::fill(acc + Mp * D + Mp, acc + Mp * D + 2 * Mp, 0.0f);
+  }
+
+  const bf16* k_rows[kBlock];
+  const bf16* v_rows[kBlock];
+  load_tile_config();
+  for (int64_t start = a.unit_start[u]; start < a.unit_end[u]; start += kBlock) {
+    const int64_t n = std::min(kBlock, a.unit_end[u] - start);
+    uint32_t touched = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t offset = slot_at(a.pool, row, start + i) * row_stride;
+      k_rows[i] = k_buf + offset;
+      v_rows[i] = v_buf + offset;
+      touched += touch_row(k_rows[i], row_bytes) + touch_row(v_rows[i], row_bytes);
+    }
+    asm volatile("" : : "r"(touched));  // keep the loads
+    for (int64_t h = 0; h < Hkv; ++h) {
+      pack_keys(k_rows, n, D, h * D, kv);
+      pack_values(v_rows, n, D, h * D, vv);
+      float* acc = scratch + h * per_head;
+      float* row_max = acc + Mp * D;
+      float* row_sum = row_max + Mp;
+      float* alpha = row_sum + Mp;
+      for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
+        scores_tile(qp + h * Mp * D + r0 * D, D, kv, s);
+        softmax_rows(s, n, a.scale, a.logit_cap, row_max + r0, row_sum + r0, alpha + r0, p_hi,
+                     p_lo);
+        for (int64_t r = 0; r < kRows; ++r) {
+          if (alpha[r0 + r] != 1.0f) scale_row(acc + (r0 + r) * D, D, alpha[r0 + r]);
+        }
+        values_tile(p_hi, p_lo, vv, D, acc + r0 * D);
+      }
+    }
+  }
+  release_tiles();
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const float* acc = scratch + h * per_head;
+    store_unit_partials(a, u, h, acc, acc + Mp * D, acc + Mp * D + Mp);
+  }
+}
+
+#else  // no AVX-512 in this build: no AMX kernel
+
+bool cascade_amx_available() { return false; }
+
+void cascade_unit_task_amx(const CascadeUnits&, const bf16*, const bf16*, const bf16*, int64_t) {
+  TORCH_CHECK(false, "this build of the native kernels has no AMX code");
+}
+
+#endif
+
+}  // namespace radixengine::cpu

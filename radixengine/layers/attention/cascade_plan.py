@@ -1,0 +1,186 @@
+"""Shared prefixes of a decode batch, found from the KV slots of its requests.
+
+Requests that hit the same radix-cache prefix hold the same KV slots for it: their
+`req_to_token` rows start alike. Sorting the rows lexicographically puts requests with a common
+prefix next to each other, and the common-prefix lengths of neighbours give the prefix tree of the
+batch (the LCP intervals of the sorted rows): a system prompt shared by all, a few-shot block by
+some of them, a user's history by a few. Each node of that tree long enough to pay is a *unit*:
+positions [start, end) of one row, shared by its members, computed once for all of them by the
+cascade kernel; a node too short to pay is folded into the nodes below it. What lies past a
+request's deepest unit is its own part.
+
+Every part of a request leaves a partial result in a *slot* of that request, merged later by its
+log-sum-exp: the units take slots 0, 1, ... in order, the own part the slots from `own_slot`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# A node shorter than this many tokens is not worth its own pass (its tokens go to the nodes
+# below it); `--shared-prefix-attention-min-len` sets it.
+DEFAULT_MIN_SHARED_LEN = 64
+# Longest unit: longer shared prefixes are cut into pieces of equal length so that the threads
+# share the work (each piece is one more partial to merge).
+MAX_UNIT_LEN = 128
+# Most members of one unit (their query heads are the rows of the unit's matrix products).
+MAX_UNIT_MEMBERS = 32
+
+
+@dataclass(frozen=True)
+class CascadePlan:
+    """Tensors in the layout of `native_cpu_ops.decode_attention_cascade` (int64, on the CPU)."""
+
+    unit_rows: torch.Tensor  # [U] req_to_token row to read the unit's slots from
+    unit_start: torch.Tensor  # [U] first position
+    unit_end: torch.Tensor  # [U] one past the last position
+    unit_member_ptr: torch.Tensor  # [U + 1] CSR offsets into unit_members
+    unit_members: torch.Tensor  # [N] batch indices
+    unit_member_slots: torch.Tensor  # [N] partial slot of each membership
+    own_start: torch.Tensor  # [bs] first position of each request's own part
+    own_slot: torch.Tensor  # [bs] first slot of each request's own part
+    shared_tokens: int  # sum over units of positions x (members - 1): key reads saved
+
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.unit_rows,
+            self.unit_start,
+            self.unit_end,
+            self.unit_member_ptr,
+            self.unit_members,
+            self.unit_member_slots,
+            self.own_start,
+            self.own_slot,
+        )
+
+
+@dataclass(frozen=True)
+class _Node:
+    depth: int  # common prefix length of its requests
+    lo: int  # first and last index in the sorted order
+    hi: int
+
+
+def build_cascade_plan(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: list[int],
+    min_shared_len: int = DEFAULT_MIN_SHARED_LEN,
+    max_unit_len: int = MAX_UNIT_LEN,
+    max_unit_members: int = MAX_UNIT_MEMBERS,
+) -> CascadePlan | None:
+    """The shared-prefix plan of a decode batch (`seq_lens` include each new token), or None when
+    no prefix of at least `min_shared_len` positions is shared by two requests."""
+    bs = len(seq_lens)
+    if bs < 2:
+        return None
+    rows = req_pool_indices.to(device="cpu", dtype=torch.long)
+    table = req_to_token.index_select(0, rows.to(req_to_token.device)).cpu()
+    firsts = table[:, 0]
+    if torch.unique(firsts).numel() == bs:  # nothing shared: the common case costs one gather
+        return None
+    order, lcp = _sorted_lcp(table[:, : max(seq_lens)].numpy(), seq_lens)
+    units, own_start = _units(_lcp_nodes(lcp), bs, min_shared_len)
+    if not units:
+        return None
+    return _pack(units, own_start, order, rows.tolist(), max_unit_len, max_unit_members)
+
+
+def _sorted_lcp(table: np.ndarray, seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The batch indices in lexicographic order of their rows, and lcp[i] = the common prefix
+    length of sorted rows i - 1 and i (lcp[0] = 0). Positions past a request's length hold a
+    value of its own, so they never match."""
+    table = table.astype(np.int64)
+    width = table.shape[1]
+    past_end = np.arange(width)[None, :] >= np.asarray(seq_lens)[:, None]
+    table[past_end] = -1 - np.nonzero(past_end)[0]
+    order = np.lexsort(table.T[::-1])
+    ordered = table[order]
+    differs = ordered[1:] != ordered[:-1]
+    lcp = np.where(differs.any(axis=1), differs.argmax(axis=1), width)
+    # The last position of a request is its new token: never shared.
+    lens = np.asarray(seq_lens)[order]
+    lcp = np.minimum(lcp, np.minimum(lens[1:], lens[:-1]) - 1)
+    return order, np.concatenate(([0], lcp))
+
+
+def _lcp_nodes(lcp: np.ndarray) -> list[_Node]:
+    """The internal nodes of the prefix tree of the sorted rows (depth > 0, two or more
+    requests), parents before children."""
+    nodes: list[_Node] = []
+    stack: list[tuple[int, int]] = [(0, 0)]  # (depth, lo)
+    n = len(lcp)
+    for i in range(1, n + 1):
+        h = int(lcp[i]) if i < n else 0
+        lo = i - 1
+        while stack[-1][0] > h:
+            depth, lo = stack.pop()
+            nodes.append(_Node(depth, lo, i - 1))
+        if stack[-1][0] < h:
+            stack.append((h, lo))
+    nodes.sort(key=lambda node: (node.lo, -node.hi, node.depth))
+    return nodes
+
+
+def _units(nodes: list[_Node], bs: int, min_len: int) -> tuple[list[tuple[int, int, int, int]], list[int]]:
+    """Kept nodes as (start, end, lo, hi) in sorted order, and each sorted request's own start.
+
+    A node's part starts where its deepest kept ancestor ends; it is kept when that part has at
+    least `min_len` positions."""
+    units: list[tuple[int, int, int, int]] = []
+    own_start = [0] * bs
+    ancestors: list[tuple[int, int]] = []  # (hi, end) of the kept nodes enclosing the current one
+    for node in nodes:
+        while ancestors and ancestors[-1][0] < node.lo:
+            ancestors.pop()
+        base = ancestors[-1][1] if ancestors else 0
+        if node.depth - base >= min_len:
+            units.append((base, node.depth, node.lo, node.hi))
+            ancestors.append((node.hi, node.depth))
+            for i in range(node.lo, node.hi + 1):
+                own_start[i] = node.depth
+    return units, own_start
+
+
+def _pack(
+    units: list[tuple[int, int, int, int]],
+    own_start_sorted: list[int],
+    order: np.ndarray,
+    rows: list[int],
+    max_len: int,
+    max_members: int,
+) -> CascadePlan:
+    bs = len(order)
+    next_slot = [0] * bs
+    unit_rows, starts, ends, ptr, members, slots = [], [], [], [0], [], []
+    shared = 0
+    for start, end, lo, hi in units:
+        group = [int(b) for b in order[lo : hi + 1]]
+        shared += (end - start) * (len(group) - 1)
+        pieces = -(-(end - start) // max_len)
+        piece_len = -(-(end - start) // pieces)
+        for piece_start in range(start, end, piece_len):
+            piece_end = min(end, piece_start + piece_len)
+            for first in range(0, len(group), max_members):
+                block = group[first : first + max_members]
+                unit_rows.append(rows[block[0]])
+                starts.append(piece_start)
+                ends.append(piece_end)
+                members.extend(block)
+                for b in block:
+                    slots.append(next_slot[b])
+                    next_slot[b] += 1
+                ptr.append(len(members))
+    own_start = [0] * bs
+    for i, b in enumerate(order):
+        own_start[int(b)] = own_start_sorted[i]
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long)
+
+    return CascadePlan(
+        t(unit_rows), t(starts), t(ends), t(ptr), t(members), t(slots), t(own_start), t(next_slot), shared
+    )
