@@ -93,17 +93,33 @@ def oracle_greedy(prompt: list[int], max_new_tokens: int, ignore_eos: bool = Fal
 
 # Schedulers --------------------------------------------------------------------------------------
 
-_WORKER_ARGS = ("page_size", "max_total_tokens", "max_running_requests")
+_WORKER_ARGS = (
+    "page_size",
+    "max_total_tokens",
+    "max_running_requests",
+    "attention_backend",
+    "disable_shared_prefix_attention",
+    "shared_prefix_attention_min_len",
+)
 
 
 @lru_cache(maxsize=8)
-def _worker(page_size: int, max_total_tokens: int, max_running_requests: int | None) -> TpModelWorker:
+def _worker(
+    page_size: int,
+    max_total_tokens: int,
+    max_running_requests: int | None,
+    attention_backend: str,
+    disable_shared_prefix_attention: bool,
+    shared_prefix_attention_min_len: int,
+) -> TpModelWorker:
     return TpModelWorker(
         ServerArgs(
             model_path=tiny_model_dir(),
             device=TEST_DEVICE,
             dtype="float32",
-            attention_backend="torch_native",
+            attention_backend=attention_backend,
+            disable_shared_prefix_attention=disable_shared_prefix_attention,
+            shared_prefix_attention_min_len=shared_prefix_attention_min_len,
             page_size=page_size,
             max_total_tokens=max_total_tokens,
             max_running_requests=max_running_requests,

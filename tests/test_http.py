@@ -564,6 +564,8 @@ def test_metrics_off_by_default_and_device_auto(server):
 def test_server_info_models_and_flush(server, model_name):
     info = get(server, "/get_server_info").json()
     assert info["model_path"] and info["max_total_tokens"] == 16384 and "num_prefill_tokens" in info
+    assert info["disable_shared_prefix_attention"] is False  # the switch, on by default
+    assert info["shared_prefix_attention_min_len"] == 64
     assert get(server, "/v1/models").json()["data"][0]["id"] == model_name
     assert post(server, "/flush_cache").status_code == 200
     assert get(server, "/get_server_info").json()["evictable_tokens"] == 0

@@ -30,6 +30,7 @@ class NativeCpuAttnBackend(AttentionBackend):
         native_cpu_ops.require_native()
         self.shared_prefix_min_len = shared_prefix_min_len(model_runner)
         self.cascade_plan: CascadePlan | None = None
+        self.num_shared_prefix_forwards = 0  # forwards that ran the shared-prefix pass
         if model_runner is not None:
             if model_runner.device.type != "cpu":
                 raise ValueError("the native_cpu attention backend runs on a CPU only")
@@ -43,6 +44,7 @@ class NativeCpuAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self.cascade_plan = decode_cascade_plan(forward_batch, self.shared_prefix_min_len)
+        self.num_shared_prefix_forwards += self.cascade_plan is not None
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
         args = paged_kernel_args((q, k, v), layer, forward_batch, save_kv_cache)

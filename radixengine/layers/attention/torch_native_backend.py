@@ -75,11 +75,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._gather_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.shared_prefix_min_len = shared_prefix_min_len(model_runner)
         self.cascade_plan: CascadePlan | None = None
+        self.num_shared_prefix_forwards = 0  # forwards that ran the shared-prefix pass
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self._forward_batch = forward_batch
         self._metadata = {}
         self.cascade_plan = decode_cascade_plan(forward_batch, self.shared_prefix_min_len)
+        self.num_shared_prefix_forwards += self.cascade_plan is not None
 
     def _metadata_for(self, window: int, forward_batch: ForwardBatch) -> list:
         """This forward's extend requests or decode chunks for layers of `window`."""
