@@ -4,6 +4,13 @@ for a decode step (batch B, every request with C cached tokens) and a prefill ch
     python benchmarks/profile_step.py                          # decode bs 32 x 512 cached, prefill 8 x 256
     python benchmarks/profile_step.py --quantization none      # float32 weights only
     RADIXENGINE_NATIVE_OPS=0 python benchmarks/profile_step.py --attention-backend torch_native
+    python benchmarks/profile_step.py --dtype bfloat16 --cached-len 480 --shared-prefix-len 420  # W1's shape
+    python benchmarks/profile_step.py --cached-len 480 --shared-prefix-len 420 --prefix-groups 4   # a tree
+    python benchmarks/profile_step.py --shared-prefix-len 420 --disable-shared-prefix-attention    # ablation
+
+With --shared-prefix-len P the decode batch's requests share their first P KV slots (a radix-cache
+hit), in --prefix-groups groups of requests (each group its own prefix); the rest of each
+request's cached tokens are its own.
 
 Each part is timed by wrapping the module's forward with perf_counter (the parts run one after
 another on the calling thread, so the times add up; "other" is the rest of the step: embedding,
@@ -73,15 +80,20 @@ class PartTimer:
 class DecodeSteps:
     """`bs` requests with `cached` random K/V tokens each; every call times one more decode step."""
 
-    def __init__(self, model: OurModel, bs: int, cached: int, timer: PartTimer) -> None:
+    def __init__(
+        self, model: OurModel, bs: int, cached: int, timer: PartTimer, shared: int = 0, groups: int = 1
+    ) -> None:
         runner = model.runner
         self.model, self.timer, self.vocab = model, timer, runner.model_config.vocab_size
         self.pool, self.alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
         self.rows = self.pool.alloc(bs)
-        slots = []
-        for row in self.rows:
-            slots.append(self.alloc.alloc(cached))
-            self.pool.write((row, slice(0, cached)), slots[-1].int())
+        prefixes = [self.alloc.alloc(shared) for _ in range(groups)] if shared else []
+        slots = list(prefixes)
+        for i, row in enumerate(self.rows):
+            own = self.alloc.alloc(cached - shared)
+            slots.append(own)
+            row_slots = torch.cat((prefixes[i * groups // bs], own)) if shared else own
+            self.pool.write((row, slice(0, cached)), row_slots.int())
         _fill_random_kv(runner, torch.cat(slots))
         self.seq = cached
 
@@ -137,6 +149,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="the model's dtype (float32, bfloat16)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--cached-len", type=int, default=512)
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="KV slots shared by the decode batch")
+    p.add_argument("--prefix-groups", type=int, default=1, help="groups of requests, each its own prefix")
+    p.add_argument("--disable-shared-prefix-attention", action="store_true")
     p.add_argument("--prefill-reqs", type=int, default=8)
     p.add_argument("--prefill-len", type=int, default=256, help="tokens per prefill request")
     p.add_argument("--repeats", type=int, default=3)
@@ -149,6 +164,8 @@ def main() -> None:
 
     model = OurModel.__new__(OurModel)
     tokens = args.batch_size * (args.cached_len + 8) + args.prefill_reqs * args.prefill_len + 64
+    if not 0 <= args.shared_prefix_len < args.cached_len or not 1 <= args.prefix_groups <= args.batch_size:
+        p.error("need 0 <= --shared-prefix-len < --cached-len and 1 <= --prefix-groups <= --batch-size")
     model.runner = ModelRunner(
         ServerArgs(
             model_path=args.model_path,
@@ -159,6 +176,7 @@ def main() -> None:
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
             num_threads=args.threads,
+            disable_shared_prefix_attention=args.disable_shared_prefix_attention,
         )
     )
     timer = PartTimer()
@@ -167,7 +185,13 @@ def main() -> None:
         "config": vars(args),
         "threads": torch.get_num_threads(),
         "attention_backend": type(model.runner.attn_backend).__name__,
-        "decode": breakdown(DecodeSteps(model, args.batch_size, args.cached_len, timer), timer, args.repeats),
+        "decode": breakdown(
+            DecodeSteps(
+                model, args.batch_size, args.cached_len, timer, args.shared_prefix_len, args.prefix_groups
+            ),
+            timer,
+            args.repeats,
+        ),
         "prefill": breakdown(
             lambda: prefill_step(model, args.prefill_reqs, args.prefill_len), timer, args.repeats
         ),
@@ -176,6 +200,11 @@ def main() -> None:
         r = results[case]
         label = (
             f"decode bs {args.batch_size} x {args.cached_len} cached"
+            + (
+                f" ({args.shared_prefix_len} shared, {args.prefix_groups} groups)"
+                if args.shared_prefix_len
+                else ""
+            )
             if case == "decode"
             else f"prefill {args.prefill_reqs} x {args.prefill_len} tokens"
         )

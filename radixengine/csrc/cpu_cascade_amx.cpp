@@ -39,12 +39,14 @@ constexpr int64_t kRows = 16;    // query rows per tile
 constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 
-bool cpu_has_amx_bf16() {
+bool cpu_has_amx_bf16() {  // and AVX512-BF16 (its conversions)
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   const bool amx_bf16 = (edx >> 22) & 1u;
   const bool amx_tile = (edx >> 24) & 1u;
-  return amx_bf16 && amx_tile;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  const bool avx512_bf16 = (eax >> 5) & 1u;
+  return amx_bf16 && amx_tile && avx512_bf16;
 }
 
 bool request_amx_permission() {
@@ -60,13 +62,15 @@ struct alignas(64) TileConfig {
 };
 
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16")
+#pragma GCC target("amx-tile,amx-bf16,avx512bf16")
 
-// Tiles 0-3: C (16 rows x 16 fp32); 4: A (16 rows x 32 bf16); 5: B (16 rows x 32 bf16).
+// Tiles 0-3: C (16 rows x 16 fp32); 4, 5: A (16 rows x 32 bf16); 6, 7: B (16 rows x 32 bf16).
+// Consecutive products take their operands from alternating tiles, so that a tile load does not
+// wait for the product still reading that tile.
 void load_tile_config() {
   TileConfig cfg{};
   cfg.palette_id = 1;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
@@ -81,17 +85,28 @@ void scores_tile(const bf16* qp, int64_t D, const bf16* kv, float* s) {
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t d = 0; d < D; d += 32) {
-    _tile_loadd(4, qp + d, D * 2);
+  for (int64_t d = 0; d < D; d += 64) {
     const bf16* b = kv + (d / 2) * kBlock * 2;
-    _tile_loadd(5, b + 0, kBlock * 4);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(5, b + 32, kBlock * 4);
-    _tile_dpbf16ps(1, 4, 5);
-    _tile_loadd(5, b + 64, kBlock * 4);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(5, b + 96, kBlock * 4);
-    _tile_dpbf16ps(3, 4, 5);
+    _tile_loadd(4, qp + d, D * 2);
+    _tile_loadd(6, b + 0, kBlock * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b + 32, kBlock * 4);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, b + 64, kBlock * 4);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, b + 96, kBlock * 4);
+    _tile_dpbf16ps(3, 4, 7);
+    if (d + 32 >= D) break;
+    b += 16 * kBlock * 2;
+    _tile_loadd(5, qp + d + 32, D * 2);
+    _tile_loadd(6, b + 0, kBlock * 4);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_loadd(7, b + 32, kBlock * 4);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(6, b + 64, kBlock * 4);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(7, b + 96, kBlock * 4);
+    _tile_dpbf16ps(3, 5, 7);
   }
   _tile_stored(0, s + 0, kBlock * 4);
   _tile_stored(1, s + 16, kBlock * 4);
@@ -107,16 +122,14 @@ void values_tile(const bf16* p_hi, const bf16* p_lo, const bf16* vv, int64_t D, 
     if (nt > 1) _tile_loadd(1, acc + d0 + 16, D * 4);
     if (nt > 2) _tile_loadd(2, acc + d0 + 32, D * 4);
     if (nt > 3) _tile_loadd(3, acc + d0 + 48, D * 4);
-    for (int part = 0; part < 2; ++part) {
-      const bf16* p = part == 0 ? p_hi : p_lo;
-      for (int64_t k = 0; k < kBlock; k += 32) {
-        _tile_loadd(4, p + k, kBlock * 2);
-        const bf16* b = vv + (k / 2) * D * 2 + d0 * 2;
-        if (nt > 0) { _tile_loadd(5, b + 0, D * 4); _tile_dpbf16ps(0, 4, 5); }
-        if (nt > 1) { _tile_loadd(5, b + 32, D * 4); _tile_dpbf16ps(1, 4, 5); }
-        if (nt > 2) { _tile_loadd(5, b + 64, D * 4); _tile_dpbf16ps(2, 4, 5); }
-        if (nt > 3) { _tile_loadd(5, b + 96, D * 4); _tile_dpbf16ps(3, 4, 5); }
-      }
+    for (int64_t k = 0; k < kBlock; k += 32) {
+      _tile_loadd(4, p_hi + k, kBlock * 2);
+      _tile_loadd(5, p_lo + k, kBlock * 2);
+      const bf16* b = vv + (k / 2) * D * 2 + d0 * 2;
+      if (nt > 0) { _tile_loadd(6, b + 0, D * 4); _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(0, 5, 6); }
+      if (nt > 1) { _tile_loadd(7, b + 32, D * 4); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7); }
+      if (nt > 2) { _tile_loadd(6, b + 64, D * 4); _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 6); }
+      if (nt > 3) { _tile_loadd(7, b + 96, D * 4); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7); }
     }
     if (nt > 0) _tile_stored(0, acc + d0 + 0, D * 4);
     if (nt > 1) _tile_stored(1, acc + d0 + 16, D * 4);
@@ -127,18 +140,93 @@ void values_tile(const bf16* p_hi, const bf16* p_lo, const bf16* vv, int64_t D, 
 
 void release_tiles() { _tile_release(); }
 
+// Online softmax of s [16][kBlock] rows (scaled, soft-capped, keys >= n hidden); writes p as bf16
+// hi + lo parts (vcvtne2ps2bf16 rounds to nearest even) and each row's rescale factor for the
+// accumulated output.
+void softmax_rows(float* s, int64_t n, float scale, float logit_cap, float* row_max,
+                  float* row_sum, float* alpha, bf16* p_hi, bf16* p_lo) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < kRows; ++r) {
+    float* x = s + r * kBlock;
+    if (logit_cap > 0.0f) {
+      for (int64_t i = 0; i < kBlock; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), sv));
+      soft_cap(x, n, logit_cap);
+    }
+    const float pre = logit_cap > 0.0f ? 1.0f : scale;  // scores not yet scaled are scaled here
+    const __m512 pv = _mm512_set1_ps(pre);
+    __m512 v[kBlock / 16];
+    __m512 mx = _mm512_set1_ps(kNegInf);
+    for (int64_t i = 0; i < kBlock / 16; ++i) {
+      v[i] = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), pv);
+      const int64_t valid = std::clamp<int64_t>(n - 16 * i, 0, 16);
+      if (valid < 16) v[i] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), (1u << valid) - 1, v[i]);
+      mx = _mm512_max_ps(mx, v[i]);
+    }
+    const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(mx));
+    alpha[r] = std::exp(row_max[r] - new_max);
+    const VecF mv = VecF::broadcast(new_max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kBlock / 16; i += 2) {
+      const __m512 p0 = vexp(VecF{v[i]} - mv).v;
+      const __m512 p1 = vexp(VecF{v[i + 1]} - mv).v;
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      const __m512i hi = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));
+      const __m512 hi0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
+      const __m512 hi1 = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+      const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, hi1), _mm512_sub_ps(p0, hi0));
+      _mm512_storeu_si512(p_hi + r * kBlock + 16 * i, hi);
+      _mm512_storeu_si512(p_lo + r * kBlock + 16 * i, reinterpret_cast<__m512i>(lo));
+    }
+    row_sum[r] = row_sum[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    row_max[r] = new_max;
+  }
+}
+
+
 #pragma GCC pop_options
 
-// K block (n keys, rows of D bf16) to VNNI: kv[r][2i + e] = K[i][2r + e]; keys >= n are 0.
+// In place: the 16 x 16 matrix of 32-bit words in r[0..15] (one row a register) transposed.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4g + k], lane L: column 4L + k of rows 4g .. 4g + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // gather each column's four 128-bit lanes
+    t[k] = _mm512_shuffle_i32x4(r[k], r[k + 4], 0x88);
+    t[k + 4] = _mm512_shuffle_i32x4(r[k], r[k + 4], 0xdd);
+    t[k + 8] = _mm512_shuffle_i32x4(r[k + 8], r[k + 12], 0x88);
+    t[k + 12] = _mm512_shuffle_i32x4(r[k + 8], r[k + 12], 0xdd);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
+    r[k + 4] = _mm512_shuffle_i32x4(t[k + 4], t[k + 12], 0x88);
+    r[k + 12] = _mm512_shuffle_i32x4(t[k + 4], t[k + 12], 0xdd);
+  }
+}
+
+// K block (n keys, rows of D bf16 from column col0) to VNNI: kv[r][2i + e] = K[i][2r + e], a
+// transpose of 32-bit words (pairs), 16 keys x 16 pairs at a time; keys >= n are 0.
 void pack_keys(const bf16* const* k_rows, int64_t n, int64_t D, int64_t col0, bf16* kv) {
   uint32_t* out = reinterpret_cast<uint32_t*>(kv);
   const int64_t pairs = D / 2;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(k_rows[i] + col0);
-    for (int64_t r = 0; r < pairs; ++r) out[r * kBlock + i] = src[r];
-  }
-  for (int64_t i = n; i < kBlock; ++i) {
-    for (int64_t r = 0; r < pairs; ++r) out[r * kBlock + i] = 0;
+  __m512i r[16];
+  for (int64_t i0 = 0; i0 < kBlock; i0 += 16) {
+    for (int64_t w0 = 0; w0 < pairs; w0 += 16) {
+      for (int64_t j = 0; j < 16; ++j) {
+        r[j] = i0 + j < n ? _mm512_loadu_si512(k_rows[i0 + j] + col0 + 2 * w0) : _mm512_setzero_si512();
+      }
+      transpose16x16(r);
+      for (int64_t w = 0; w < 16; ++w) _mm512_storeu_si512(out + (w0 + w) * kBlock + i0, r[w]);
+    }
   }
 }
 
@@ -159,34 +247,6 @@ void pack_values(const bf16* const* v_rows, int64_t n, int64_t D, int64_t col0, 
       _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(a, idx_lo, b));
       _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(a, idx_hi, b));
     }
-  }
-}
-
-// Online softmax of s [16][kBlock] rows (scaled, soft-capped, keys >= n hidden); writes p as bf16
-// hi + lo parts and each row's rescale factor for the accumulated output.
-void softmax_rows(float* s, int64_t n, float scale, float logit_cap, float* row_max,
-                  float* row_sum, float* alpha, bf16* p_hi, bf16* p_lo) {
-  const VecF sv = VecF::broadcast(scale);
-  for (int64_t r = 0; r < kRows; ++r) {
-    float* x = s + r * kBlock;
-    for (int64_t i = 0; i < kBlock; i += kVecWidth) (VecF::load(x + i) * sv).store(x + i);
-    if (logit_cap > 0.0f) soft_cap(x, n, logit_cap);
-    std::fill(x + n, x + kBlock, kNegInf);
-    VecF mx = VecF::broadcast(kNegInf);
-    for (int64_t i = 0; i < kBlock; i += kVecWidth) mx = vmax(mx, VecF::load(x + i));
-    const float new_max = std::max(row_max[r], hmax(mx));
-    alpha[r] = std::exp(row_max[r] - new_max);
-    const VecF mv = VecF::broadcast(new_max);
-    VecF sum = VecF::zero();
-    for (int64_t i = 0; i < kBlock; i += kVecWidth) {
-      const VecF p = vexp(VecF::load(x + i) - mv);
-      sum = sum + p;
-      const VecF hi = p.round_bf16();
-      hi.store(p_hi + r * kBlock + i);
-      (p - hi).store(p_lo + r * kBlock + i);
-    }
-    row_sum[r] = row_sum[r] * alpha[r] + hsum(sum);
-    row_max[r] = new_max;
   }
 }
 
