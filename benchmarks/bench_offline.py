@@ -7,6 +7,7 @@ optionally, llama-cpp-python) on the shared workloads, in one run.
     python benchmarks/bench_offline.py --policies lpm --overlap on,off  # overlap loop on vs off, same run
     python benchmarks/bench_offline.py --dtypes float32 --kv-cache-dtypes auto,float16  # 16-bit KV cache too
     python benchmarks/bench_offline.py --shared-prefix on,off     # shared-prefix attention on vs off
+    python benchmarks/bench_offline.py --workloads W3             # the prefix tree (benchmarks/workloads)
     python benchmarks/bench_offline.py --device cuda --dtypes bfloat16 --policies lpm      # both on one GPU
     python benchmarks/bench_offline.py --model-path DIR --random-weights   # DIR: config + tokenizer only
 
@@ -44,7 +45,15 @@ from radixengine.server_args import CPU_FORWARD_STREAMS, KV_CACHE_DTYPES
 
 REPO = Path(__file__).resolve().parent.parent
 WORKLOADS_DIR = REPO.parent / "shared" / "workloads"
+OWN_WORKLOADS_DIR = REPO / "benchmarks" / "workloads"
 DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def workload_path(name: str, workloads_dir: str) -> Path:
+    """`name`.jsonl in --workloads-dir (W1, W2), else among the benchmarks' own (W3, the prefix
+    tree of make_tree_workload.py)."""
+    path = Path(workloads_dir) / f"{name}.jsonl"
+    return path if path.exists() else OWN_WORKLOADS_DIR / f"{name}.jsonl"
 
 
 def load_workload(path: Path) -> list[dict]:
@@ -461,7 +470,7 @@ def run_all(args) -> tuple[list[dict], tuple[float, float, float]]:
     load_before = os.getloadavg()
     for dtype in args.dtypes:
         for name in args.workloads:
-            items = load_workload(Path(args.workloads_dir) / f"{name}.jsonl")[: args.limit]
+            items = load_workload(workload_path(name, args.workloads_dir))[: args.limit]
             rows += bench_workload(name, items, dtype, args, hf_path, tokenizer)
     return rows, load_before
 

@@ -25,6 +25,7 @@ Workloads through the server (32 concurrent chat requests) and through the offli
         --request-rates inf --max-concurrency 32 --offline --dtypes bfloat16,float32
 
 `--mixed-chunk on,off` runs every scenario with and without the server's `--enable-mixed-chunk`;
+`--shared-prefix on,off` with shared-prefix attention on and off (`--disable-shared-prefix-attention`);
 `--dtypes` every scenario in each dtype (bfloat16 is skipped, and the JSON says so, on a CPU
 without bf16 arithmetic: neither avx512_bf16 nor amx_bf16 in /proc/cpuinfo). Each (dtype, mixed
 chunk) configuration gets a fresh server; the offline Engine runs after that server has stopped,
@@ -545,6 +546,8 @@ def _config(r: dict) -> str:
         parts.append({"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(r["dtype"], r["dtype"]))
     if r.get("mixed_chunk"):
         parts.append(f"mixed {r['mixed_chunk']}")
+    if r.get("shared_prefix"):
+        parts.append(f"shared-prefix attention {r['shared_prefix']}")
     return ", ".join(p for p in parts if p)
 
 
@@ -896,6 +899,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mixed-chunk", default="", help="comma list of on, off: the server's --enable-mixed-chunk"
     )
+    p.add_argument(
+        "--shared-prefix",
+        default="",
+        help="comma list of on, off: the server's shared-prefix attention (off: --disable-shared-prefix-attention)",
+    )
     p.add_argument("--dtypes", default="", help="comma list of --dtype values, one configuration each")
     p.add_argument("--allow-slow-bf16", action="store_true",
                    help="run bfloat16 even on a CPU without bf16 arithmetic (avx512_bf16 / amx_bf16)")  # fmt: skip
@@ -915,12 +923,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.mixed_chunk = [x for x in args.mixed_chunk.split(",") if x]
     if set(args.mixed_chunk) - {"on", "off"}:
         p.error("--mixed-chunk takes a comma list of on, off")
+    args.shared_prefix = [x for x in args.shared_prefix.split(",") if x]
+    if set(args.shared_prefix) - {"on", "off"}:
+        p.error("--shared-prefix takes a comma list of on, off")
     args.dtypes = [x for x in args.dtypes.split(",") if x]
     args.server_flag_list = shlex.split(args.server_flags)
     if args.mixed_chunk and "--enable-mixed-chunk" in args.server_flag_list:
         p.error("give --enable-mixed-chunk through --mixed-chunk, not --server-flags")
-    if args.base_url and (args.mixed_chunk or args.dtypes or args.server_flags):
-        p.error("--mixed-chunk, --dtypes and --server-flags need a launched server (no --base-url)")
+    if args.base_url and (args.mixed_chunk or args.shared_prefix or args.dtypes or args.server_flags):
+        p.error(
+            "--mixed-chunk, --shared-prefix, --dtypes and --server-flags need a launched server (no --base-url)"
+        )
     if args.overload is not None and args.overload < 1:
         p.error("--overload takes a positive number of requests")
     if args.request_rates is None and not args.saturation and args.overload is None:
@@ -946,12 +959,16 @@ def plan_configs(args, cpu: dict) -> tuple[list[dict], list[dict]]:
                             "(neither avx512_bf16 nor amx_bf16); --allow-slow-bf16 runs it anyway"})  # fmt: skip
             continue
         for mixed in args.mixed_chunk or [None]:
-            flags = (
-                list(base)
-                + (["--dtype", dtype] if dtype else [])
-                + (["--enable-mixed-chunk"] if mixed == "on" else [])
-            )
-            configs.append({"dtype": dtype, "mixed_chunk": mixed, "server_flags": flags})
+            for shared in args.shared_prefix or [None]:
+                flags = (
+                    list(base)
+                    + (["--dtype", dtype] if dtype else [])
+                    + (["--enable-mixed-chunk"] if mixed == "on" else [])
+                    + (["--disable-shared-prefix-attention"] if shared == "off" else [])
+                )
+                configs.append(
+                    {"dtype": dtype, "mixed_chunk": mixed, "shared_prefix": shared, "server_flags": flags}
+                )
     return configs, skipped
 
 
@@ -959,7 +976,15 @@ def run_config(args, cfg: dict, meta: dict) -> list[dict]:
     """Every scenario against one server (launched with cfg's flags), then the paired offline runs."""
     proc = log_path = None
     base_url = args.base_url
-    tag = "-".join(str(v) for v in (cfg["dtype"], cfg["mixed_chunk"] and f"mixed-{cfg['mixed_chunk']}") if v)
+    tag = "-".join(
+        str(v)
+        for v in (
+            cfg["dtype"],
+            cfg["mixed_chunk"] and f"mixed-{cfg['mixed_chunk']}",
+            cfg["shared_prefix"] and f"shared-prefix-{cfg['shared_prefix']}",
+        )
+        if v
+    )
     if base_url is None:
         from radixengine.utils.network import get_free_port
 
@@ -968,7 +993,12 @@ def run_config(args, cfg: dict, meta: dict) -> list[dict]:
         print(f"launching the server: {shlex.join(cfg['server_flags'])} (log {log_path})", file=sys.stderr)
         proc = launch(cfg["server_flags"], port, log_path)
         base_url = f"http://127.0.0.1:{port}"
-    labels = {"dtype": cfg["dtype"], "mixed_chunk": cfg["mixed_chunk"], "server_flags": cfg["server_flags"]}
+    labels = {
+        "dtype": cfg["dtype"],
+        "mixed_chunk": cfg["mixed_chunk"],
+        "shared_prefix": cfg["shared_prefix"],
+        "server_flags": cfg["server_flags"],
+    }
     rows, offline_todo = [], []
     try:
         server = ServerTarget(base_url, args.api_key, proc.pid if proc is not None else None)
