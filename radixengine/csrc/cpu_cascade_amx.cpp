@@ -271,15 +271,15 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(bf16));
 
   thread_local std::vector<bf16> bufs;
-  bufs.resize(Hkv * Mp * D + kBlock * D * 2 + 2 * kRows * kBlock);
+  bufs.resize(Hkv * Mp * D + kBlock * D * 2 + 2 * Mp * kBlock);
   bf16* qp = bufs.data();           // [Hkv][Mp][D]
   bf16* kv = qp + Hkv * Mp * D;     // K block of one head, VNNI
   bf16* vv = kv + kBlock * D;       // V block of one head, VNNI
-  bf16* p_hi = vv + kBlock * D;     // [16][kBlock]
-  bf16* p_lo = p_hi + kRows * kBlock;
-  // fp32 scratch, per kv head: acc [Mp][D], max/sum/alpha [Mp]; and s [16][kBlock].
+  bf16* p_hi = vv + kBlock * D;     // [Mp][kBlock]
+  bf16* p_lo = p_hi + Mp * kBlock;
+  // fp32 scratch, per kv head: acc [Mp][D], max/sum/alpha [Mp]; and s [Mp][kBlock].
   const int64_t per_head = Mp * D + 3 * Mp;
-  float* scratch = thread_scratch(Hkv * per_head + kRows * kBlock);
+  float* scratch = thread_scratch(Hkv * per_head + Mp * kBlock);
   float* s = scratch + Hkv * per_head;
 
   std::fill(qp, qp + Hkv * Mp * D, bf16(0.0f));
@@ -317,14 +317,20 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
       float* row_max = acc + Mp * D;
       float* row_sum = row_max + Mp;
       float* alpha = row_sum + Mp;
+      // Three passes over the row tiles, so that what the vector code writes has left the store
+      // buffer before a tile load reads it (and the other way round).
       for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
-        scores_tile(qp + h * Mp * D + r0 * D, D, kv, s);
-        softmax_rows(s, n, a.scale, a.logit_cap, row_max + r0, row_sum + r0, alpha + r0, p_hi,
-                     p_lo);
-        for (int64_t r = 0; r < kRows; ++r) {
-          if (alpha[r0 + r] != 1.0f) scale_row(acc + (r0 + r) * D, D, alpha[r0 + r]);
-        }
-        values_tile(p_hi, p_lo, vv, D, acc + r0 * D);
+        scores_tile(qp + h * Mp * D + r0 * D, D, kv, s + r0 * kBlock);
+      }
+      for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
+        softmax_rows(s + r0 * kBlock, n, a.scale, a.logit_cap, row_max + r0, row_sum + r0,
+                     alpha + r0, p_hi + r0 * kBlock, p_lo + r0 * kBlock);
+      }
+      for (int64_t r = 0; r < Mp; ++r) {
+        if (alpha[r] != 1.0f) scale_row(acc + r * D, D, alpha[r]);
+      }
+      for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
+        values_tile(p_hi + r0 * kBlock, p_lo + r0 * kBlock, vv, D, acc + r0 * D);
       }
     }
   }

@@ -23,9 +23,10 @@ import torch
 # A node shorter than this many tokens is not worth its own pass (its tokens go to the nodes
 # below it); `--shared-prefix-attention-min-len` sets it.
 DEFAULT_MIN_SHARED_LEN = 64
-# Longest unit: longer shared prefixes are cut into pieces of equal length so that the threads
-# share the work (each piece is one more partial to merge).
-MAX_UNIT_LEN = 128
+# Longest unit: longer shared prefixes are cut into pieces so that the threads share the work
+# (each piece is one more partial to merge); pieces are whole key blocks of the kernels but the last.
+MAX_UNIT_LEN = 256
+KEY_BLOCK = 64
 # Most members of one unit (their query heads are the rows of the unit's matrix products).
 MAX_UNIT_MEMBERS = 32
 
@@ -161,7 +162,7 @@ def _pack(
         group = [int(b) for b in order[lo : hi + 1]]
         shared += (end - start) * (len(group) - 1)
         pieces = -(-(end - start) // max_len)
-        piece_len = -(-(end - start) // pieces)
+        piece_len = -(-(end - start) // (pieces * KEY_BLOCK)) * KEY_BLOCK
         for piece_start in range(start, end, piece_len):
             piece_end = min(end, piece_start + piece_len)
             for first in range(0, len(group), max_members):
