@@ -28,13 +28,14 @@
 #include "cpu_common.h"
 #include "cpu_gemm.h"
 #include "cpu_ops.h"
+#include "cpu_query_block.h"
 #include "cpu_vec.h"
 
 namespace radixengine::cpu {
 namespace {
 
 constexpr int64_t kDecodeBlock = 64;       // keys per online-softmax step in decode
-constexpr int64_t kExtendKeyBlock = 64;    // keys per block in extend
+constexpr int64_t kExtendKeyBlock = QueryBlock<float>::kKeyBlock;  // keys per block in extend
 constexpr int64_t kExtendRowTarget = 96;   // query rows (queries x group) per extend task
 
 // Decode scores for GB query rows and four keys: out[g * ld + j] = dot(q[g], k_rows[j] + k_col0)
@@ -297,69 +298,24 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   const int64_t first_pos = prefix + j0;      // position of the block's first query
   const int64_t num_keys = first_pos + nq;    // keys visible to the block's last query
   const int64_t M = nq * G;                   // query rows, query-major: row = j * G + g
-  const int64_t ld = round_up(M, kVecWidth);  // padded row count (columns of S^T)
-  const int64_t BK = kExtendKeyBlock;
-  const int64_t row_stride = a.pool.num_kv_heads * D;
-  constexpr bool kConvertKV = !std::is_same_v<KVT, float>;
-
-  // Scratch: Q^T [D][ld], S^T [BK][ld], acc [M][D], max/sum/alpha [ld], fp32 K/V block.
-  const int64_t nf = D * ld + BK * ld + M * D + 3 * ld + (kConvertKV ? 2 * BK * D : 0);
-  float* qt = thread_scratch(nf);
-  float* st = qt + D * ld;
-  float* acc = st + BK * ld;
-  float* row_max = acc + M * D;
-  float* row_sum = row_max + ld;
-  float* alpha = row_sum + ld;
-  float* k_block = alpha + ld;
-  float* v_block = k_block + BK * D;
-
-  thread_local std::vector<const float*> ptrs;
-  ptrs.resize(D + M + 2 * BK);
-  const float** qt_rows = ptrs.data();
-  const float** p_rows = qt_rows + D;
-  const float** k_rows = p_rows + M;
-  const float** v_rows_f = k_rows + BK;
-  const KVT* v_rows[kExtendKeyBlock];
-
-  // Q^T, scaled, zero in the padding columns.
-  std::fill(qt, qt + D * ld, 0.0f);
+  QueryBlock<KVT> blk(D, M);
   for (int64_t j = 0; j < nq; ++j) {
     for (int64_t g = 0; g < G; ++g) {
       const QT* src = q + (a.extend_start_loc[b] + j0 + j) * a.q_stride0 +
                       (kv_head * G + g) * a.q_stride1;
-      const int64_t m = j * G + g;
-      for (int64_t d = 0; d < D; ++d) qt[d * ld + m] = to_float(src[d]) * a.scale;
+      blk.set_query(j * G + g, src, a.scale);
     }
   }
-  for (int64_t d = 0; d < D; ++d) qt_rows[d] = qt + d * ld;
-  for (int64_t m = 0; m < M; ++m) p_rows[m] = st + m;
-  std::fill(row_max, row_max + ld, kNegInf);
-  std::fill(row_sum, row_sum + ld, 0.0f);
-  std::fill(acc, acc + M * D, 0.0f);
+  const int64_t ld = blk.ld();
 
   // With a window, a query block's later queries may see no key of an early key block: their
   // running max is floored at -FLT_MAX there (exp(-inf - -inf) would be NaN), which keeps their
   // weights 0 until a visible key comes.
   const int64_t key_begin = window_start(first_pos, a.window_left);
   const bool windowed = a.window_left >= 0;
-  for (int64_t start = key_begin; start < num_keys; start += BK) {
-    const int64_t n = std::min(BK, num_keys - start);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t offset = slot_at(a.pool, row, start + i) * row_stride + kv_head * D;
-      if constexpr (kConvertKV) {
-        load_scaled(k_buf + offset, k_block + i * D, D, 1.0f);
-        load_scaled(v_buf + offset, v_block + i * D, D, 1.0f);
-        k_rows[i] = k_block + i * D;
-        v_rows_f[i] = v_block + i * D;
-      } else {
-        k_rows[i] = k_buf + offset;
-        v_rows[i] = v_buf + offset;
-      }
-    }
-
-    // S^T [n][ld] = K [n][D] * Q^T [D][ld]
-    gemm(n, ld, D, k_rows, 1, qt_rows, 0, st, ld, /*accumulate=*/false);
-    if (a.logit_cap > 0.0f) soft_cap(st, n * ld, a.logit_cap);
+  for (int64_t start = key_begin; start < num_keys; start += kExtendKeyBlock) {
+    const int64_t n = std::min(kExtendKeyBlock, num_keys - start);
+    float* st = blk.scores(a.pool, k_buf, v_buf, row, start, n, kv_head, a.logit_cap);
 
     // Causal mask: the key at position p is hidden from the queries before it, i.e. from
     // rows m < (p - first_pos) * G; the window hides it from the queries after
@@ -372,28 +328,15 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
         if (from < M) std::fill(st + i * ld + from, st + i * ld + M, kNegInf);
       }
     }
-
-    softmax_columns(st, n, ld, row_max, row_sum, alpha, windowed);
-    if (start > key_begin) {
-      for (int64_t m = 0; m < M; ++m) {
-        if (alpha[m] != 1.0f) scale_row(acc + m * D, D, alpha[m]);
-      }
-    }
-
-    // acc [M][D] += P [M][n] * V [n][D]  (P(m, i) = S^T[i][m])
-    if constexpr (kConvertKV) {
-      gemm(M, D, n, p_rows, ld, v_rows_f, 0, acc, D, /*accumulate=*/true);
-    } else {
-      gemm(M, D, n, p_rows, ld, v_rows, 0, acc, D, /*accumulate=*/true);
-    }
+    blk.accumulate(n, windowed, start == key_begin);
   }
 
   for (int64_t j = 0; j < nq; ++j) {
     const int64_t t = a.extend_start_loc[b] + j0 + j;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t m = j * G + g;
-      store_scaled(acc + m * D, out + t * a.out_stride0 + (kv_head * G + g) * a.out_stride1, D,
-                   1.0f / row_sum[m]);
+      store_scaled(blk.acc + m * D, out + t * a.out_stride0 + (kv_head * G + g) * a.out_stride1,
+                   D, 1.0f / blk.row_sum[m]);
     }
   }
 }

@@ -19,94 +19,33 @@
 #include "cpu_attention_common.h"
 #include "cpu_cascade.h"
 #include "cpu_common.h"
-#include "cpu_gemm.h"
 #include "cpu_ops.h"
+#include "cpu_query_block.h"
 #include "cpu_vec.h"
 
 namespace radixengine::cpu {
 namespace {
 
-constexpr int64_t kUnitKeyBlock = 64;  // keys per online-softmax step of a unit
-
 template <typename QT, typename KVT>
 void unit_task(const CascadeUnits& a, const QT* q, const KVT* k_buf, const KVT* v_buf,
                int64_t u, int64_t kv_head) {
-  const int64_t D = a.pool.head_dim;
   const int64_t G = a.group;
-  const int64_t row = a.unit_rows[u];
   const int64_t m0 = a.member_ptr[u];
   const int64_t num_members = a.member_ptr[u + 1] - m0;
-  const int64_t M = num_members * G;          // query rows, member-major: row = j * G + g
-  const int64_t ld = round_up(M, kVecWidth);  // padded row count (columns of S^T)
-  const int64_t BK = kUnitKeyBlock;
-  const int64_t row_stride = a.pool.num_kv_heads * D;
-  constexpr bool kConvertKV = !std::is_same_v<KVT, float>;
-
-  // Scratch: Q^T [D][ld], S^T [BK][ld], acc [M][D], max/sum/alpha [ld], fp32 K/V block.
-  const int64_t nf = D * ld + BK * ld + M * D + 3 * ld + (kConvertKV ? 2 * BK * D : 0);
-  float* qt = thread_scratch(nf);
-  float* st = qt + D * ld;
-  float* acc = st + BK * ld;
-  float* row_max = acc + M * D;
-  float* row_sum = row_max + ld;
-  float* alpha = row_sum + ld;
-  float* k_block = alpha + ld;
-  float* v_block = k_block + BK * D;
-
-  thread_local std::vector<const float*> ptrs;
-  ptrs.resize(D + M + 2 * BK);
-  const float** qt_rows = ptrs.data();
-  const float** p_rows = qt_rows + D;
-  const float** k_rows = p_rows + M;
-  const float** v_rows_f = k_rows + BK;
-  const KVT* v_rows[kUnitKeyBlock];
-
-  std::fill(qt, qt + D * ld, 0.0f);
+  QueryBlock<KVT> blk(a.pool.head_dim, num_members * G);  // rows member-major: j * G + g
   for (int64_t j = 0; j < num_members; ++j) {
     const int64_t b = a.members[m0 + j];
     for (int64_t g = 0; g < G; ++g) {
-      const QT* src = q + b * a.q_stride0 + (kv_head * G + g) * a.q_stride1;
-      const int64_t m = j * G + g;
-      for (int64_t d = 0; d < D; ++d) qt[d * ld + m] = to_float(src[d]) * a.scale;
+      blk.set_query(j * G + g, q + b * a.q_stride0 + (kv_head * G + g) * a.q_stride1, a.scale);
     }
   }
-  for (int64_t d = 0; d < D; ++d) qt_rows[d] = qt + d * ld;
-  for (int64_t m = 0; m < M; ++m) p_rows[m] = st + m;
-  std::fill(row_max, row_max + ld, kNegInf);
-  std::fill(row_sum, row_sum + ld, 0.0f);
-  std::fill(acc, acc + M * D, 0.0f);
-
   const int64_t begin = a.unit_start[u];
-  const int64_t end = a.unit_end[u];
-  for (int64_t start = begin; start < end; start += BK) {
-    const int64_t n = std::min(BK, end - start);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t offset = slot_at(a.pool, row, start + i) * row_stride + kv_head * D;
-      if constexpr (kConvertKV) {
-        load_scaled(k_buf + offset, k_block + i * D, D, 1.0f);
-        load_scaled(v_buf + offset, v_block + i * D, D, 1.0f);
-        k_rows[i] = k_block + i * D;
-        v_rows_f[i] = v_block + i * D;
-      } else {
-        k_rows[i] = k_buf + offset;
-        v_rows[i] = v_buf + offset;
-      }
-    }
-    gemm(n, ld, D, k_rows, 1, qt_rows, 0, st, ld, /*accumulate=*/false);
-    if (a.logit_cap > 0.0f) soft_cap(st, n * ld, a.logit_cap);
-    softmax_columns(st, n, ld, row_max, row_sum, alpha, /*floor_max=*/false);
-    if (start > begin) {
-      for (int64_t m = 0; m < M; ++m) {
-        if (alpha[m] != 1.0f) scale_row(acc + m * D, D, alpha[m]);
-      }
-    }
-    if constexpr (kConvertKV) {
-      gemm(M, D, n, p_rows, ld, v_rows_f, 0, acc, D, /*accumulate=*/true);
-    } else {
-      gemm(M, D, n, p_rows, ld, v_rows, 0, acc, D, /*accumulate=*/true);
-    }
+  for (int64_t start = begin; start < a.unit_end[u]; start += QueryBlock<KVT>::kKeyBlock) {
+    const int64_t n = std::min(QueryBlock<KVT>::kKeyBlock, a.unit_end[u] - start);
+    blk.scores(a.pool, k_buf, v_buf, a.unit_rows[u], start, n, kv_head, a.logit_cap);
+    blk.accumulate(n, /*floor_max=*/false, start == begin);
   }
-  store_unit_partials(a, u, kv_head, acc, row_max, row_sum);
+  store_unit_partials(a, u, kv_head, blk.acc, blk.row_max, blk.row_sum);
 }
 
 // One task of the units: on AMX a whole unit (every kv head, so a pool row is read once), else
