@@ -79,15 +79,28 @@ def build_cascade_plan(
     if bs < 2:
         return None
     rows = req_pool_indices.to(device="cpu", dtype=torch.long)
-    table = req_to_token.index_select(0, rows.to(req_to_token.device)).cpu()
-    firsts = table[:, 0]
-    if torch.unique(firsts).numel() == bs:  # nothing shared: the common case costs one gather
+    if not _may_share(req_to_token, rows, seq_lens, min_shared_len):
         return None
+    table = req_to_token.index_select(0, rows.to(req_to_token.device)).cpu()
     order, lcp = _sorted_lcp(table[:, : max(seq_lens)].numpy(), seq_lens)
     units, own_start = _units(_lcp_nodes(lcp), bs, min_shared_len)
     if not units:
         return None
     return _pack(units, own_start, order, rows.tolist(), max_unit_len, max_unit_members)
+
+
+def _may_share(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], min_len: int) -> bool:
+    """Whether two requests may share a prefix of `min_len` positions: then they hold the same
+    slot at position min_len - 1 (every unit ends at least that deep). One column's gather, so
+    a batch with nothing (or too little) shared costs next to nothing."""
+    longer = [n > min_len for n in seq_lens]
+    if sum(longer) < 2:
+        return False
+    if min_len > req_to_token.shape[1]:
+        return False
+    column = req_to_token[rows.to(req_to_token.device), min_len - 1].tolist()
+    slots = [slot for slot, long in zip(column, longer) if long]
+    return len(set(slots)) < len(slots)
 
 
 def _sorted_lcp(table: np.ndarray, seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
