@@ -271,11 +271,11 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
   const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(bf16));
 
   thread_local std::vector<bf16> bufs;
-  bufs.resize(Hkv * Mp * D + kBlock * D * 2 + 2 * Mp * kBlock);
-  bf16* qp = bufs.data();           // [Hkv][Mp][D]
-  bf16* kv = qp + Hkv * Mp * D;     // K block of one head, VNNI
-  bf16* vv = kv + kBlock * D;       // V block of one head, VNNI
-  bf16* p_hi = vv + kBlock * D;     // [Mp][kBlock]
+  bufs.resize(Hkv * Mp * D + 2 * Hkv * kBlock * D + 2 * Mp * kBlock);
+  bf16* qp = bufs.data();                // [Hkv][Mp][D]
+  bf16* kv_all = qp + Hkv * Mp * D;      // [Hkv] K blocks, VNNI
+  bf16* vv_all = kv_all + Hkv * kBlock * D;  // [Hkv] V blocks, VNNI
+  bf16* p_hi = vv_all + Hkv * kBlock * D;    // [Mp][kBlock]
   bf16* p_lo = p_hi + Mp * kBlock;
   // fp32 scratch, per kv head: acc [Mp][D], max/sum/alpha [Mp]; and s [Mp][kBlock].
   const int64_t per_head = Mp * D + 3 * Mp;
@@ -310,9 +310,15 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
       touched += touch_row(k_rows[i], row_bytes) + touch_row(v_rows[i], row_bytes);
     }
     asm volatile("" : : "r"(touched));  // keep the loads
+    // Every head's K and V packed first: the tile loads then read lines the packing wrote
+    // well before (a tile load right after the stores it reads waits for them).
     for (int64_t h = 0; h < Hkv; ++h) {
-      pack_keys(k_rows, n, D, h * D, kv);
-      pack_values(v_rows, n, D, h * D, vv);
+      pack_keys(k_rows, n, D, h * D, kv_all + h * kBlock * D);
+      pack_values(v_rows, n, D, h * D, vv_all + h * kBlock * D);
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const bf16* kv = kv_all + h * kBlock * D;
+      const bf16* vv = vv_all + h * kBlock * D;
       float* acc = scratch + h * per_head;
       float* row_max = acc + Mp * D;
       float* row_sum = row_max + Mp;
