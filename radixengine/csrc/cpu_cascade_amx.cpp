@@ -146,6 +146,8 @@ void release_tiles() { _tile_release(); }
 void softmax_rows(float* s, int64_t n, float scale, float logit_cap, float* row_max,
                   float* row_sum, float* alpha, bf16* p_hi, bf16* p_lo) {
   const __m512 sv = _mm512_set1_ps(scale);
+  alignas(64) float sums[kRows];
+  const __m512 old_max = _mm512_loadu_ps(row_max);
   for (int64_t r = 0; r < kRows; ++r) {
     float* x = s + r * kBlock;
     if (logit_cap > 0.0f) {
@@ -163,7 +165,6 @@ void softmax_rows(float* s, int64_t n, float scale, float logit_cap, float* row_
       mx = _mm512_max_ps(mx, v[i]);
     }
     const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(mx));
-    alpha[r] = std::exp(row_max[r] - new_max);
     const VecF mv = VecF::broadcast(new_max);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < kBlock / 16; i += 2) {
@@ -178,9 +179,13 @@ void softmax_rows(float* s, int64_t n, float scale, float logit_cap, float* row_
       _mm512_storeu_si512(p_hi + r * kBlock + 16 * i, hi);
       _mm512_storeu_si512(p_lo + r * kBlock + 16 * i, reinterpret_cast<__m512i>(lo));
     }
-    row_sum[r] = row_sum[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    sums[r] = _mm512_reduce_add_ps(sum);
     row_max[r] = new_max;
   }
+  // The rows' rescale factors exp(old max - new max), 16 at once.
+  const __m512 a = vexp(VecF{_mm512_sub_ps(old_max, _mm512_loadu_ps(row_max))}).v;
+  _mm512_storeu_ps(alpha, a);
+  _mm512_storeu_ps(row_sum, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), a, _mm512_load_ps(sums)));
 }
 
 
