@@ -140,15 +140,15 @@ void values_tile(const bf16* p_hi, const bf16* p_lo, const bf16* vv, int64_t D, 
 
 void release_tiles() { _tile_release(); }
 
-// Online softmax of s [16][kBlock] rows (scaled, soft-capped, keys >= n hidden); writes p as bf16
-// hi + lo parts (vcvtne2ps2bf16 rounds to nearest even) and each row's rescale factor for the
-// accumulated output.
-void softmax_rows(float* s, int64_t n, float scale, float logit_cap, float* row_max,
-                  float* row_sum, float* alpha, bf16* p_hi, bf16* p_lo) {
+// Online softmax of the first `rows` of s [16][kBlock] (scaled, soft-capped, keys >= n hidden);
+// writes p as bf16 hi + lo parts (vcvtne2ps2bf16 rounds to nearest even) and each row's rescale
+// factor for the accumulated output. Rows past `rows` are padding: their results are never read.
+void softmax_rows(float* s, int64_t rows, int64_t n, float scale, float logit_cap,
+                  float* row_max, float* row_sum, float* alpha, bf16* p_hi, bf16* p_lo) {
   const __m512 sv = _mm512_set1_ps(scale);
-  alignas(64) float sums[kRows];
+  alignas(64) float sums[kRows] = {};
   const __m512 old_max = _mm512_loadu_ps(row_max);
-  for (int64_t r = 0; r < kRows; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     float* x = s + r * kBlock;
     if (logit_cap > 0.0f) {
       for (int64_t i = 0; i < kBlock; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), sv));
@@ -334,10 +334,10 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
         scores_tile(qp + h * Mp * D + r0 * D, D, kv, s + r0 * kBlock);
       }
       for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
-        softmax_rows(s + r0 * kBlock, n, a.scale, a.logit_cap, row_max + r0, row_sum + r0,
-                     alpha + r0, p_hi + r0 * kBlock, p_lo + r0 * kBlock);
+        softmax_rows(s + r0 * kBlock, std::min(kRows, M - r0), n, a.scale, a.logit_cap,
+                     row_max + r0, row_sum + r0, alpha + r0, p_hi + r0 * kBlock, p_lo + r0 * kBlock);
       }
-      for (int64_t r = 0; r < Mp; ++r) {
+      for (int64_t r = 0; r < M; ++r) {
         if (alpha[r] != 1.0f) scale_row(acc + r * D, D, alpha[r]);
       }
       for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
