@@ -97,6 +97,25 @@ FORMATS = [
         "",
         [("get_weather", PARIS)],
     ),
+    (  # a lone surrogate escape: the arguments keep it as the escape, text UTF-8 can encode
+        "qwen25",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud83d \\ud83d\\ude00", "unit": "celsius"}}'
+        "\n</tool_call>",
+        "",
+        [("get_weather", '{"city": "\\ud83d 😀", "unit": "celsius"}')],
+    ),
+    (
+        "llama3",
+        '{"name": "get_time", "parameters": {"zone": "\\udc00"}}',
+        "",
+        [("get_time", '{"zone": "\\udc00"}')],
+    ),
+    (
+        "pythonic",
+        '[get_time(zone="\\ud83d")]',
+        "",
+        [("get_time", '{"zone": "\\ud83d"}')],
+    ),
     (
         "pythonic",
         '[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]',
@@ -274,6 +293,29 @@ def test_conversation_with_calls_and_results_goes_through_the_template(tiny, tin
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"' in prompt
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in prompt
     assert r.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
+
+
+def test_a_lone_surrogate_escape_in_arguments_is_kept_as_the_escape(tiny, tiny_client):
+    """Valid JSON text whose string holds a lone UTF-16 surrogate (`\\ud83d`) gives Python a
+    string UTF-8 cannot encode: the answer and the stream keep it as the escape (no 500, no broken
+    stream)."""
+    model_text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "\\ud83d"}}\n</tool_call>'
+    kwargs = dict(model="m", messages=MESSAGES, tools=[TIME], temperature=0, max_tokens=300,
+                  extra_body={"regex": re.escape(model_text)})  # fmt: skip
+    r = tiny_client.chat.completions.create(**kwargs)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.arguments == '{"zone": "\\ud83d"}'
+    assert json.loads(call.function.arguments) == {"zone": "\ud83d"}
+    chunks = list(tiny_client.chat.completions.create(**kwargs, stream=True))
+    pieces = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert "".join(p.function.arguments for p in pieces) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "noon"}]  # fmt: skip
+    # a prompt cannot hold it: sent back, the call is a 400 naming the field, as any such input
+    with pytest.raises(openai.BadRequestError, match="lone UTF-16 surrogate") as e:
+        tiny_client.chat.completions.create(model="m", messages=history, tools=[TIME], max_tokens=2)
+    assert e.value.body["param"] == "messages[1].tool_calls[0].function.arguments.zone"
 
 
 def _bad(tools=None, **fields) -> dict:

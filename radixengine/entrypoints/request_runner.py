@@ -5,7 +5,6 @@ route's requests)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -15,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import EngineDeadError, RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager, collect
+from radixengine.utils.unicode_check import dumps_json_text
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,15 @@ async def serve_requests(
     if objs[0].stream:
         return await sse_response(request, events(merged_stream(tm, objs)), objs)
     outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
-    return outs if isinstance(outs, Response) else JSONResponse(answer(outs))
+    return outs if isinstance(outs, Response) else ModelOutputResponse(answer(outs))
+
+
+class ModelOutputResponse(JSONResponse):
+    """JSONResponse whose text UTF-8 can always encode (a lone surrogate a model's JSON escape
+    gave a string is sent as that escape), never a 500 for what a model wrote."""
+
+    def render(self, content: object) -> bytes:
+        return dumps_json_text(content, allow_nan=False, separators=(",", ":")).encode()
 
 
 ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-tenant")  # SGLang's header, and a plain one
@@ -179,4 +187,4 @@ async def sse_response(
 
 
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + dumps_json_text(obj).encode() + b"\n\n"

@@ -20,6 +20,7 @@ from radixengine.function_call.partial_json import (
     is_complete_json,
     partial_json_loads,
 )
+from radixengine.utils.unicode_check import dumps_json_text
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,7 @@ class BaseFormatDetector(ABC):
             if arguments is None:
                 arguments = act.get("arguments", {})
             results.append(
-                ToolCallItem(
-                    tool_index=indices[name], name=name, parameters=json.dumps(arguments, ensure_ascii=False)
-                )
+                ToolCallItem(tool_index=indices[name], name=name, parameters=dumps_json_text(arguments))
             )
         return results
 
@@ -180,7 +179,7 @@ class BaseFormatDetector(ABC):
         if arguments is None:
             return StreamingParseResult()
         sent = len(self.streamed_args_for_tool[tool_id])
-        cur_json = json.dumps(arguments, ensure_ascii=False)
+        cur_json = dumps_json_text(arguments)
         diff = None
         if is_complete:
             diff = cur_json[sent:]
@@ -188,7 +187,7 @@ class BaseFormatDetector(ABC):
         elif tool_id < len(self.prev_tool_call_arr):
             prev = self.prev_tool_call_arr[tool_id].get("arguments")
             if prev is not None:
-                prev_json = json.dumps(prev, ensure_ascii=False)
+                prev_json = dumps_json_text(prev)
                 if prev_json != cur_json:
                     diff = find_common_prefix(prev_json, cur_json)[sent:]
         while len(self.prev_tool_call_arr) <= tool_id:
@@ -219,7 +218,7 @@ class BaseFormatDetector(ABC):
         if tool_id >= len(self.streamed_args_for_tool):
             return None
         expected = self.prev_tool_call_arr[tool_id].get("arguments", {})
-        expected_json = expected if isinstance(expected, str) else json.dumps(expected, ensure_ascii=False)
+        expected_json = expected if isinstance(expected, str) else dumps_json_text(expected)
         actual = self.streamed_args_for_tool[tool_id]
         if not expected_json.startswith(actual) or expected_json == actual:
             return None

@@ -9,12 +9,12 @@ its `]` and then parses the list whole."""
 from __future__ import annotations
 
 import ast
-import json
 import logging
 import re
 
 from radixengine.function_call.base_format_detector import BaseFormatDetector, tool_names
 from radixengine.function_call.core_types import GetInfoFunc, StreamingParseResult, ToolCallItem
+from radixengine.utils.unicode_check import dumps_json_text
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class PythonicDetector(BaseFormatDetector):
                 ToolCallItem(
                     tool_index=len(calls),
                     name=call.func.id,
-                    parameters=json.dumps(arguments, ensure_ascii=False),
+                    parameters=dumps_json_text(arguments),
                 )
             )
         return StreamingParseResult(normal_text=normal_text, calls=calls)
