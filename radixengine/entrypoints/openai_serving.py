@@ -44,10 +44,10 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
 
 
 def sampling_params_of(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, param: str
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, param: str, least: int = 1
 ) -> dict:
-    if max_tokens is not None and max_tokens <= 0:
-        raise RequestError(f"{param} must be at least 1, got {max_tokens}", param=param)
+    if max_tokens is not None and max_tokens < least:
+        raise RequestError(f"{param} must be at least {least}, got {max_tokens}", param=param)
     if req.temperature < 0:
         raise RequestError(f"temperature must be >= 0, got {req.temperature}", param="temperature")
     if not 0 < req.top_p <= 1:
@@ -157,7 +157,8 @@ def completion_requests(tm: TokenizerManager, req: CompletionRequest):
     check_unsupported(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
-    params = sampling_params_of(req, req.max_tokens, "max_tokens")
+    # max_tokens 0 scores an echoed prompt (its logprobs, no new token), as OpenAI and vLLM take it
+    params = sampling_params_of(req, req.max_tokens, "max_tokens", least=0 if req.echo else 1)
     check_constraint(tm, req, params)
     prompts = completion_prompts(req.prompt)
     kind = "text" if isinstance(prompts[0], str) else "input_ids"
