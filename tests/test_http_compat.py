@@ -122,10 +122,11 @@ LITELLM_BODY = {
     "top_logprobs": None, "max_completion_tokens": None, "extra_headers": {"x-litellm": "1"},
     "litellm_call_id": "abc", "drop_params": True,
 }  # fmt: skip
-# LangChain's ChatOpenAI: content as a list of text parts, n and stream set, stream usage asked.
+# LangChain's ChatOpenAI: content as a list of text parts (joined with a space, as SGLang joins
+# them), n and stream set, stream usage asked.
 LANGCHAIN_BODY = {
     "model": "default", "stream": False, "n": 1, "temperature": 0.0, "max_tokens": 6, "ignore_eos": True,
-    "messages": [{"role": "user", "content": [{"type": "text", "text": "hello world "},
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "hello world"},
                                               {"type": "text", "text": "this is a test"}]}],
 }  # fmt: skip
 # Open WebUI: its own metadata on the body and on each message, and an id on the message.
@@ -440,7 +441,7 @@ def test_chat_template_flag_kwargs_and_continue_final_message(server, tokenizer)
     parts = [
         {
             "role": "user",
-            "content": [{"type": "text", "text": "hello world "}, {"type": "text", "text": "this is a test"}],
+            "content": [{"type": "text", "text": "hello world"}, {"type": "text", "text": "this is a test"}],
         }
     ]
     assert post(server, "/tokenize", {"messages": parts}).json()["tokens"] == tokens

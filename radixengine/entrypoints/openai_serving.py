@@ -202,7 +202,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                         'only ({"type": "text", "text": ...})',
                         param=f"messages[{i}].content[{j}].type",
                     )
-            content = "".join(part.text or "" for part in content)
+            content = " ".join(part.text or "" for part in content)  # SGLang's join of text parts
         message = {"role": m.role, "content": content or ""}
         tool_calls = template_tool_calls(i, m)
         if tool_calls is not None:
