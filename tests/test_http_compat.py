@@ -384,7 +384,23 @@ def test_loads_count_a_running_request(server):
         assert get(server, "/get_load").json()[0]["num_reqs"] == 1
         assert post(server, "/abort_request", {"rid": "load-probe"}).status_code == 200
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-    assert events[-1]["error"]["code"] == 499  # the client got the abort, the stream ended
+    # the stream ends as SGLang's does: a normal chunk whose finish_reason is the abort
+    reason = events[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 499, events[-1]
+    assert events[-1]["meta_info"]["completion_tokens"] == len(events[-1]["output_ids"]) >= 1
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+
+
+def test_an_aborted_chat_stream_ends_with_an_error_event(server):
+    body = {"messages": MESSAGES, "max_tokens": 3500, "ignore_eos": True, "stream": True, "rid": "chat-abort"}
+    with httpx.stream(
+        "POST", server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60
+    ) as r:
+        lines = r.iter_lines()
+        next(lines)
+        assert post(server, "/abort_request", {"rid": "chat-abort"}).status_code == 200
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == 499  # the OpenAI routes keep OpenAI's error shape
 
 
 def test_abort_all_ends_a_waiting_non_streaming_request(server):
@@ -400,9 +416,11 @@ def test_abort_all_ends_a_waiting_non_streaming_request(server):
         assert thread.is_alive(), result["response"].text
     assert post(server, "/abort_request", {"abort_all": True}).status_code == 200
     thread.join(60)
-    assert (
-        result["response"].status_code == 499 and "aborted" in result["response"].json()["error"]["message"]
-    )
+    # SGLang's answer: the output so far, its finish_reason the abort
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    reason = response.json()["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 499 and "aborted" in reason["message"]
     assert post(server, "/abort_request", {"rid": "nothing-runs-under-this"}).status_code == 200
     bad = post(server, "/abort_request", {})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"

@@ -29,15 +29,17 @@ async def serve_requests(
     objs: list[GenerateReqInput],
     events: Callable[[AsyncIterator[tuple[int, dict]]], AsyncIterator[dict]],
     answer: Callable[[list[dict]], object],
+    keep_requested_aborts: bool = False,
 ) -> Response:
     """A route's requests: when they stream, Server-Sent Events of `events` (the outputs of all,
-    merged as they come, as the route's chunks); else the JSON of `answer` (their final outputs).
+    merged as they come, as the route's chunks); else the JSON of `answer` (their final outputs;
+    with `keep_requested_aborts`, an /abort_request's abort is an output, not an error).
     A client that leaves gets its requests aborted."""
     tm = tm_of(request)
     tag_routing_key(request, objs)
     if objs[0].stream:
         return await sse_response(request, events(merged_stream(tm, objs)), objs)
-    outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
+    outs = await with_disconnect_abort(request, collect_all(tm, objs, keep_requested_aborts), objs)
     return outs if isinstance(outs, Response) else ModelOutputResponse(answer(outs))
 
 
@@ -61,10 +63,12 @@ def tag_routing_key(request: Request, objs: list[GenerateReqInput]) -> None:
             obj.routing_key = header
 
 
-async def collect_all(tm: TokenizerManager, objs: list[GenerateReqInput]) -> list[dict]:
+async def collect_all(
+    tm: TokenizerManager, objs: list[GenerateReqInput], keep_requested_aborts: bool = False
+) -> list[dict]:
     """All requests' final outputs; the first failure (or a cancel) aborts the others, and
     returns once their aborts are sent."""
-    tasks = [asyncio.ensure_future(collect(tm, o)) for o in objs]
+    tasks = [asyncio.ensure_future(collect(tm, o, keep_requested_aborts)) for o in objs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
