@@ -65,8 +65,10 @@ def sampling_params_of(
         "min_p": req.min_p,
         "stop": req.stop,
         "stop_token_ids": req.stop_token_ids,
+        "stop_regex": req.stop_regex,
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
         "no_stop_trim": req.no_stop_trim,
         "sampling_seed": req.seed,
     }
