@@ -268,6 +268,11 @@ class Req:
                     self.matched_stop_regex = True
                     return
 
+    @property
+    def keeps_matched_stop(self) -> bool:
+        """The output is not trimmed at what stopped it: no_stop_trim, or a stop_regex match."""
+        return self.sampling_params.no_stop_trim or self.matched_stop_regex
+
     def abort(
         self,
         message: str,
