@@ -100,11 +100,23 @@ class PythonicDetector(BaseFormatDetector):
 
 
 def _matching_bracket(text: str, start: int) -> int:
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"[": 1, "]": -1}.get(text[i], 0)
-        if depth == 0:
-            return i
+    """Where the `[` at `start` closes, brackets inside Python string literals not counted; -1
+    while it is open."""
+    depth, quote, i = 0, "", start
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1  # the escaped character
+            elif c == quote:
+                quote = ""
+        elif c in "'\"":
+            quote = c
+        elif c in "[]":
+            depth += 1 if c == "[" else -1
+            if depth == 0:
+                return i
+        i += 1
     return -1
 
 
