@@ -41,6 +41,7 @@ class BaseFormatDetector(ABC):
         self.bot_token = ""  # what opens the calls
         self.eot_token = ""  # what closes them
         self.tool_call_separator = ", "
+        self._skipped_call = False  # a call of an unknown function was dropped: calls are under way
 
     # One go ------------------------------------------------------------------------------------
 
@@ -84,7 +85,8 @@ class BaseFormatDetector(ABC):
         is not whitespace itself is skipped)."""
         if self.tool_call_separator.strip():
             text = text.lstrip()
-        return self.current_tool_id > 0 and text.startswith(self.tool_call_separator)
+        in_calls = self.current_tool_id > 0 or self._skipped_call
+        return in_calls and text.startswith(self.tool_call_separator)
 
     def parse_streaming_increment(self, new_text: str, tools: list) -> StreamingParseResult:
         """SGLang's base streaming: for formats where the bot token is followed by JSON calls
@@ -115,22 +117,29 @@ class BaseFormatDetector(ABC):
         if read is None:
             return StreamingParseResult()
         call, start_idx, end_idx = read
+        is_complete = is_complete_json(current_text[start_idx : start_idx + end_idx])
         if "name" in call and call["name"] not in self._tool_indices:
-            logger.warning("the model called an undefined function: %r", call["name"])
-            self._buffer = ""
-            self.current_tool_id = -1
-            self.current_tool_name_sent = False
-            if self.streamed_args_for_tool:
-                self.streamed_args_for_tool.pop()
-            return StreamingParseResult()
+            return self._skip_unknown_call(
+                call["name"], is_complete, current_text[start_idx + end_idx :], tools
+            )
         if "parameters" in call:
             call["arguments"] = call.pop("parameters")
         if not call:
             return StreamingParseResult()
-        is_complete = is_complete_json(current_text[start_idx : start_idx + end_idx])
         if not self.current_tool_name_sent:
             return self._stream_name(call)
         return self._stream_arguments(call, is_complete, current_text[start_idx + end_idx :])
+
+    def _skip_unknown_call(
+        self, name: str, is_complete: bool, rest: str, tools: list
+    ) -> StreamingParseResult:
+        """A call of a function not in `tools` is dropped, as the one-go parse drops it, once its
+        JSON is whole; the calls after it are read on."""
+        if not is_complete:
+            return StreamingParseResult()
+        logger.warning("the model called an undefined function: %r", name)
+        self._buffer, self._skipped_call = "", True
+        return BaseFormatDetector.parse_streaming_increment(self, rest, tools)
 
     def _read_current_call(self, text: str) -> tuple[dict, int, int] | None:
         """The (partial) call object being written: (object, where its JSON starts, its length)."""
