@@ -53,7 +53,9 @@ class FunctionCallParser:
         calls: dict[int, ToolCallItem] = {}
         for item in items + end_items:
             if item.name:
-                calls[item.tool_index] = ToolCallItem(tool_index=item.tool_index, name=item.name, parameters="")
+                calls[item.tool_index] = ToolCallItem(
+                    tool_index=item.tool_index, name=item.name, parameters=""
+                )
             calls[item.tool_index].parameters += item.parameters
         return normal + end_normal, [calls[i] for i in sorted(calls)]
 
