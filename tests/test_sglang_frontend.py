@@ -118,3 +118,24 @@ def test_an_sgl_function_program_runs_gen_select_fork_and_streams(server):
     streamed = program.run(question=PROMPT, backend=backend, temperature=0, stream=True)
     pieces = list(streamed.text_iter())
     assert len(pieces) > 2 and "".join(pieces) == text
+
+
+def test_stop_regex_on_the_openai_routes(server):
+    """SGLang's `stop_regex` extra on /v1/completions and /v1/chat/completions: finish_reason
+    `stop`, `matched_stop` the pattern (what SGLang's matched-stop tests read)."""
+    plain = generate(server, gen_body(max_new_tokens=24))
+    pattern = "".join(f"[{re.escape(c)}]" for c in plain["text"][6:9])
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_regex": pattern}
+    r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
+    choice = r["choices"][0]
+    assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", pattern), r
+    assert plain["text"].startswith(choice["text"]) and re.search(pattern, choice["text"])
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    url = server.base_url + "/v1/chat/completions"
+    whole = httpx.post(url, json=chat, timeout=60).json()["choices"][0]["message"]["content"]
+    pattern = "".join(f"[{re.escape(c)}]" for c in whole[4:7])
+    r = httpx.post(url, json={**chat, "stop_regex": [r"\d{9}", pattern]}, timeout=60).json()
+    choice = r["choices"][0]
+    assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", pattern), r
+    assert whole.startswith(choice["message"]["content"]) and len(choice["message"]["content"]) < len(whole)
