@@ -30,14 +30,14 @@ def defs_key(tool) -> str:
 def rebase_refs(schema: object, base: str) -> object:
     """`schema` with every local `$ref` (`#`, `#/$defs/...`, `#/definitions/...`,
     `#/properties/...`) made relative to `base`, the JSON pointer where the schema now sits, so
-    that it means what it meant as a root. Other refs are kept."""
+    that it means what it meant as a root. Other refs (other documents, `#anchor`s) are kept."""
     if isinstance(schema, list):
         return [rebase_refs(item, base) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             out[key] = base + value[1:]
         elif key in _DATA_KEYWORDS:
             out[key] = value
