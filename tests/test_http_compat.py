@@ -391,6 +391,27 @@ def test_loads_count_a_running_request(server):
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
 
 
+def test_a_generate_stream_failing_mid_way_ends_with_its_abort_chunk(server):
+    """A request that fails after its first output (a regex that dead-ends after "a") ends its
+    /generate stream as SGLang's does: a normal chunk whose finish_reason is the abort (400);
+    one refused before any output gets the HTTP status."""
+    body = {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 8, "regex": "a[^\\s\\S]"}}
+    with httpx.stream("POST", server.base_url + "/generate", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]" and len(events) >= 2 and "error" not in events[-1]
+    reason = events[-1]["meta_info"]["finish_reason"]
+    assert (
+        reason["type"] == "abort"
+        and reason["status_code"] == 400
+        and "matches no output" in reason["message"]
+    )
+    refused = {**body, "sampling_params": {"max_new_tokens": 8, "regex": "[^\\s\\S]"}}
+    r = post(server, "/generate", refused)
+    assert r.status_code == 400 and "matches no output" in r.json()["error"]["message"]
+
+
 def test_an_aborted_chat_stream_ends_with_an_error_event(server):
     body = {"messages": MESSAGES, "max_tokens": 3500, "ignore_eos": True, "stream": True, "rid": "chat-abort"}
     with httpx.stream(

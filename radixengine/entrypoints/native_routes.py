@@ -56,12 +56,15 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
 
 async def _native_events(merged: AsyncIterator[tuple[int, dict]], single: bool) -> AsyncIterator[dict]:
     """A single request's outputs, or several requests' outputs as they come, each with the
-    `index` of its request (SGLang's batch stream). An /abort_request's abort ends its request
-    with a normal output whose finish_reason is the abort (SGLang's); a refusal is an error event."""
+    `index` of its request (SGLang's batch stream). An abort ends its request with a normal
+    output whose finish_reason is the abort (SGLang's); only a refusal before any output is an
+    error, which the stream's first event turns into the answer's HTTP status."""
+    started = False
     try:
         async for i, out in merged:
-            if is_abort(out) and not is_requested_abort(out):
+            if not started and is_abort(out) and not is_requested_abort(out):
                 raise abort_to_error(out)
+            started = True
             yield out if single else {**out, "index": i}
     finally:
         await merged.aclose()
