@@ -52,6 +52,16 @@ CASES = [
     ("qwen3-think-in-answer", None, "qwen3", "none", "<think>plan</think>Use <think> and </think> tags."),
     ("qwen3-no-think", None, "qwen3", "none", "Hello <think> world"),
     ("qwen3-think-then-call", "qwen25", "qwen3", "auto", "<think>hm</think>ok\n" + QWEN_CALL),
+    ("qwen3-call-in-think", "qwen25", "qwen3", "auto", "<think>hm " + QWEN_CALL + "</think>after"),
+    ("r1-cut-in-think", "llama3", "deepseek-r1", "auto", "<think>still thinking </thi"),
+    ("qwen-stray-end-tag", "qwen25", None, "auto", "text </tool_call> more  "),
+    ("qwen-two-calls-spaces", "qwen25", None, "auto", QWEN_CALL + "\n\n" + QWEN_CALL + "\n trailing"),
+    ("llama-two-calls", "llama3", None, "auto",
+     'Hi<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_weather", '
+     '"parameters": {"city": "Rome"}}'),
+    ("pythonic-two-lists", "pythonic", None, "auto", '[get_time(zone="a")] and [get_time(zone="b")]'),
+    ("named-array", None, None, {"type": "function", "function": {"name": "get_time"}},
+     '[{"name": "get_time", "parameters": {"zone": "\\u00e9\\ud83d"}}]'),
 ]  # fmt: skip
 
 

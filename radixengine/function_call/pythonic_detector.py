@@ -33,6 +33,10 @@ def _strip_markers(text: str) -> str:
 
 
 class PythonicDetector(BaseFormatDetector):
+    def __init__(self) -> None:
+        super().__init__()
+        self._calls_sent = 0  # calls of the lists streamed so far
+
     def has_tool_call(self, text: str) -> bool:
         return bool(_CALLS.search(_strip_markers(text.strip())))
 
@@ -88,6 +92,9 @@ class PythonicDetector(BaseFormatDetector):
             self._buffer = text[start:] + held
             return StreamingParseResult(normal_text=text[:start])
         result = self.detect_and_parse(text[start : end + 1], tools)
+        for call in result.calls:  # a later list's calls follow the earlier ones
+            call.tool_index += self._calls_sent
+        self._calls_sent += len(result.calls)
         self._buffer = text[end + 1 :] + held
         result.normal_text = text[:start] + result.normal_text
         return result
