@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import EngineDeadError, RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager, collect
-from radixengine.utils.unicode_check import dumps_json_text
+from radixengine.utils.unicode_check import encode_json_text
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class ModelOutputResponse(JSONResponse):
     gave a string is sent as that escape), never a 500 for what a model wrote."""
 
     def render(self, content: object) -> bytes:
-        return dumps_json_text(content, allow_nan=False, separators=(",", ":")).encode()
+        return encode_json_text(content, allow_nan=False, separators=(",", ":"))
 
 
 ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-tenant")  # SGLang's header, and a plain one
@@ -191,4 +191,4 @@ async def sse_response(
 
 
 def _sse(obj: dict) -> bytes:
-    return b"data: " + dumps_json_text(obj).encode() + b"\n\n"
+    return b"data: " + encode_json_text(obj) + b"\n\n"

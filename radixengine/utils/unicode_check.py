@@ -56,6 +56,16 @@ def escape_lone_surrogates(json_text: str) -> str:
     return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json_text)
 
 
+def encode_json_text(value: object, **kwargs) -> bytes:
+    """`dumps_json_text(value)` as UTF-8, encoded once when the text has no lone surrogate (the
+    response hot path)."""
+    text = json.dumps(value, ensure_ascii=False, **kwargs)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return escape_lone_surrogates(text).encode("utf-8")
+
+
 def dumps_json_text(value: object, **kwargs) -> str:
     """`json.dumps(value, ensure_ascii=False)` that UTF-8 can always encode: a string decoded from
     a model's `\\ud83d` escape keeps it as that escape."""
