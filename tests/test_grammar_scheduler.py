@@ -16,7 +16,7 @@ import torch
 from sched_utils import collect
 from test_engine_utils import build_tiny_model
 
-from radixengine.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from radixengine.managers.io_struct import AbortReq, BatchTokenIDOut, TokenizedGenerateReqInput
 from radixengine.managers.scheduler import Scheduler
 from radixengine.managers.scheduler_io import InProcessIO
 from radixengine.mem_cache.accounting import check_token_accounting
@@ -353,3 +353,34 @@ def test_structural_tag(model_dir, tokenizer):
     text = text_of(tokenizer, results["legacy"].output_ids)
     for body in re.findall(r"<f>(.*?)</f>", text):  # every tag that closed holds an integer
         int(body)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_grammar_complete_before_min_new_tokens_ends_with_stop(model_dir, tokenizer, backend, overlap):
+    """A grammar that allows only its end while min_new_tokens still holds EOS back: the request
+    ends with stop as its grammar does (it failed with "no finite logits", a 500), its last
+    logprob that of the grammar's only token; the rest of the batch runs as it would alone."""
+    free_alone = run(make_scheduler(model_dir, tokenizer, overlap=overlap), free_reqs(tokenizer, "u"))
+    sched = make_scheduler(model_dir, tokenizer, overlap=overlap, grammar_backend=backend)
+    pet = req(tokenizer, "pet", PROMPTS[1], regex="(cat|dog)", min_new_tokens=40)
+    pet.return_logprob = True
+    short = [req(tokenizer, "yes", PROMPTS[0], regex="yes", min_new_tokens=20), pet]
+    sched.io.put(*short, *free_reqs(tokenizer, "u"))
+    sched.run_until_idle(20_000)
+    outputs = sched.io.take_outputs()
+    results = collect(outputs)
+    check_token_accounting(sched.token_to_kv_pool_allocator, sched.tree_cache, sched.req_to_token_pool)
+    eos = tokenizer.eos_token_id
+    for r in short:
+        res = results[r.rid]
+        assert res.finished_reason == {"type": "stop", "matched": eos}, (r.rid, res.finished_reason)
+        assert res.output_ids[-1] == eos
+        assert re.fullmatch(r.sampling_params.regex, text_of(tokenizer, res.output_ids)), res.output_ids
+    logprobs = [
+        lp for msg in outputs if isinstance(msg, BatchTokenIDOut)
+        for rid, lps in zip(msg.rids, msg.output_token_logprobs) if rid == "pet" for lp in lps
+    ]  # fmt: skip
+    assert len(logprobs) == len(results["pet"].output_ids) and logprobs[-1] == pytest.approx(0.0, abs=1e-6)
+    for r in free_reqs(tokenizer, "u"):
+        assert results[r.rid].output_ids == free_alone[r.rid].output_ids, r.rid

@@ -122,10 +122,11 @@ LITELLM_BODY = {
     "top_logprobs": None, "max_completion_tokens": None, "extra_headers": {"x-litellm": "1"},
     "litellm_call_id": "abc", "drop_params": True,
 }  # fmt: skip
-# LangChain's ChatOpenAI: content as a list of text parts, n and stream set, stream usage asked.
+# LangChain's ChatOpenAI: content as a list of text parts (joined with a space, as SGLang joins
+# them), n and stream set, stream usage asked.
 LANGCHAIN_BODY = {
     "model": "default", "stream": False, "n": 1, "temperature": 0.0, "max_tokens": 6, "ignore_eos": True,
-    "messages": [{"role": "user", "content": [{"type": "text", "text": "hello world "},
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "hello world"},
                                               {"type": "text", "text": "this is a test"}]}],
 }  # fmt: skip
 # Open WebUI: its own metadata on the body and on each message, and an id on the message.
@@ -383,7 +384,44 @@ def test_loads_count_a_running_request(server):
         assert get(server, "/get_load").json()[0]["num_reqs"] == 1
         assert post(server, "/abort_request", {"rid": "load-probe"}).status_code == 200
         events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-    assert events[-1]["error"]["code"] == 499  # the client got the abort, the stream ended
+    # the stream ends as SGLang's does: a normal chunk whose finish_reason is the abort
+    reason = events[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 499, events[-1]
+    assert events[-1]["meta_info"]["completion_tokens"] == len(events[-1]["output_ids"]) >= 1
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+
+
+def test_a_generate_stream_failing_mid_way_ends_with_its_abort_chunk(server):
+    """A request that fails after its first output (a regex that dead-ends after "a") ends its
+    /generate stream as SGLang's does: a normal chunk whose finish_reason is the abort (400);
+    one refused before any output gets the HTTP status."""
+    body = {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 8, "regex": "a[^\\s\\S]"}}
+    with httpx.stream("POST", server.base_url + "/generate", json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]" and len(events) >= 2 and "error" not in events[-1]
+    reason = events[-1]["meta_info"]["finish_reason"]
+    assert (
+        reason["type"] == "abort"
+        and reason["status_code"] == 400
+        and "matches no output" in reason["message"]
+    )
+    refused = {**body, "sampling_params": {"max_new_tokens": 8, "regex": "[^\\s\\S]"}}
+    r = post(server, "/generate", refused)
+    assert r.status_code == 400 and "matches no output" in r.json()["error"]["message"]
+
+
+def test_an_aborted_chat_stream_ends_with_an_error_event(server):
+    body = {"messages": MESSAGES, "max_tokens": 3500, "ignore_eos": True, "stream": True, "rid": "chat-abort"}
+    with httpx.stream(
+        "POST", server.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60
+    ) as r:
+        lines = r.iter_lines()
+        next(lines)
+        assert post(server, "/abort_request", {"rid": "chat-abort"}).status_code == 200
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == 499  # the OpenAI routes keep OpenAI's error shape
 
 
 def test_abort_all_ends_a_waiting_non_streaming_request(server):
@@ -399,9 +437,11 @@ def test_abort_all_ends_a_waiting_non_streaming_request(server):
         assert thread.is_alive(), result["response"].text
     assert post(server, "/abort_request", {"abort_all": True}).status_code == 200
     thread.join(60)
-    assert (
-        result["response"].status_code == 499 and "aborted" in result["response"].json()["error"]["message"]
-    )
+    # SGLang's answer: the output so far, its finish_reason the abort
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    reason = response.json()["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 499 and "aborted" in reason["message"]
     assert post(server, "/abort_request", {"rid": "nothing-runs-under-this"}).status_code == 200
     bad = post(server, "/abort_request", {})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
@@ -440,7 +480,7 @@ def test_chat_template_flag_kwargs_and_continue_final_message(server, tokenizer)
     parts = [
         {
             "role": "user",
-            "content": [{"type": "text", "text": "hello world "}, {"type": "text", "text": "this is a test"}],
+            "content": [{"type": "text", "text": "hello world"}, {"type": "text", "text": "this is a test"}],
         }
     ]
     assert post(server, "/tokenize", {"messages": parts}).json()["tokens"] == tokens

@@ -442,3 +442,32 @@ def test_completions_echo_gives_prompt_logprobs_first(client, prompts, ref, stre
     want = [float(ref_lp[j - 1, prompt[j]]) for j in range(1, len(prompt))]
     assert tokens[1 : len(prompt)] == pytest.approx(want, abs=ATOL)
     assert all(len(t) <= 2 for t in tops[1:])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completions_max_tokens_0_with_echo_scores_the_prompt(client, prompts, ref, stream):
+    """`max_tokens: 0` with `echo` (OpenAI's and vLLM's way to score a prompt): the prompt, its
+    logprobs, no new token; without `echo` it stays a 400."""
+    prompt = prompts[0]
+    kw = dict(model=model_name(client), prompt=prompt, max_tokens=0, temperature=0, logprobs=1, echo=True)
+    if stream:
+        chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.token_logprobs]
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        r = client.completions.create(**kw)
+        text, tokens, reason = (
+            r.choices[0].text,
+            r.choices[0].logprobs.token_logprobs,
+            r.choices[0].finish_reason,
+        )
+        assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(prompt)
+    assert reason == "length" and len(tokens) == len(prompt) and tokens[0] is None
+    assert text == client.completions.create(**{**kw, "max_tokens": 1}).choices[0].text[: len(text)]
+    ref_lp = ref(prompt)
+    assert tokens[1:] == pytest.approx(
+        [float(ref_lp[j - 1, prompt[j]]) for j in range(1, len(prompt))], abs=ATOL
+    )
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        client.completions.create(**{**kw, "echo": False})

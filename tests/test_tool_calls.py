@@ -97,6 +97,25 @@ FORMATS = [
         "",
         [("get_weather", PARIS)],
     ),
+    (  # a lone surrogate escape: the arguments keep it as the escape, text UTF-8 can encode
+        "qwen25",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud83d \\ud83d\\ude00", "unit": "celsius"}}'
+        "\n</tool_call>",
+        "",
+        [("get_weather", '{"city": "\\ud83d 😀", "unit": "celsius"}')],
+    ),
+    (
+        "llama3",
+        '{"name": "get_time", "parameters": {"zone": "\\udc00"}}',
+        "",
+        [("get_time", '{"zone": "\\udc00"}')],
+    ),
+    (
+        "pythonic",
+        '[get_time(zone="\\ud83d")]',
+        "",
+        [("get_time", '{"zone": "\\ud83d"}')],
+    ),
     (
         "pythonic",
         '[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]',
@@ -276,6 +295,29 @@ def test_conversation_with_calls_and_results_goes_through_the_template(tiny, tin
     assert r.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
 
 
+def test_a_lone_surrogate_escape_in_arguments_is_kept_as_the_escape(tiny, tiny_client):
+    """Valid JSON text whose string holds a lone UTF-16 surrogate (`\\ud83d`) gives Python a
+    string UTF-8 cannot encode: the answer and the stream keep it as the escape (no 500, no broken
+    stream)."""
+    model_text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "\\ud83d"}}\n</tool_call>'
+    kwargs = dict(model="m", messages=MESSAGES, tools=[TIME], temperature=0, max_tokens=300,
+                  extra_body={"regex": re.escape(model_text)})  # fmt: skip
+    r = tiny_client.chat.completions.create(**kwargs)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.arguments == '{"zone": "\\ud83d"}'
+    assert json.loads(call.function.arguments) == {"zone": "\ud83d"}
+    chunks = list(tiny_client.chat.completions.create(**kwargs, stream=True))
+    pieces = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert "".join(p.function.arguments for p in pieces) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "noon"}]  # fmt: skip
+    # a prompt cannot hold it: sent back, the call is a 400 naming the field, as any such input
+    with pytest.raises(openai.BadRequestError, match="lone UTF-16 surrogate") as e:
+        tiny_client.chat.completions.create(model="m", messages=history, tools=[TIME], max_tokens=2)
+    assert e.value.body["param"] == "messages[1].tool_calls[0].function.arguments.zone"
+
+
 def _bad(tools=None, **fields) -> dict:
     body = {"messages": MESSAGES, "max_tokens": 1, **fields}
     if tools is not None:
@@ -450,3 +492,70 @@ def test_forced_call_grammar_follows_the_backend(backend, kind):
         ("get_weather", PARIS)
     ]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
+
+
+def _tool(name: str, parameters: dict) -> Tool:
+    return Tool.model_validate({"type": "function", "function": {"name": name, "parameters": parameters}})
+
+
+# (tools, the forced function or None, valid calls, invalid calls): parameters with local refs of
+# every kind, which the array schema must keep meaning what they mean at the tool's root.
+REF_CASES = {
+    "draft-07 definitions": (
+        [_tool("set_unit", {"type": "object", "definitions": {"Unit": {"enum": ["c", "f"]}},
+                            "properties": {"unit": {"$ref": "#/definitions/Unit"}}, "required": ["unit"]})],
+        "set_unit", [{"unit": "c"}], [{"unit": "k"}],
+    ),
+    "#/properties ref": (
+        [_tool("pair", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}},
+                        "required": ["a", "b"]})],
+        None, [{"a": 1, "b": 2}], [{"a": 1, "b": "x"}],
+    ),
+    "root ref": (
+        [_tool("tree", {"type": "object", "properties": {"v": {"type": "integer"},
+                                                         "kids": {"type": "array", "items": {"$ref": "#"}}},
+                        "required": ["v"], "additionalProperties": False})],
+        "tree", [{"v": 1, "kids": [{"v": 2, "kids": []}]}], [{"v": 1, "kids": [[{"name": "tree"}]]}],
+    ),
+    "$defs of one name in two tools": (
+        [_tool("ints", {"type": "object", "$defs": {"Item": {"type": "integer"}},
+                        "properties": {"x": {"$ref": "#/$defs/Item"}}, "required": ["x"]}),
+         _tool("strs", {"type": "object", "$defs": {"Item": {"type": "string"}},
+                        "properties": {"x": {"$ref": "#/$defs/Item"}}, "required": ["x"]})],
+        None, [{"x": 1}, {"x": "a"}], [{"x": [1]}],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REF_CASES))
+def test_forced_calls_keep_local_refs_meaning_what_they_mean(case):
+    """The JSON array that forces calls holds each tool's parameters whole in its `$defs`, every
+    local ref rebased: `definitions`, `#/properties/...`, `#` and clashing `$defs` names mean what
+    they mean at the tool's root (the schema the tool was validated against), and both grammar
+    backends compile it."""
+    import xgrammar as xgr
+    from jsonschema import Draft202012Validator
+
+    from radixengine.constrained import llguidance_backend
+    from radixengine.function_call.schema_constraint import json_array_schema
+
+    tools, forced, valid, invalid = REF_CASES[case]
+    schema = json_array_schema(tools, forced, parallel_tool_calls=False)
+    validator = Draft202012Validator(schema)
+    for arguments in valid + invalid:
+        names = [
+            t.function.name for t in tools if Draft202012Validator(t.function.parameters).is_valid(arguments)
+        ]
+        assert bool(names) == (arguments in valid), (case, arguments)
+        for name in names:
+            assert validator.is_valid([{"name": name, "parameters": arguments}]), (case, arguments)
+        for tool in tools:
+            if tool.function.name not in names:
+                assert not validator.is_valid([{"name": tool.function.name, "parameters": arguments}])
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    name = forced or tools[0].function.name
+    accepts = xgr.testing._is_grammar_accept_string  # xgrammar's own test helper
+    first = next(a for a in valid if Draft202012Validator(tools[0].function.parameters).is_valid(a))
+    assert accepts(grammar, json.dumps([{"name": name, "parameters": first}]))
+    assert not accepts(grammar, json.dumps([{"name": name, "parameters": invalid[0]}]))
+    llguidance_backend.validate("json_schema", json.dumps(schema))

@@ -72,8 +72,8 @@ class ChatOutputParser:
             reasoning, text = parser.parse_non_stream(text)
         tools = self._tools()
         calls: list[ToolCallItem] = []
-        if tools is not None and tools.has_tool_call(text):
-            text, calls = tools.parse_non_stream(text)
+        if tools is not None:
+            text, calls = tools.parse_as_stream(text)
         tool_calls = [_tool_call(i, c.name, c.parameters) for i, c in enumerate(calls)]
         return ParsedChoice(content=text, reasoning_content=reasoning or None, tool_calls=tool_calls)
 

@@ -12,7 +12,7 @@ from jsonschema.exceptions import SchemaError
 
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest, ToolChoice
 from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
-from radixengine.function_call.schema_constraint import tool_call_constraint, tool_schema_defs
+from radixengine.function_call.schema_constraint import tool_call_constraint
 from radixengine.managers.request_errors import RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager
 
@@ -61,10 +61,6 @@ def check_tools(req: ChatCompletionRequest) -> None:
             )
         seen[name] = i
         _check_parameters(i, tool.function.parameters)
-    try:
-        tool_schema_defs(req.tools or [])
-    except ValueError as e:
-        raise RequestError(str(e), param="tools") from None
     _check_tool_choice(req, seen)
 
 

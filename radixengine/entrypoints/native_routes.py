@@ -14,7 +14,7 @@ from radixengine.entrypoints.openai_serving import chat_messages
 from radixengine.entrypoints.request_fields import parse_json, parse_model, read_fields
 from radixengine.entrypoints.request_runner import serve_requests, tm_of
 from radixengine.managers.io_struct import MAX_BATCH_REQUESTS, GenerateReqInput
-from radixengine.managers.request_errors import RequestError, abort_to_error, is_abort
+from radixengine.managers.request_errors import RequestError, abort_to_error, is_abort, is_requested_abort
 
 router = APIRouter()
 
@@ -34,7 +34,11 @@ NATIVE_COMPAT_FIELDS = {"model", "no_logs", "log_metrics"}
 async def generate(request: Request) -> Response:
     objs, single = native_requests(await parse_json(request))
     return await serve_requests(
-        request, objs, lambda merged: _native_events(merged, single), lambda outs: outs[0] if single else outs
+        request,
+        objs,
+        lambda merged: _native_events(merged, single),
+        lambda outs: outs[0] if single else outs,
+        keep_requested_aborts=True,
     )
 
 
@@ -52,11 +56,15 @@ def native_requests(body: object) -> tuple[list[GenerateReqInput], bool]:
 
 async def _native_events(merged: AsyncIterator[tuple[int, dict]], single: bool) -> AsyncIterator[dict]:
     """A single request's outputs, or several requests' outputs as they come, each with the
-    `index` of its request (SGLang's batch stream)."""
+    `index` of its request (SGLang's batch stream). An abort ends its request with a normal
+    output whose finish_reason is the abort (SGLang's); only a refusal before any output is an
+    error, which the stream's first event turns into the answer's HTTP status."""
+    started = False
     try:
         async for i, out in merged:
-            if is_abort(out):
+            if not started and is_abort(out) and not is_requested_abort(out):
                 raise abort_to_error(out)
+            started = True
             yield out if single else {**out, "index": i}
     finally:
         await merged.aclose()
@@ -68,7 +76,8 @@ async def _native_events(merged: AsyncIterator[tuple[int, dict]], single: bool) 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
     """`{"rid": ...}` or `{"abort_all": true}`: the request(s) end at once; their clients get the
-    abort (status 499) as the answer. 200 whether or not the rid was running (as SGLang)."""
+    abort as the answer (/generate: an output whose finish_reason is the abort, status_code 499;
+    the OpenAI routes: a 499 error). 200 whether or not the rid was running (as SGLang)."""
     body = read_fields(await parse_json(request), ("rid", "abort_all", "abort_message"), "/abort_request")
     rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
     if not isinstance(rid, str):

@@ -68,8 +68,10 @@ class _SamplingFields(LenientModel):
     # SGLang's extras
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     min_tokens: int = 0
     priority: int | None = None
     rid: str | None = None

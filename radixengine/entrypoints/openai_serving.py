@@ -44,10 +44,10 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
 
 
 def sampling_params_of(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, param: str
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, param: str, least: int = 1
 ) -> dict:
-    if max_tokens is not None and max_tokens <= 0:
-        raise RequestError(f"{param} must be at least 1, got {max_tokens}", param=param)
+    if max_tokens is not None and max_tokens < least:
+        raise RequestError(f"{param} must be at least {least}, got {max_tokens}", param=param)
     if req.temperature < 0:
         raise RequestError(f"temperature must be >= 0, got {req.temperature}", param="temperature")
     if not 0 < req.top_p <= 1:
@@ -65,8 +65,10 @@ def sampling_params_of(
         "min_p": req.min_p,
         "stop": req.stop,
         "stop_token_ids": req.stop_token_ids,
+        "stop_regex": req.stop_regex,
         "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
         "no_stop_trim": req.no_stop_trim,
         "sampling_seed": req.seed,
     }
@@ -157,7 +159,8 @@ def completion_requests(tm: TokenizerManager, req: CompletionRequest):
     check_unsupported(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
-    params = sampling_params_of(req, req.max_tokens, "max_tokens")
+    # max_tokens 0 scores an echoed prompt (its logprobs, no new token), as OpenAI and vLLM take it
+    params = sampling_params_of(req, req.max_tokens, "max_tokens", least=0 if req.echo else 1)
     check_constraint(tm, req, params)
     prompts = completion_prompts(req.prompt)
     kind = "text" if isinstance(prompts[0], str) else "input_ids"
@@ -201,7 +204,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                         'only ({"type": "text", "text": ...})',
                         param=f"messages[{i}].content[{j}].type",
                     )
-            content = "".join(part.text or "" for part in content)
+            content = " ".join(part.text or "" for part in content)  # SGLang's join of text parts
         message = {"role": m.role, "content": content or ""}
         tool_calls = template_tool_calls(i, m)
         if tool_calls is not None:

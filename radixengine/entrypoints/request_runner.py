@@ -5,7 +5,6 @@ route's requests)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -15,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from radixengine.managers.io_struct import GenerateReqInput
 from radixengine.managers.request_errors import EngineDeadError, RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager, collect
+from radixengine.utils.unicode_check import encode_json_text
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +29,26 @@ async def serve_requests(
     objs: list[GenerateReqInput],
     events: Callable[[AsyncIterator[tuple[int, dict]]], AsyncIterator[dict]],
     answer: Callable[[list[dict]], object],
+    keep_requested_aborts: bool = False,
 ) -> Response:
     """A route's requests: when they stream, Server-Sent Events of `events` (the outputs of all,
-    merged as they come, as the route's chunks); else the JSON of `answer` (their final outputs).
+    merged as they come, as the route's chunks); else the JSON of `answer` (their final outputs;
+    with `keep_requested_aborts`, an /abort_request's abort is an output, not an error).
     A client that leaves gets its requests aborted."""
     tm = tm_of(request)
     tag_routing_key(request, objs)
     if objs[0].stream:
         return await sse_response(request, events(merged_stream(tm, objs)), objs)
-    outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
-    return outs if isinstance(outs, Response) else JSONResponse(answer(outs))
+    outs = await with_disconnect_abort(request, collect_all(tm, objs, keep_requested_aborts), objs)
+    return outs if isinstance(outs, Response) else ModelOutputResponse(answer(outs))
+
+
+class ModelOutputResponse(JSONResponse):
+    """JSONResponse whose text UTF-8 can always encode (a lone surrogate a model's JSON escape
+    gave a string is sent as that escape), never a 500 for what a model wrote."""
+
+    def render(self, content: object) -> bytes:
+        return encode_json_text(content, allow_nan=False, separators=(",", ":"))
 
 
 ROUTING_KEY_HEADERS = ("x-smg-routing-key", "x-tenant")  # SGLang's header, and a plain one
@@ -53,10 +63,12 @@ def tag_routing_key(request: Request, objs: list[GenerateReqInput]) -> None:
             obj.routing_key = header
 
 
-async def collect_all(tm: TokenizerManager, objs: list[GenerateReqInput]) -> list[dict]:
+async def collect_all(
+    tm: TokenizerManager, objs: list[GenerateReqInput], keep_requested_aborts: bool = False
+) -> list[dict]:
     """All requests' final outputs; the first failure (or a cancel) aborts the others, and
     returns once their aborts are sent."""
-    tasks = [asyncio.ensure_future(collect(tm, o)) for o in objs]
+    tasks = [asyncio.ensure_future(collect(tm, o, keep_requested_aborts)) for o in objs]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -179,4 +191,4 @@ async def sse_response(
 
 
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + encode_json_text(obj) + b"\n\n"

@@ -20,6 +20,7 @@ from radixengine.function_call.partial_json import (
     is_complete_json,
     partial_json_loads,
 )
+from radixengine.utils.unicode_check import dumps_json_text
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class BaseFormatDetector(ABC):
         self.bot_token = ""  # what opens the calls
         self.eot_token = ""  # what closes them
         self.tool_call_separator = ", "
+        self._skipped_call = False  # a call of an unknown function was dropped: calls are under way
 
     # One go ------------------------------------------------------------------------------------
 
@@ -65,9 +67,7 @@ class BaseFormatDetector(ABC):
             if arguments is None:
                 arguments = act.get("arguments", {})
             results.append(
-                ToolCallItem(
-                    tool_index=indices[name], name=name, parameters=json.dumps(arguments, ensure_ascii=False)
-                )
+                ToolCallItem(tool_index=indices[name], name=name, parameters=dumps_json_text(arguments))
             )
         return results
 
@@ -85,7 +85,8 @@ class BaseFormatDetector(ABC):
         is not whitespace itself is skipped)."""
         if self.tool_call_separator.strip():
             text = text.lstrip()
-        return self.current_tool_id > 0 and text.startswith(self.tool_call_separator)
+        in_calls = self.current_tool_id > 0 or self._skipped_call
+        return in_calls and text.startswith(self.tool_call_separator)
 
     def parse_streaming_increment(self, new_text: str, tools: list) -> StreamingParseResult:
         """SGLang's base streaming: for formats where the bot token is followed by JSON calls
@@ -116,22 +117,29 @@ class BaseFormatDetector(ABC):
         if read is None:
             return StreamingParseResult()
         call, start_idx, end_idx = read
+        is_complete = is_complete_json(current_text[start_idx : start_idx + end_idx])
         if "name" in call and call["name"] not in self._tool_indices:
-            logger.warning("the model called an undefined function: %r", call["name"])
-            self._buffer = ""
-            self.current_tool_id = -1
-            self.current_tool_name_sent = False
-            if self.streamed_args_for_tool:
-                self.streamed_args_for_tool.pop()
-            return StreamingParseResult()
+            return self._skip_unknown_call(
+                call["name"], is_complete, current_text[start_idx + end_idx :], tools
+            )
         if "parameters" in call:
             call["arguments"] = call.pop("parameters")
         if not call:
             return StreamingParseResult()
-        is_complete = is_complete_json(current_text[start_idx : start_idx + end_idx])
         if not self.current_tool_name_sent:
             return self._stream_name(call)
         return self._stream_arguments(call, is_complete, current_text[start_idx + end_idx :])
+
+    def _skip_unknown_call(
+        self, name: str, is_complete: bool, rest: str, tools: list
+    ) -> StreamingParseResult:
+        """A call of a function not in `tools` is dropped, as the one-go parse drops it, once its
+        JSON is whole; the calls after it are read on."""
+        if not is_complete:
+            return StreamingParseResult()
+        logger.warning("the model called an undefined function: %r", name)
+        self._buffer, self._skipped_call = "", True
+        return BaseFormatDetector.parse_streaming_increment(self, rest, tools)
 
     def _read_current_call(self, text: str) -> tuple[dict, int, int] | None:
         """The (partial) call object being written: (object, where its JSON starts, its length)."""
@@ -180,7 +188,7 @@ class BaseFormatDetector(ABC):
         if arguments is None:
             return StreamingParseResult()
         sent = len(self.streamed_args_for_tool[tool_id])
-        cur_json = json.dumps(arguments, ensure_ascii=False)
+        cur_json = dumps_json_text(arguments)
         diff = None
         if is_complete:
             diff = cur_json[sent:]
@@ -188,7 +196,7 @@ class BaseFormatDetector(ABC):
         elif tool_id < len(self.prev_tool_call_arr):
             prev = self.prev_tool_call_arr[tool_id].get("arguments")
             if prev is not None:
-                prev_json = json.dumps(prev, ensure_ascii=False)
+                prev_json = dumps_json_text(prev)
                 if prev_json != cur_json:
                     diff = find_common_prefix(prev_json, cur_json)[sent:]
         while len(self.prev_tool_call_arr) <= tool_id:
@@ -219,7 +227,7 @@ class BaseFormatDetector(ABC):
         if tool_id >= len(self.streamed_args_for_tool):
             return None
         expected = self.prev_tool_call_arr[tool_id].get("arguments", {})
-        expected_json = expected if isinstance(expected, str) else json.dumps(expected, ensure_ascii=False)
+        expected_json = expected if isinstance(expected, str) else dumps_json_text(expected)
         actual = self.streamed_args_for_tool[tool_id]
         if not expected_json.startswith(actual) or expected_json == actual:
             return None

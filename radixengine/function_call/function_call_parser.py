@@ -44,6 +44,21 @@ class FunctionCallParser:
             return result.normal_text, result.calls
         return full_text, []
 
+    def parse_as_stream(self, full_text: str) -> tuple[str, list[ToolCallItem]]:
+        """A whole answer read the way a stream of it is read (one chunk, then the end), so the
+        answer says what its stream says, a call cut short by max_tokens included: (the text for
+        the user, one item a call: its name and its arguments put together)."""
+        normal, items = self.parse_stream_chunk(full_text)
+        end_normal, end_items = self.parse_stream_end()
+        calls: dict[int, ToolCallItem] = {}
+        for item in items + end_items:
+            if item.name:
+                calls[item.tool_index] = ToolCallItem(
+                    tool_index=item.tool_index, name=item.name, parameters=""
+                )
+            calls[item.tool_index].parameters += item.parameters
+        return normal + end_normal, [calls[i] for i in sorted(calls)]
+
     def parse_stream_chunk(self, chunk_text: str) -> tuple[str, list[ToolCallItem]]:
         """(new text for the user, new call pieces) of the next chunk of the stream."""
         if not self.tools:

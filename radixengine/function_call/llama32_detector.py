@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 
 from radixengine.function_call.base_format_detector import BaseFormatDetector
 from radixengine.function_call.core_types import GetInfoFunc, StreamingParseResult, StructureInfo
@@ -58,16 +57,69 @@ class Llama32Detector(BaseFormatDetector):
         return StreamingParseResult(normal_text=normal_text + trailing, calls=calls)
 
     def parse_streaming_increment(self, new_text: str, tools: list) -> StreamingParseResult:
-        """Python dict quoting turned into JSON's before reading (as SGLang does)."""
+        """A Python dict's single-quoted strings turned into JSON strings before reading (SGLang
+        rewrites quotes with regexes over all the text, changing JSON string values and the text
+        for the user); only the calls' text is touched."""
         self._buffer += new_text
-        self._buffer = re.sub(r"'([^']*)':", r'"\1":', self._buffer)
-        self._buffer = re.sub(r":\s*'([^']*)'", r': "\1"', self._buffer)
+        start = self._buffer.find(PYTHON_TAG)
+        if start != -1:
+            start += len(PYTHON_TAG)
+        elif self._buffer.startswith("{") or self.current_tool_id > 0 or self._skipped_call:
+            start = 0
+        if start != -1:
+            self._buffer = self._buffer[:start] + python_quotes_to_json(self._buffer[start:])
         return super().parse_streaming_increment("", tools)
 
     def structure_info(self) -> GetInfoFunc:
         return lambda name: StructureInfo(
             begin=PYTHON_TAG + '{"name": "' + name + '", "parameters": ', end="}", trigger=PYTHON_TAG
         )
+
+
+def python_quotes_to_json(text: str) -> str:
+    """`text` with each whole single-quoted string outside double-quoted ones written as a JSON
+    string; from an unfinished string on, the text is left as it is (more of it may come)."""
+    out, i = [], 0
+    while i < len(text):
+        quote = text[i]
+        if quote not in "'\"":
+            out.append(quote)
+            i += 1
+            continue
+        end = _string_end(text, i)
+        if end == -1:
+            out.append(text[i:])
+            break
+        out.append(text[i:end] if quote == '"' else _as_json_string(text[i + 1 : end - 1]))
+        i = end
+    return "".join(out)
+
+
+def _string_end(text: str, start: int) -> int:
+    """Just past the quote that closes the string opened at `start` (-1: not closed yet)."""
+    i = start + 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == text[start]:
+            return i + 1
+        else:
+            i += 1
+    return -1
+
+
+def _as_json_string(body: str) -> str:
+    """A single-quoted Python string's body as a JSON string: `\\'` unescaped, `"` escaped."""
+    out, i = ['"'], 0
+    while i < len(body):
+        if body[i] == "\\" and i + 1 < len(body):
+            out.append("'" if body[i + 1] == "'" else body[i : i + 2])
+            i += 2
+            continue
+        out.append('\\"' if body[i] == '"' else body[i])
+        i += 1
+    out.append('"')
+    return "".join(out)
 
 
 def _python_dict_end(text: str, start: int) -> int:

@@ -9,12 +9,12 @@ its `]` and then parses the list whole."""
 from __future__ import annotations
 
 import ast
-import json
 import logging
 import re
 
 from radixengine.function_call.base_format_detector import BaseFormatDetector, tool_names
 from radixengine.function_call.core_types import GetInfoFunc, StreamingParseResult, ToolCallItem
+from radixengine.utils.unicode_check import dumps_json_text
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,10 @@ def _strip_markers(text: str) -> str:
 
 
 class PythonicDetector(BaseFormatDetector):
+    def __init__(self) -> None:
+        super().__init__()
+        self._calls_sent = 0  # calls of the lists streamed so far
+
     def has_tool_call(self, text: str) -> bool:
         return bool(_CALLS.search(_strip_markers(text.strip())))
 
@@ -65,7 +69,7 @@ class PythonicDetector(BaseFormatDetector):
                 ToolCallItem(
                     tool_index=len(calls),
                     name=call.func.id,
-                    parameters=json.dumps(arguments, ensure_ascii=False),
+                    parameters=dumps_json_text(arguments),
                 )
             )
         return StreamingParseResult(normal_text=normal_text, calls=calls)
@@ -88,6 +92,9 @@ class PythonicDetector(BaseFormatDetector):
             self._buffer = text[start:] + held
             return StreamingParseResult(normal_text=text[:start])
         result = self.detect_and_parse(text[start : end + 1], tools)
+        for call in result.calls:  # a later list's calls follow the earlier ones
+            call.tool_index += self._calls_sent
+        self._calls_sent += len(result.calls)
         self._buffer = text[end + 1 :] + held
         result.normal_text = text[:start] + result.normal_text
         return result
@@ -100,11 +107,23 @@ class PythonicDetector(BaseFormatDetector):
 
 
 def _matching_bracket(text: str, start: int) -> int:
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"[": 1, "]": -1}.get(text[i], 0)
-        if depth == 0:
-            return i
+    """Where the `[` at `start` closes, brackets inside Python string literals not counted; -1
+    while it is open."""
+    depth, quote, i = 0, "", start
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1  # the escaped character
+            elif c == quote:
+                quote = ""
+        elif c in "'\"":
+            quote = c
+        elif c in "[]":
+            depth += 1 if c == "[" else -1
+            if depth == 0:
+                return i
+        i += 1
     return -1
 
 

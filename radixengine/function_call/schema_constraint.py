@@ -17,24 +17,52 @@ def parameters_schema(tool) -> dict:
     return tool.function.parameters or EMPTY_PARAMETERS
 
 
-def tool_schema_defs(tools: list) -> dict:
-    """The `$defs` of every tool's parameters, merged; a name defined twice differently is a
-    ValueError (one array schema cannot hold both)."""
-    defs: dict = {}
+# Keywords whose values are data, not schemas: a `$ref` inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def defs_key(tool) -> str:
+    """Where a tool's parameters sit in the array schema's `$defs` (names are unique and hold no
+    character a JSON pointer escapes)."""
+    return f"tool-{tool.function.name}"
+
+
+def rebase_refs(schema: object, base: str) -> object:
+    """`schema` with every local `$ref` (`#`, `#/$defs/...`, `#/definitions/...`,
+    `#/properties/...`) made relative to `base`, the JSON pointer where the schema now sits, so
+    that it means what it meant as a root. Other refs (other documents, `#anchor`s) are kept."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = rebase_refs(value, base)
+    return out
+
+
+def _hoisted(tools: list) -> tuple[dict[str, dict], dict]:
+    """Each tool's parameters moved whole into the array schema's `$defs` (its own `$defs`,
+    `definitions` and refs to its root or properties kept working), and the `$ref` to each."""
+    defs, refs = {}, {}
     for tool in tools:
-        for name, schema in (tool.function.parameters or {}).get("$defs", {}).items():
-            if name in defs and defs[name] != schema:
-                raise ValueError(f"the tools define $defs {name!r} differently")
-            defs[name] = schema
-    return defs
+        key = defs_key(tool)
+        defs[key] = rebase_refs(parameters_schema(tool), f"#/$defs/{key}")
+        refs[tool.function.name] = {"$ref": f"#/$defs/{key}"}
+    return refs, defs
 
 
-def _call_schema(tool) -> dict:
+def _call_schema(tool, parameters: dict) -> dict:
     return {
         "type": "object",
         "properties": {
             "name": {"type": "string", "enum": [tool.function.name]},
-            "parameters": parameters_schema(tool),
+            "parameters": parameters,
         },
         "required": ["name", "parameters"],
     }
@@ -42,18 +70,17 @@ def _call_schema(tool) -> dict:
 
 def json_array_schema(tools: list, forced_function: str | None, parallel_tool_calls: bool) -> dict:
     """SGLang's `get_json_schema_constraint`: one or more calls (exactly one without
-    `parallel_tool_calls`) of the named function, or of any of `tools`."""
-    if forced_function is not None:
-        tool = next(t for t in tools if t.function.name == forced_function)
-        schema = {"type": "array", "minItems": 1, "items": _call_schema(tool)}
-        defs = tool_schema_defs([tool])
-    else:
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t) for t in tools]}}
-        defs = tool_schema_defs(tools)
+    `parallel_tool_calls`) of the named function, or of any of `tools`. Each tool's parameters
+    are referenced from `$defs`, where they sit whole with their refs rebased (SGLang hoists only
+    `$defs`, which breaks `definitions`, `#/properties/...` and `#` refs)."""
+    chosen = [t for t in tools if forced_function is None or t.function.name == forced_function]
+    refs, defs = _hoisted(chosen)
+    calls = [_call_schema(t, refs[t.function.name]) for t in chosen]
+    items = calls[0] if forced_function is not None else {"anyOf": calls}
+    schema = {"type": "array", "minItems": 1, "items": items}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
+    schema["$defs"] = defs
     return schema
 
 

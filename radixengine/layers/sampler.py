@@ -50,8 +50,7 @@ class Sampler(nn.Module):
         """(next token ids, their logprobs or None, the rows with nothing to sample or None, the
         `top_logprobs_num` most likely tokens of every row or None). A row whose logits are all
         NaN or -inf still gets a valid id (its result is void)."""
-        logits = sampling_info.apply_min_new_tokens(apply_penalties(logits.float(), sampling_info))
-        logits = sampling_info.apply_vocab_mask(logits)
+        logits = sampling_info.apply_token_masks(apply_penalties(logits.float(), sampling_info))
         invalid_rows = None
         if self.check_finite:
             logits, invalid_rows = sanitize_logits(logits)

@@ -37,6 +37,7 @@ class DecodeStatus:
     surr_offset: int = 0
     read_offset: int = 0
     sent_len: int = 0  # how much of decoded_text the previous messages carried
+    spaces_between_special_tokens: bool = True
 
 
 def trim_matched_stop(text: str, output_ids: list[int], finished_reason: dict | None, no_stop_trim: bool):
@@ -59,9 +60,13 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.status: dict[str, DecodeStatus] = {}
 
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True
+    ) -> str:
+        # transformers' default is True; only its slow (Python) tokenizers read it
+        extra = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         return self.tokenizer.decode(
-            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False, **extra
         )
 
     def step(
@@ -72,6 +77,7 @@ class IncrementalDetokenizer:
         finished_reason: dict | None = None,
         no_stop_trim: bool = False,
         prompt_tail_ids: list[int] | None = None,
+        spaces_between_special_tokens: bool = True,
     ) -> str:
         """Take the request's new output ids; return its text so far (everything decodable), or
         its trimmed final text once finished (and forget the request). The first call for a
@@ -79,14 +85,18 @@ class IncrementalDetokenizer:
         status = self.status.get(rid)
         if status is None:
             status = self.status[rid] = self.new_status(rid, prompt_tail_ids, skip_special_tokens)
+            status.spaces_between_special_tokens = spaces_between_special_tokens
         status.ids.extend(new_ids)
         if finished_reason is not None:
             del self.status[rid]
             return self.finish_text(status, skip_special_tokens, finished_reason, no_stop_trim)
         if len(status.ids) == status.read_offset:
             return status.decoded_text
-        surr_text = self.decode(status.ids[status.surr_offset : status.read_offset], skip_special_tokens)
-        new_text = self.decode(status.ids[status.surr_offset :], skip_special_tokens)
+        spaces = status.spaces_between_special_tokens
+        surr_text = self.decode(
+            status.ids[status.surr_offset : status.read_offset], skip_special_tokens, spaces
+        )
+        new_text = self.decode(status.ids[status.surr_offset :], skip_special_tokens, spaces)
         if new_text.endswith(REPLACEMENT_CHAR):
             return status.decoded_text  # incomplete character: wait for the next token
         status.decoded_text += new_text[len(surr_text) :]
@@ -111,7 +121,9 @@ class IncrementalDetokenizer:
         self, status: DecodeStatus, skip_special_tokens: bool, finished_reason: dict, no_stop_trim: bool
     ) -> str:
         _, ids = trim_matched_stop("", status.ids[status.prefix_len :], finished_reason, no_stop_trim)
-        text = self.decode(status.ids[: status.prefix_len] + ids, skip_special_tokens)
+        text = self.decode(
+            status.ids[: status.prefix_len] + ids, skip_special_tokens, status.spaces_between_special_tokens
+        )
         text = text[len(status.prefix_text) :]
         text, _ = trim_matched_stop(text, ids, finished_reason, no_stop_trim)
         return text
@@ -133,7 +145,8 @@ class IncrementalDetokenizer:
         """The text the i-th request's message carries: new since its last one, or the final text."""
         rid, reason = recv.rids[i], recv.finished_reasons[i]
         skip, no_stop_trim, tail = recv.skip_special_tokens[i], recv.no_stop_trim[i], recv.prompt_tail_ids[i]
-        text = self.step(rid, recv.output_ids[i], skip, reason, no_stop_trim, tail)
+        spaces = recv.spaces_between_special_tokens[i] if recv.spaces_between_special_tokens else True
+        text = self.step(rid, recv.output_ids[i], skip, reason, no_stop_trim, tail, spaces)
         if reason is not None:
             return text
         status = self.status[rid]
@@ -151,7 +164,11 @@ class FastDecoder:
         self.tokenizer = Tokenizer.from_file(path)
 
     def decode(
-        self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = True,
+        clean_up_tokenization_spaces: bool = False,
+        spaces_between_special_tokens: bool = True,  # a fast tokenizer has no such option
     ):
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

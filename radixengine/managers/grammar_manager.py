@@ -91,10 +91,11 @@ class GrammarManager:
             wait(
                 [r.grammar for r in self.grammar_queue], timeout=POLL_INTERVAL_S, return_when=FIRST_COMPLETED
             )
-        ready = [r for r in self.grammar_queue if r.grammar.done()]
-        if not ready:
-            return []
-        self.grammar_queue = [r for r in self.grammar_queue if not r.grammar.done()]
+        # done() is read once a request: a compile that finishes between two reads must land in one list.
+        ready, waiting = [], []
+        for r in self.grammar_queue:
+            (ready if r.grammar.done() else waiting).append(r)
+        self.grammar_queue = waiting
         return [(r, self._resolve(r, r.grammar)) for r in ready]
 
     def abort_request(self, rid: str) -> Req | None:

@@ -277,6 +277,7 @@ class BatchTokenIDOut(LogprobOutputs):
     cached_tokens: list[int]
     skip_special_tokens: list[bool]
     no_stop_trim: list[bool]
+    spaces_between_special_tokens: list[bool] = field(default_factory=list)  # empty: all True
     # Per request: seconds from arrival to its first prefill batch (None while it waits); empty
     # when the scheduler does not report it. Feeds the per-priority queue-time metric.
     queue_times: list[float | None] = field(default_factory=list)

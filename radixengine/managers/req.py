@@ -3,6 +3,7 @@ lives here to keep each file one idea)."""
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from radixengine.managers.io_struct import (
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.radix_cache import TreeNode
 from radixengine.sampling.sampling_params import SamplingParams
+from radixengine.sampling.stop_regex import stop_regex_window
 
 _EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
 
@@ -99,6 +101,8 @@ class Req:
         self.to_abort_status_code = 499
         self._stop_token_ids = frozenset(self.sampling_params.stop_token_ids or ())
         self._stop_str_max_len = max((len(s) for s in self.sampling_params.stop_strs), default=0)
+        self._stop_regex_window = stop_regex_window(self.sampling_params.stop_regex_strs)
+        self.matched_stop_regex = False  # finished by a stop_regex: its output is not trimmed (SGLang)
 
     def _clear_round_state(self) -> None:
         """No prefix, no row, no KV: a new request, or one retracted to the waiting queue."""
@@ -222,7 +226,7 @@ class Req:
 
     def check_finished(self, eos_token_ids: frozenset[int], tokenizer: Tokenizer | None = None) -> None:
         """SGLang's order: abort, length, stop token ids / EOS (all skipped under ignore_eos),
-        stop strings. min_new_tokens is enforced by the sampler, which keeps EOS and the stop
+        stop strings, stop regexes. min_new_tokens is enforced by the sampler, which keeps EOS and the stop
         token ids from being sampled before it; stop strings are checked from the first token."""
         if self.finished_reason is not None:
             return
@@ -243,12 +247,31 @@ class Req:
         if not params.ignore_eos and (last in self._stop_token_ids or last in eos_token_ids):
             self.finished_reason = finish_matched_token(last)
             return
-        if self._stop_str_max_len and tokenizer is not None:
+        if tokenizer is not None:
+            self._check_stop_text(tokenizer)
+
+    def _check_stop_text(self, tokenizer: Tokenizer) -> None:
+        """Stop strings in the decoded tail, then stop regexes in theirs (SGLang's order)."""
+        params = self.sampling_params
+        if self._stop_str_max_len:
             tail = tokenizer.decode(self.output_ids[-(self._stop_str_max_len + 1) :])
             for stop in params.stop_strs:
                 if stop in tail:
                     self.finished_reason = finish_matched_str(stop)
                     return
+        if self._stop_regex_window != 0:
+            window = self._stop_regex_window
+            tail = tokenizer.decode(self.output_ids if window is None else self.output_ids[-window:])
+            for pattern in params.stop_regex_strs:
+                if re.search(pattern, tail):
+                    self.finished_reason = finish_matched_str(pattern)
+                    self.matched_stop_regex = True
+                    return
+
+    @property
+    def keeps_matched_stop(self) -> bool:
+        """The output is not trimmed at what stopped it: no_stop_trim, or a stop_regex match."""
+        return self.sampling_params.no_stop_trim or self.matched_stop_regex
 
     def abort(
         self,

@@ -56,6 +56,15 @@ def is_abort(out: dict) -> bool:
     return bool(reason) and reason.get("type") == "abort"
 
 
+ABORT_REQUESTED_STATUS = 499  # /abort_request, or the client gone (Req.to_abort_status_code)
+
+
+def is_requested_abort(out: dict) -> bool:
+    """An abort someone asked for (not a refusal): SGLang's native API answers it as a normal
+    output whose finish_reason is the abort."""
+    return is_abort(out) and out["meta_info"]["finish_reason"].get("status_code") == ABORT_REQUESTED_STATUS
+
+
 def abort_to_error(out: dict) -> RequestError:
     reason = out["meta_info"]["finish_reason"]
     return RequestError(

@@ -264,6 +264,11 @@ def _grammar_error(backend: str, kind: str, text: str) -> str | None:
 
 
 def _param_of(message: str, params: dict | None) -> str:
+    """The sampling parameter an error message names: the longest one it starts with (`stop_regex`,
+    not `stop`), else the first it mentions."""
+    starts = [name for name in params or {} if message.startswith(name)]
+    if starts:
+        return max(starts, key=len)
     for name in params or {}:
         if message.startswith(name) or f" {name}" in message or f"{name} " in message:
             return name

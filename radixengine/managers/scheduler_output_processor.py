@@ -213,7 +213,8 @@ def _batch_token_id_out(reqs: list[Req]) -> BatchTokenIDOut:
         prompt_tokens=[len(r.origin_input_ids) for r in reqs],
         cached_tokens=[r.cached_tokens for r in reqs],
         skip_special_tokens=[r.sampling_params.skip_special_tokens for r in reqs],
-        no_stop_trim=[r.sampling_params.no_stop_trim for r in reqs],
+        no_stop_trim=[r.keeps_matched_stop for r in reqs],
+        spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
         queue_times=[_queue_time(r) for r in reqs],
         **(logprobs.logprob_outputs() if logprobs is not None else {}),
     )

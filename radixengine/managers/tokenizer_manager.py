@@ -29,7 +29,13 @@ from radixengine.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixengine.managers.req_state import LogprobState, ReqState
-from radixengine.managers.request_errors import EngineDeadError, RequestError, abort_to_error, is_abort
+from radixengine.managers.request_errors import (
+    EngineDeadError,
+    RequestError,
+    abort_to_error,
+    is_abort,
+    is_requested_abort,
+)
 from radixengine.managers.request_logger import RequestLogger
 from radixengine.managers.request_validator import RequestLimits, RequestValidator
 from radixengine.managers.scheduler_process import WATCHDOG_EXIT_CODE
@@ -42,11 +48,14 @@ WATCHDOG_INTERVAL = 0.2
 SHUTTING_DOWN_MESSAGE = "the server is shutting down"
 
 
-async def collect(tm: TokenizerManager, obj: GenerateReqInput) -> dict:
-    """The request's final output; a RequestError if it was refused or aborted."""
+async def collect(tm: TokenizerManager, obj: GenerateReqInput, keep_requested_abort: bool = False) -> dict:
+    """The request's final output; a RequestError if it was refused or aborted (with
+    `keep_requested_abort`, an abort someone asked for is the output, as SGLang's /generate has it)."""
     out = None
     async for chunk in tm.generate_request(obj):
         out = chunk
+    if out is not None and keep_requested_abort and is_requested_abort(out):
+        return out
     if out is None or is_abort(out):
         raise abort_to_error(out) if out is not None else RequestError("no output", 500)
     return out

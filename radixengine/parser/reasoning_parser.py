@@ -17,6 +17,11 @@ class StreamingParseResult:
 
 
 class BaseReasoningFormatDetector:
+    """A `<think>` opens the block only as the first thing of the output (a later one, in the
+    answer or after `</think>`, is the model's text), and the block ends at the first
+    `</think>`, or at a call's start marker where the format has one; the one-go and the
+    streaming parse follow the same rule, so a stream says what the whole answer says."""
+
     def __init__(
         self,
         think_start_token: str,
@@ -33,66 +38,59 @@ class BaseReasoningFormatDetector:
         self._in_reasoning = force_reasoning
         self.stream_reasoning = stream_reasoning
         self._buffer = ""
-        self.stripped_think_start = False
         # continue_final_message: the assistant text so far may have opened (or closed) the block
         self.previous_content = previous_content if continue_final_message else ""
+        self._start_decided = bool(self.previous_content)  # whether the output may still open it
         if self.think_start_token in self.previous_content:
             self._in_reasoning = True
         if self.think_end_token in self.previous_content:
             self._in_reasoning = False
 
+    def _block_end(self, text: str) -> tuple[int, int]:
+        """(where the reasoning in `text` ends, where the answer starts), or (-1, -1)."""
+        end = text.find(self.think_end_token)
+        tool = text.find(self.tool_start_token) if self.tool_start_token else -1
+        if tool != -1 and (end == -1 or tool < end):
+            return tool, tool
+        return (end, end + len(self.think_end_token)) if end != -1 else (-1, -1)
+
     def detect_and_parse(self, text: str) -> StreamingParseResult:
-        in_reasoning = self._in_reasoning or self.think_start_token in text
+        in_reasoning = self._in_reasoning
+        if not self._start_decided and text.startswith(self.think_start_token):
+            text, in_reasoning = text[len(self.think_start_token) :], True
         if not in_reasoning:
             return StreamingParseResult(normal_text=text)
-        processed = text
-        while processed.startswith(self.think_start_token):
-            processed = processed[len(self.think_start_token) :]
-        if self.think_end_token in processed:
-            reasoning, normal = processed.split(self.think_end_token, maxsplit=1)
-            return StreamingParseResult(normal_text=normal, reasoning_text=reasoning)
-        if self.think_end_token in self.previous_content:
-            return StreamingParseResult(normal_text=processed)
-        if self.tool_start_token is not None and self.tool_start_token in processed:
-            idx = processed.find(self.tool_start_token)
-            return StreamingParseResult(normal_text=processed[idx:], reasoning_text=processed[:idx])
-        return StreamingParseResult(reasoning_text=processed)  # cut short before `</think>`
+        end, answer = self._block_end(text)
+        if end == -1:
+            return StreamingParseResult(reasoning_text=text)  # cut short before `</think>`
+        return StreamingParseResult(normal_text=text[answer:], reasoning_text=text[:end])
 
     def parse_streaming_increment(self, new_text: str) -> StreamingParseResult:
         """The next chunk's reasoning and answer. A chunk that ends in what may be the start of
         a marker (`</thi`) holds that end back until the next chunk tells. With
         `stream_reasoning` off, the reasoning comes in one piece when its block ends."""
         self._buffer += new_text
+        if not self._start_decided:
+            if len(self._buffer) < len(self.think_start_token) and self.think_start_token.startswith(
+                self._buffer
+            ):
+                return StreamingParseResult()  # maybe the start of `<think>`
+            self._start_decided = True
+            if self._buffer.startswith(self.think_start_token):
+                self._buffer, self._in_reasoning = self._buffer[len(self.think_start_token) :], True
         current = self._buffer
-        if not self.stripped_think_start and self.think_start_token in current:
-            current = current.replace(self.think_start_token, "", 1)
-            self.stripped_think_start = True
-            self._in_reasoning = True
-            self._buffer = current
-        if self._in_reasoning and self.think_end_token in current:
-            end = current.find(self.think_end_token)
+        if not self._in_reasoning:
             self._buffer = ""
-            self._in_reasoning = False
-            return StreamingParseResult(
-                normal_text=current[end + len(self.think_end_token) :], reasoning_text=current[:end]
-            )
-        if self._in_reasoning:
-            if self.tool_start_token and self.tool_start_token in current:
-                idx = current.find(self.tool_start_token)
-                self._buffer = ""
-                self._in_reasoning = False
-                return StreamingParseResult(normal_text=current[idx:], reasoning_text=current[:idx])
-            if not self.stream_reasoning:
-                return StreamingParseResult()
-            markers = [self.think_end_token, self.tool_start_token]
-            if not self.stripped_think_start:
-                markers.append(self.think_start_token)
-            held = self._held(current, markers)
-            self._buffer = current[len(current) - held :]
-            return StreamingParseResult(reasoning_text=current[: len(current) - held])
-        held = 0 if self.stripped_think_start else self._held(current, [self.think_start_token])
+            return StreamingParseResult(normal_text=current)
+        end, answer = self._block_end(current)
+        if end != -1:
+            self._buffer, self._in_reasoning = "", False
+            return StreamingParseResult(normal_text=current[answer:], reasoning_text=current[:end])
+        if not self.stream_reasoning:
+            return StreamingParseResult()
+        held = self._held(current, [self.think_end_token, self.tool_start_token])
         self._buffer = current[len(current) - held :]
-        return StreamingParseResult(normal_text=current[: len(current) - held])
+        return StreamingParseResult(reasoning_text=current[: len(current) - held])
 
     @staticmethod
     def _held(text: str, markers: list[str | None]) -> int:
@@ -110,11 +108,9 @@ class BaseReasoningFormatDetector:
         held back (stream_reasoning off, no `</think>`) or a text that only looked like the start
         of a marker comes out, so the stream says what the one-go answer says."""
         held, self._buffer = self._buffer, ""
+        self._start_decided = True
         if not held:
             return StreamingParseResult()
-        if not self.stripped_think_start and held.startswith(self.think_start_token):
-            held = held[len(self.think_start_token) :]
-            self._in_reasoning = True
         if self._in_reasoning:
             return StreamingParseResult(reasoning_text=held)
         return StreamingParseResult(normal_text=held)

@@ -134,6 +134,17 @@ class SamplingBatchInfo:
                 grammars[i].fill_vocab_mask(mask, i)
         self.vocab_mask, self.vocab_mask_rows = mask, rows
 
+    def apply_token_masks(self, logits: torch.Tensor) -> torch.Tensor:
+        """min_new_tokens' mask, then the grammars' (SGLang's order). A row the two leave with no
+        token is one whose grammar allows only its end (EOS or a stop token) before its
+        min_new_tokens: the grammar wins and the request ends as its grammar does (`stop`). No
+        host sync."""
+        masked = self.apply_vocab_mask(self.apply_min_new_tokens(logits))
+        if self.min_tokens_rows is None or self.vocab_mask is None:
+            return masked
+        grammar_only = self.apply_vocab_mask(logits.clone())
+        return torch.where(torch.isneginf(masked).all(dim=-1, keepdim=True), grammar_only, masked)
+
     def apply_vocab_mask(self, logits: torch.Tensor) -> torch.Tensor:
         """The constrained rows' disallowed tokens at -inf (in place); other rows untouched."""
         if self.vocab_mask is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 
 _EPS = 1e-6
@@ -17,6 +18,9 @@ class SamplingParams:
     min_new_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # Regular expressions searched in the decoded output's tail after each token: the first match
+    # ends the request (SGLang's; finish_reason `{"type": "stop", "matched": pattern}`).
+    stop_regex: str | list[str] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -27,6 +31,7 @@ class SamplingParams:
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's JSON has it) -> bias
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # SGLang's; only slow (Python) tokenizers use it
     no_stop_trim: bool = False
     sampling_seed: int | None = None
     n: int = 1
@@ -37,10 +42,12 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None
     stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
+    stop_regex_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.verify()
         self.stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_regex_strs = _as_list(self.stop_regex)
         if self.temperature < _EPS:
             # Greedy: argmax, whatever top_k / top_p say.
             self.temperature, self.top_k = 1.0, 1
@@ -119,10 +126,26 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
             ):
                 raise ValueError("stop_token_ids must be a list of non-negative integers")
+        _verify_stop_regex(self.stop_regex)
         _verify_grammar_fields(self)
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def _verify_stop_regex(stop_regex) -> None:
+    patterns = _as_list(stop_regex) if isinstance(stop_regex, (str, list, type(None))) else [None]
+    if not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError("stop_regex must be a non-empty string or a list of non-empty strings")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from None
 
 
 def _verify_grammar_fields(params: SamplingParams) -> None:

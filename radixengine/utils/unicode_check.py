@@ -3,6 +3,9 @@ gives Python a lone UTF-16 surrogate, which tokenizers, loggers and response enc
 
 from __future__ import annotations
 
+import json
+import re
+
 
 def is_utf8_encodable(text: str) -> bool:
     if text.isascii():
@@ -40,3 +43,30 @@ def first_unencodable_path(value: object, root: str = "") -> str | None:
                 if isinstance(child, (str, dict, list, tuple))
             )
     return None
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def escape_lone_surrogates(json_text: str) -> str:
+    """JSON text with each lone surrogate (only a string can hold one) written as its `\\uXXXX`
+    escape: the same JSON value, in text UTF-8 can encode."""
+    if is_utf8_encodable(json_text):
+        return json_text
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", json_text)
+
+
+def encode_json_text(value: object, **kwargs) -> bytes:
+    """`dumps_json_text(value)` as UTF-8, encoded once when the text has no lone surrogate (the
+    response hot path)."""
+    text = json.dumps(value, ensure_ascii=False, **kwargs)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return escape_lone_surrogates(text).encode("utf-8")
+
+
+def dumps_json_text(value: object, **kwargs) -> str:
+    """`json.dumps(value, ensure_ascii=False)` that UTF-8 can always encode: a string decoded from
+    a model's `\\ud83d` escape keeps it as that escape."""
+    return escape_lone_surrogates(json.dumps(value, ensure_ascii=False, **kwargs))
