@@ -68,3 +68,37 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
         if t in eos:
             return tokens[: i + 1]
     return tokens
+
+
+SYSTEM = (
+    "You are Atlas, the support assistant of an outdoor gear shop. Answer in at most two short "
+    "sentences, politely and factually. Shipping is free over fifty dollars and takes three to "
+    "five business days; returns are accepted within thirty days with a receipt; warranty claims "
+    "need the order number and a photo of the defect. Never invent product facts, never promise "
+    "discounts, and hand the customer to a human agent when they ask for one or are upset."
+)
+
+
+@pytest.mark.slow
+def test_shared_prefix_attention_changes_no_token_on_the_real_model(default_model):
+    """Eight chats behind one system prompt (shared by the whole decode batch), float32: the
+    same greedy tokens with shared-prefix attention on (the pass runs) and off."""
+    from radixengine import Engine
+
+    conversations = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS[:8]
+    ]
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    outputs = {}
+    for disable in (False, True):
+        with Engine(
+            dtype="float32",
+            log_level="warning",
+            disable_shared_prefix_attention=disable,
+            shared_prefix_attention_min_len=32,
+        ) as engine:
+            outputs[disable] = [o["output_ids"] for o in engine.chat(conversations, params)]
+            info = engine.get_server_info()
+            assert info["disable_shared_prefix_attention"] is disable
+            assert (info["num_shared_prefix_forwards"] == 0) is disable  # the pass ran when on
+    assert outputs[False] == outputs[True]

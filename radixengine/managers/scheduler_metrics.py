@@ -127,6 +127,7 @@ class SchedulerMetricsMixin:
             "num_cached_tokens": s.num_cached_tokens,
             "num_generated_tokens": s.num_generated_tokens,
             "num_forward_steps": s.num_forward_steps,
+            "num_shared_prefix_forwards": self.tp_worker.num_shared_prefix_forwards(),
             "max_total_tokens": self.max_total_num_tokens,
             "available_tokens": available,
             "evictable_tokens": evictable,

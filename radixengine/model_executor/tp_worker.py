@@ -76,6 +76,10 @@ class TpModelWorker:
             device=str(runner.device),
         )
 
+    def num_shared_prefix_forwards(self) -> int:
+        """Forwards whose decode attention ran the shared-prefix pass (0: a backend without it)."""
+        return getattr(self.model_runner.attn_backend, "num_shared_prefix_forwards", 0)
+
     def get_memory_pool(self):
         """`(req_to_token_pool, token_to_kv_pool_allocator)`."""
         return self.model_runner.req_to_token_pool, self.model_runner.token_to_kv_pool_allocator
