@@ -407,7 +407,7 @@ _HELP = {
     ),
     "dlpm_quantum_tokens": (
         "dlpm: tokens each waiting tenant is credited per round (a request is charged its uncached prompt "
-        "tokens and its max_new_tokens). Smaller: finer fairness; larger: a tenant's bursts stay in credit."
+        "tokens and its max_new_tokens when admitted, whatever the chunk size). Smaller: finer fairness; larger: a tenant's bursts stay in credit."
     ),
     "retraction_policy": (
         "Which running requests are retracted first when decode runs out of KV memory: length (fewest "

@@ -12,6 +12,7 @@ from sched_utils import (
     gen_req,
     make_scheduler,
     random_prompts,
+    run_to_completion,
 )
 from test_scheduler_equivalence import SYSTEM_A, run_in_waves, workload
 
@@ -194,3 +195,29 @@ def test_priority_arrival_takes_evictable_cache_before_preempting():
     assert len(sched.tree_cache.match_prefix(old.input_ids).device_indices) < 79  # evicted for them
     assert_matches_oracle([low, vip], collect(sched.io.take_outputs()))
     assert_no_leak(sched)
+
+
+def dlpm_counters_after(chunk: int, page_size: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Tenant a sends one 96-token prompt, tenant b three 8-token ones (8 tokens of output each)
+    under a 64-token quantum; the deficits and charged tokens once all are done."""
+    sched = make_scheduler(
+        schedule_policy="dlpm", dlpm_quantum_tokens=64, chunked_prefill_size=chunk, page_size=page_size
+    )
+    [long_prompt] = random_prompts(60, 1, 96, 96)
+    reqs = [gen_req("a", long_prompt, 8, ignore_eos=True)]
+    reqs += [gen_req(f"b{i}", p, 8, ignore_eos=True) for i, p in enumerate(random_prompts(61, 3, 8, 8))]
+    for r in reqs:
+        r.routing_key = r.rid[0]
+    run_to_completion(sched, reqs)
+    return sched.policy.fair.deficits, sched.policy.fair.served_tokens
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_dlpm_charges_a_chunked_request_as_an_unchunked_one(page_size):
+    """A request is charged its whole prompt and output budget when it is admitted, whatever
+    --chunked-prefill-size: a's 104 tokens leave it 40 in debt after its quantum, b has 16 of
+    its quantum left. Chunked, a used to be dropped from the deficits after its first chunk (it
+    had nothing waiting while b's requests waited for its chunks), the rest uncharged."""
+    unchunked = dlpm_counters_after(-1, page_size)
+    assert unchunked == ({"a": -40, "b": 16}, {"a": 104, "b": 48})
+    assert dlpm_counters_after(16, page_size) == unchunked
