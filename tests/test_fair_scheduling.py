@@ -126,7 +126,8 @@ def test_priority_retraction_keeps_the_important_requests_running(monkeypatch):
 def priority_burst(soft: bool, overlap: bool):
     """Two low-priority requests decode in a pool whose reservations leave no room for a burst
     of one much more important request: one of them is preempted. Returns the scheduler and the
-    prompt tokens computed beyond each prompt once (the recomputed ones)."""
+    prompt tokens computed beyond each prompt once (the recomputed ones). Nothing was cached
+    before: the KV a victim finds again when it comes back is its own, no cache hit."""
     sched = make_scheduler(
         enable_priority_scheduling=True,
         soft_priority_preemption=soft,
@@ -146,6 +147,8 @@ def priority_burst(soft: bool, overlap: bool):
     assert sched.stats.num_preempted_reqs >= 1
     results = collect(sched.io.take_outputs())
     assert_matches_oracle([*low, vip], results)
+    assert [results[r.rid].cached_tokens for r in (*low, vip)] == [0, 0, 0]
+    assert sched.stats.num_cached_tokens == 0
     assert_no_leak(sched)
     return sched, sched.stats.num_prefill_tokens - sum(len(p) for p in prompts)
 

@@ -80,6 +80,9 @@ class Req:
         self._clear_round_state()
         self._init_finish_state()
         self.is_retracted = False
+        # Once retracted or preempted (SGLang's flag): the prefix it matches again is its own
+        # KV, already counted or computed, so cached_tokens stays as it was.
+        self.retracted_stain = False
         self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
         self.time_stats = TimeStats()
         # Constrained decoding: the request's matcher (a Future while its grammar compiles, in
@@ -261,7 +264,7 @@ class Req:
 
     def reset_for_retract(self) -> None:
         self._clear_round_state()
-        self.is_retracted = True
+        self.is_retracted = self.retracted_stain = True
         if self.grammar is not None:  # its matcher, rebuilt from the output ids
             self.grammar = self.grammar.copy()
             for token in self.output_ids:
