@@ -421,8 +421,8 @@ _HELP = {
         "Preemption still happens only when the free and evictable tokens do not fit the important request."
     ),
     "radix_eviction_policy": (
-        "Which cached prefixes are evicted first: lru, lfu (fewest inserts), slru (prefixes hit once "
-        "before those hit twice or more, LRU within each) or priority (prefixes of low-priority "
+        "Which cached prefixes are evicted first: lru, lfu (fewest requests), slru (prefixes one request "
+        "used before those two or more requests used, LRU within each) or priority (prefixes of low-priority "
         "requests first, a prefix keeping its highest user's priority)."
     ),
     "schedule_conservativeness": (

@@ -224,3 +224,18 @@ def test_dlpm_charges_a_chunked_request_as_an_unchunked_one(page_size):
     unchunked = dlpm_counters_after(-1, page_size)
     assert unchunked == ({"a": -40, "b": 16}, {"a": 104, "b": 48})
     assert dlpm_counters_after(16, page_size) == unchunked
+
+
+@pytest.mark.parametrize("chunk", [-1, 16])
+@pytest.mark.parametrize("policy", ["slru", "lfu"])
+def test_eviction_hits_count_distinct_requests(policy, chunk):
+    """The scheduler inserts a prompt after its prefill (each chunk) and again when the request
+    finishes: a prompt served once has one hit, and is not protected under slru; the one two
+    requests shared has two."""
+    sched = make_scheduler(radix_eviction_policy=policy, chunked_prefill_size=chunk)
+    single, shared = random_prompts(70, 2, 40, 40)
+    run_to_completion(sched, [gen_req("single", single, 8, ignore_eos=True)])
+    run_to_completion(sched, [gen_req("s1", shared + [3], 8, ignore_eos=True)])
+    run_to_completion(sched, [gen_req("s2", shared + [4], 8, ignore_eos=True)])
+    hits = [sched.tree_cache.match_prefix(p).last_node.hit_count for p in (single, shared)]
+    assert hits == [1, 2]

@@ -80,7 +80,7 @@ class SchedulerAdmissionMixin:
         if req.to_abort:
             self._release_aborted_chunked_req(in_last_batch)
         elif in_last_batch:
-            self.tree_cache.cache_unfinished_req(req, chunked=True)
+            self.tree_cache.cache_unfinished_req(req)
 
     def _release_aborted_chunked_req(self: Scheduler, in_last_batch: bool) -> None:
         """Finish a request aborted between chunks: its KV covers the chunks computed so far."""
