@@ -421,7 +421,7 @@ _HELP = {
     ),
     "dlpm_quantum_tokens": (
         "dlpm: tokens each waiting tenant is credited per round (a request is charged its uncached prompt "
-        "tokens and its max_new_tokens). Smaller: finer fairness; larger: a tenant's bursts stay in credit."
+        "tokens and its max_new_tokens when admitted, whatever the chunk size). Smaller: finer fairness; larger: a tenant's bursts stay in credit."
     ),
     "retraction_policy": (
         "Which running requests are retracted first when decode runs out of KV memory: length (fewest "
@@ -435,8 +435,8 @@ _HELP = {
         "Preemption still happens only when the free and evictable tokens do not fit the important request."
     ),
     "radix_eviction_policy": (
-        "Which cached prefixes are evicted first: lru, lfu (fewest inserts), slru (prefixes hit once "
-        "before those hit twice or more, LRU within each) or priority (prefixes of low-priority "
+        "Which cached prefixes are evicted first: lru, lfu (fewest requests), slru (prefixes one request "
+        "used before those two or more requests used, LRU within each) or priority (prefixes of low-priority "
         "requests first, a prefix keeping its highest user's priority)."
     ),
     "schedule_conservativeness": (

@@ -27,6 +27,10 @@ TINY = dict(
 TINY_ARCH = {
     "qwen3": dict(head_dim=16),
     "mistral": dict(head_dim=16, sliding_window=8),
+    # Mistral's window, and on every layer a sparse MoE block: 8 experts of 32, top 2
+    "mixtral": dict(
+        head_dim=16, sliding_window=8, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32
+    ),
     "gemma2": dict(
         head_dim=16,
         query_pre_attn_scalar=24,
@@ -71,6 +75,7 @@ def tiny_config(arch: str, **overrides):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
+        "mixtral": transformers.MixtralConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "phi3": transformers.Phi3Config,

@@ -1,6 +1,6 @@
 """The engine (scheduler, radix cache, default CPU attention backend) on tiny random Mistral,
-Gemma 2, Gemma 3 and Phi-3 models, whose sliding windows (8 and 12 tokens) are shorter than the
-prompts: 32 greedy tokens equal to transformers', and equal again on a second pass that reads
+Mixtral (MoE), Gemma 2, Gemma 3 and Phi-3 models, whose sliding windows (8 and 12 tokens) are
+shorter than the prompts: 32 greedy tokens equal to transformers', and equal again on a second pass that reads
 the prompts from the radix cache (an extend over a cached prefix longer than the window)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from test_engine_utils import build_tokenizer, hf_greedy
 
 from radixengine import Engine
 
-ARCHS = ["mistral", "gemma2", "gemma3", "phi3"]
+ARCHS = ["mistral", "mixtral", "gemma2", "gemma3", "phi3"]
 MAX_NEW = 32
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 

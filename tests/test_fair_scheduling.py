@@ -12,6 +12,7 @@ from sched_utils import (
     gen_req,
     make_scheduler,
     random_prompts,
+    run_to_completion,
 )
 from test_scheduler_equivalence import SYSTEM_A, run_in_waves, workload
 
@@ -125,7 +126,8 @@ def test_priority_retraction_keeps_the_important_requests_running(monkeypatch):
 def priority_burst(soft: bool, overlap: bool):
     """Two low-priority requests decode in a pool whose reservations leave no room for a burst
     of one much more important request: one of them is preempted. Returns the scheduler and the
-    prompt tokens computed beyond each prompt once (the recomputed ones)."""
+    prompt tokens computed beyond each prompt once (the recomputed ones). Nothing was cached
+    before: the KV a victim finds again when it comes back is its own, no cache hit."""
     sched = make_scheduler(
         enable_priority_scheduling=True,
         soft_priority_preemption=soft,
@@ -145,6 +147,8 @@ def priority_burst(soft: bool, overlap: bool):
     assert sched.stats.num_preempted_reqs >= 1
     results = collect(sched.io.take_outputs())
     assert_matches_oracle([*low, vip], results)
+    assert [results[r.rid].cached_tokens for r in (*low, vip)] == [0, 0, 0]
+    assert sched.stats.num_cached_tokens == 0
     assert_no_leak(sched)
     return sched, sched.stats.num_prefill_tokens - sum(len(p) for p in prompts)
 
@@ -194,3 +198,44 @@ def test_priority_arrival_takes_evictable_cache_before_preempting():
     assert len(sched.tree_cache.match_prefix(old.input_ids).device_indices) < 79  # evicted for them
     assert_matches_oracle([low, vip], collect(sched.io.take_outputs()))
     assert_no_leak(sched)
+
+
+def dlpm_counters_after(chunk: int, page_size: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Tenant a sends one 96-token prompt, tenant b three 8-token ones (8 tokens of output each)
+    under a 64-token quantum; the deficits and charged tokens once all are done."""
+    sched = make_scheduler(
+        schedule_policy="dlpm", dlpm_quantum_tokens=64, chunked_prefill_size=chunk, page_size=page_size
+    )
+    [long_prompt] = random_prompts(60, 1, 96, 96)
+    reqs = [gen_req("a", long_prompt, 8, ignore_eos=True)]
+    reqs += [gen_req(f"b{i}", p, 8, ignore_eos=True) for i, p in enumerate(random_prompts(61, 3, 8, 8))]
+    for r in reqs:
+        r.routing_key = r.rid[0]
+    run_to_completion(sched, reqs)
+    return sched.policy.fair.deficits, sched.policy.fair.served_tokens
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_dlpm_charges_a_chunked_request_as_an_unchunked_one(page_size):
+    """A request is charged its whole prompt and output budget when it is admitted, whatever
+    --chunked-prefill-size: a's 104 tokens leave it 40 in debt after its quantum, b has 16 of
+    its quantum left. Chunked, a used to be dropped from the deficits after its first chunk (it
+    had nothing waiting while b's requests waited for its chunks), the rest uncharged."""
+    unchunked = dlpm_counters_after(-1, page_size)
+    assert unchunked == ({"a": -40, "b": 16}, {"a": 104, "b": 48})
+    assert dlpm_counters_after(16, page_size) == unchunked
+
+
+@pytest.mark.parametrize("chunk", [-1, 16])
+@pytest.mark.parametrize("policy", ["slru", "lfu"])
+def test_eviction_hits_count_distinct_requests(policy, chunk):
+    """The scheduler inserts a prompt after its prefill (each chunk) and again when the request
+    finishes: a prompt served once has one hit, and is not protected under slru; the one two
+    requests shared has two."""
+    sched = make_scheduler(radix_eviction_policy=policy, chunked_prefill_size=chunk)
+    single, shared = random_prompts(70, 2, 40, 40)
+    run_to_completion(sched, [gen_req("single", single, 8, ignore_eos=True)])
+    run_to_completion(sched, [gen_req("s1", shared + [3], 8, ignore_eos=True)])
+    run_to_completion(sched, [gen_req("s2", shared + [4], 8, ignore_eos=True)])
+    hits = [sched.tree_cache.match_prefix(p).last_node.hit_count for p in (single, shared)]
+    assert hits == [1, 2]

@@ -1,5 +1,5 @@
-"""Qwen3-MoE and Qwen2-MoE: our forward over the paged KV pool vs transformers on tiny random
-models (fp32), and the routed-experts paths against a per-expert loop."""
+"""Qwen3-MoE, Qwen2-MoE and Mixtral: our forward over the paged KV pool vs transformers on tiny
+random models (fp32), and the routed-experts paths against a per-expert loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from model_utils import TINY, ModelDriver, assert_close_rel, hf_last_logits, make_runner, randomize
+from model_utils import TINY, TINY_ARCH, ModelDriver, assert_close_rel, hf_last_logits, make_runner, randomize
 
 from radixengine.layers import moe_experts
 from radixengine.layers.moe import select_experts
@@ -19,6 +19,9 @@ ARCHS = {
     "qwen3_moe": dict(MOE, head_dim=16, mlp_only_layers=[1], norm_topk_prob=True),
     # layer 1 sparse, 0 and 2 dense (decoder_sparse_step); softmax weights as they are
     "qwen2_moe": dict(MOE, decoder_sparse_step=2, shared_expert_intermediate_size=48, norm_topk_prob=False),
+    # every layer sparse, top-k weights renormalized; Mistral's sliding window, shorter than the
+    # prompts
+    "mixtral": dict(TINY_ARCH["mixtral"], num_hidden_layers=3),
 }
 LENGTHS = [37, 5, 18, 1]
 
@@ -27,7 +30,11 @@ def save_tiny_moe(arch: str, folder, seed: int):
     import transformers
 
     torch.manual_seed(seed)
-    cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[arch]
+    cls = {
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "mixtral": transformers.MixtralConfig,
+    }[arch]
     config = cls(**dict(TINY, **ARCHS[arch]))
     config.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -54,7 +61,8 @@ def test_sparse_and_dense_layers_follow_the_config(tiny):
     runner = make_runner(folder)
     ours = [isinstance(layer.mlp, FusedMoE) for layer in runner.model.model.layers]
     theirs = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
-    assert ours == theirs and any(ours) and not all(ours)
+    assert ours == theirs and any(ours)
+    assert all(ours) == (hf.config.model_type == "mixtral")
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -117,14 +125,21 @@ def test_greedy_32_tokens_match_transformers(tiny, page_size):
         assert ours[rid] == ref, rid
 
 
-def test_checkpoint_missing_an_expert_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "arch,name",
+    [
+        ("qwen3_moe", "model.layers.2.mlp.experts.5.up_proj.weight"),
+        ("mixtral", "model.layers.1.block_sparse_moe.experts.5.w3.weight"),
+    ],
+)
+def test_checkpoint_missing_an_expert_is_refused(tmp_path, arch, name):
     from safetensors.torch import load_file, save_file
 
-    save_tiny_moe("qwen3_moe", tmp_path, seed=7)
+    save_tiny_moe(arch, tmp_path, seed=7)
     weights = load_file(tmp_path / "model.safetensors")
-    del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
+    del weights[name]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"lacks 1 weight\(s\): model.layers.2.mlp.experts.5.up_proj.weight"):
+    with pytest.raises(ValueError, match=rf"lacks 1 weight\(s\): {name}"):
         make_runner(tmp_path)
 
 

@@ -26,6 +26,7 @@ class FakeReq:
     req_pool_idx: int = -1
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
+    hit_counted_len: int = 0
 
 
 class Setup:
@@ -35,6 +36,7 @@ class Setup:
         size: int = 256,
         chunk: bool = False,
         device: str = "cpu",
+        eviction_policy: str = "lru",
     ):
         self.page_size = page_size
         self.pool = ReqToTokenPool(8, 128, device)
@@ -45,7 +47,7 @@ class Setup:
         if chunk:
             self.tree = ChunkCache(self.pool, self.alloc, page_size)
         else:
-            self.tree = RadixCache(self.pool, self.alloc, page_size)
+            self.tree = RadixCache(self.pool, self.alloc, page_size, eviction_policy)
 
     def row(self, req: FakeReq, length: int) -> list[int]:
         return self.pool.req_to_token[req.req_pool_idx, :length].tolist()
@@ -246,13 +248,48 @@ def test_slru_protects_prefixes_hit_twice():
     assert tree.evict(8) == 8 and _survivors(tree, keys) == {"a"}  # the probationary ones go first
 
 
-def test_slru_chunked_reinserts_are_no_hits():
+def test_slru_reinserts_by_the_same_request_are_no_hits():
     tree, alloc, keys = _three_keys("slru")
     tree.insert(keys["a"], alloc.alloc(4))
     dup = alloc.alloc(4)
-    alloc.free(dup[: tree.insert(keys["a"], dup, chunked=True)])  # the same request's next chunk
+    alloc.free(dup[: tree.insert(keys["a"], dup, counted_len=4)])  # the same request, again
     tree.insert(keys["b"], alloc.alloc(4))
     assert tree.evict(4) == 4 and _survivors(tree, keys) == {"b"}
+
+
+def serve(s: Setup, prompt: list[int], chunk: int | None = None) -> None:
+    """One request's life: its prompt prefilled (in chunks of `chunk`), two tokens decoded,
+    finished."""
+    req = s.start(prompt)
+    step = chunk or len(prompt)
+    while len(req.prefix_indices) < len(prompt):
+        s.extend(req, prompt[len(req.prefix_indices) : len(req.prefix_indices) + step])
+        s.tree.cache_unfinished_req(req)
+    s.decode(req, 1)
+    s.decode(req, 2)
+    s.tree.cache_finished_req(req)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_slru_protects_what_distinct_requests_share_not_a_single_use_prompt(chunk):
+    """A request inserts its prompt after the prefill (each chunk) and again when it finishes:
+    one request, one hit. The prompt two requests shared is protected; a single-use prompt
+    served after it is evicted first although it is more recent (counted as two hits, it was
+    protected too, and the shared prompt, older, went first)."""
+    s = Setup(eviction_policy="slru")
+    shared, single = list(range(10, 20)), list(range(30, 40))
+    serve(s, shared, chunk)
+    serve(s, shared, chunk)
+    serve(s, single, chunk)
+    hits = {
+        name: s.tree.match_prefix(p).last_node.hit_count
+        for name, p in (("shared", shared), ("single", single))
+    }
+    assert hits == {"shared": 2, "single": 1}
+    assert s.tree.evict(11) == 11  # the single-use prompt and its output token
+    assert len(s.tree.match_prefix(single).device_indices) == 0
+    assert len(s.tree.match_prefix(shared).device_indices) == 10
+    s.check()
 
 
 def test_priority_eviction_takes_low_priority_prefixes_first():

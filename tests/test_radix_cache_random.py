@@ -67,7 +67,7 @@ class KeyGen:
 class RefEntry:
     slots: tuple[int, ...]  # the KV slots of the prefix's last page
     tick: int
-    hits: int = 0  # inserts through the prefix, chunked ones aside
+    hits: int = 0  # inserts through the prefix, a request's own re-inserts aside
     priority: int = 0  # the highest priority that inserted it
 
 
@@ -110,7 +110,7 @@ class ReferenceCache:
                 entry.tick = self.tick
         return len(slots), slots
 
-    def insert(self, key: list[int], value: list[int], priority: int = 0, chunked: bool = False) -> int:
+    def insert(self, key: list[int], value: list[int], priority: int = 0, counted_len: int = 0) -> int:
         present, _ = self.match(key, touch=False)
         self.tick += 1
         for prefix in self.prefixes(key):
@@ -121,7 +121,7 @@ class ReferenceCache:
                 if len(prefix) > self.ps:
                     self.children[prefix[: -self.ps]] += 1
             entry.tick = self.tick
-            entry.hits += not chunked
+            entry.hits += len(prefix) > counted_len
             entry.priority = max(entry.priority, priority)
         return present
 
@@ -242,9 +242,11 @@ class TreeOpsSim:
             new = self.alloc.alloc(aligned - length)
             value = torch.cat((key_match.device_indices, new))
             padded = torch.cat((value, torch.zeros(len(key) - aligned, dtype=torch.int64)))
-            priority, chunked = self.rng.choice([-3, 0, 0, 2, 7]), self.rng.random() < 0.2
-            present = self.tree.insert(key, padded, priority, chunked)
-            assert present == self.ref.insert(key, value.tolist(), priority, chunked) == length
+            priority = self.rng.choice([-3, 0, 0, 2, 7])
+            # As the same request inserting again: what it inserted before ends at a node boundary.
+            counted_len = self.rng.choice([0, 0, 0, length, aligned])
+            present = self.tree.insert(key, padded, priority, counted_len)
+            assert present == self.ref.insert(key, value.tolist(), priority, counted_len) == length
         self.tree.dec_lock_ref(key_match.last_node)
         self.ref.lock(tuple(key[:length]), -1)
 
@@ -312,6 +314,7 @@ class SimReq:
     req_pool_idx: int = -1
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
+    hit_counted_len: int = 0
     kv_len: int = 0  # tokens with KV written in the row
     priority: int | None = None
 

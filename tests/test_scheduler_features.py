@@ -21,6 +21,7 @@ from sched_utils import (
     random_prompts,
     run_to_completion,
 )
+from test_scheduler_equivalence import SYSTEM_A
 
 from radixengine.managers.io_struct import (
     AbortReq,
@@ -86,6 +87,33 @@ def test_cached_tokens_per_request():
     sched = make_scheduler()
     run_to_completion(sched, [gen_req("e", SYSTEM, 4)])
     assert run_to_completion(sched, [gen_req("f", SYSTEM, 4)])["f"].cached_tokens == 63
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cached_tokens_count_once_after_retraction(page_size, overlap):
+    """A retracted request matches its own prompt (cached after its prefill) when it comes back:
+    not a cache hit (SGLang counts a request's hits before its first retraction only). Each
+    request's cached_tokens, and the scheduler's total, equal those of a pool that retracts
+    nothing: the shared 24-token prefix (whole pages of it), and none for the first request."""
+    prompts = random_prompts(11, 8, 20, 50, shared=[SYSTEM_A[:24]])
+    reqs = [gen_req(f"rt{i}", p, max_new_tokens=32) for i, p in enumerate(prompts)]
+    tight = make_scheduler(
+        max_total_tokens=256,
+        chunked_prefill_size=64,
+        init_new_token_ratio=0.05,
+        page_size=page_size,
+        overlap=overlap,
+    )
+    retracted = run_to_completion(tight, reqs)
+    assert tight.stats.num_retracted_reqs > 0, "the pool was meant to force retraction"
+    roomy = make_scheduler(chunked_prefill_size=64, page_size=page_size, overlap=overlap)
+    expected = run_to_completion(roomy, reqs)
+    assert roomy.stats.num_retracted_reqs == 0
+    hits = [retracted[r.rid].cached_tokens for r in reqs]
+    assert hits == [expected[r.rid].cached_tokens for r in reqs] == [0] + [24 // page_size * page_size] * 7
+    assert tight.stats.num_cached_tokens == roomy.stats.num_cached_tokens == sum(hits)
+    assert all(retracted[r.rid].cached_tokens <= retracted[r.rid].prompt_tokens for r in reqs)
 
 
 # Aborts ------------------------------------------------------------------------------------------

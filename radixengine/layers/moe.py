@@ -2,8 +2,9 @@
 MLPs (`moe_experts.fused_experts`) run on it and are summed with the routing weights.
 
 The experts' weights load from per-expert checkpoint tensors (`experts.{e}.gate_proj.weight`,
-`up_proj`, `down_proj`, each `[out, in]`) into two stacked parameters in `[in, out]` layout:
-`w13_weight [E, hidden, 2 * inter]` (gate columns then up) and `w2_weight [E, inter, hidden]`.
+`up_proj`, `down_proj`, each `[out, in]`; Mixtral's `w1`, `w3`, `w2`) into two stacked parameters
+in `[in, out]` layout: `w13_weight [E, hidden, 2 * inter]` (gate columns then up) and
+`w2_weight [E, inter, hidden]`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ from radixengine.layers.linear import Linear
 from radixengine.layers.moe_experts import fused_experts
 
 # checkpoint part -> (stacked parameter, shard: 0 gate, 1 up, None whole)
-EXPERT_PARTS = {
+ExpertParts = dict[str, tuple[str, int | None]]
+EXPERT_PARTS: ExpertParts = {
     "gate_proj": ("w13_weight", 0),
     "up_proj": ("w13_weight", 1),
     "down_proj": ("w2_weight", None),
 }
-_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+MIXTRAL_EXPERT_PARTS: ExpertParts = {
+    "w1": ("w13_weight", 0),
+    "w3": ("w13_weight", 1),
+    "w2": ("w2_weight", None),
+}
 
 
 def select_experts(
@@ -37,23 +43,28 @@ def select_experts(
     return weights.to(router_logits.dtype), ids
 
 
-def expert_param_for(name: str) -> tuple[str, tuple[int, int | None]] | None:
+def expert_param_for(
+    name: str, parts: ExpertParts = EXPERT_PARTS
+) -> tuple[str, tuple[int, int | None]] | None:
     """`...mlp.experts.3.up_proj.weight` -> (`...mlp.experts.w13_weight`, (3, 1)); None for a
     name that is not a routed expert's."""
-    match = _EXPERT_NAME.search(name)
+    match = re.search(rf"\.experts\.(\d+)\.({'|'.join(parts)})\.weight$", name)
     if match is None:
         return None
-    param, shard = EXPERT_PARTS[match.group(2)]
+    param, shard = parts[match.group(2)]
     return f"{name[: match.start()]}.experts.{param}", (int(match.group(1)), shard)
 
 
 class FusedMoEExperts(nn.Module):
     """The stacked weights of the routed experts."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, parts: ExpertParts = EXPERT_PARTS
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
+        self.parts = parts  # the checkpoint's names of each expert's weights
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, 2 * intermediate_size), requires_grad=False
         )
@@ -74,7 +85,7 @@ class FusedMoEExperts(nn.Module):
 
     def expected_names(self, prefix: str) -> set[str]:
         """The per-expert checkpoint names these parameters load from."""
-        return {f"{prefix}.{e}.{part}.weight" for e in range(self.num_experts) for part in EXPERT_PARTS}
+        return {f"{prefix}.{e}.{part}.weight" for e in range(self.num_experts) for part in self.parts}
 
     def forward(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -86,13 +97,19 @@ class FusedMoE(nn.Module):
     """Router (`gate`, `[E, hidden]`) and routed experts (`experts`) of a sparse MoE block."""
 
     def __init__(
-        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        expert_parts: ExpertParts = EXPERT_PARTS,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = Linear(hidden_size, num_experts)
-        self.experts = FusedMoEExperts(num_experts, hidden_size, intermediate_size)
+        self.experts = FusedMoEExperts(num_experts, hidden_size, intermediate_size, expert_parts)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)

@@ -14,8 +14,8 @@
   holds a deficit counter in tokens; the next request is the best one in LPM order of the
   tenant with the most credit left (ties: the tenant whose best request ranks first in LPM
   order), charged the tokens it will compute (its uncached prefill and its output budget: the
-  decode slots are as scarce as prefill); when none is positive, every waiting tenant gets the same
-  quantum. Cache hits go first within a tenant's allowance, and over any stretch where tenants
+  decode slots are as scarce as prefill) when it is admitted, whatever the chunk size; when
+  none is positive, every waiting tenant gets the same quantum. Cache hits go first within a tenant's allowance, and over any stretch where tenants
   keep requests waiting, their charged tokens differ by at most a quantum plus one
   request. Serving the most credit first interleaves the tenants within a round: a tenant that
   starts waiting with a fresh quantum is placed after at most one request of each tenant that
@@ -89,22 +89,24 @@ class FairPolicy:
                 req.arrival_processed_tokens = self.processed_tokens
             req.waiting_passes += 1
 
-    def on_prefill_batch(self, reqs: list[Req]) -> None:
+    def on_prefill_batch(self, reqs: list[Req], continuing: Req | None = None) -> None:
         """A prefill batch was formed: advance the clock, charge the tenants, and clear the
-        requests' waiting stamps (a retracted or preempted request starts a new wait)."""
+        requests' waiting stamps (a retracted or preempted request starts a new wait).
+        A request is charged its whole `service_len` when it is admitted, so a chunked one
+        (`continuing`: its later chunks) costs what it would unchunked."""
         for req in sorted(reqs, key=lambda r: self._position.get(r, -1)):
             position = self._position.get(req, -1)
             while self._rounds and self._rounds[0].position <= position:
                 self._rounds.pop(0).apply(self.deficits)
             self.processed_tokens += req.extend_input_len
-            tenant = tenant_of(req)
-            tokens = req.extend_input_len
-            if len(req.fill_ids) >= len(req.origin_input_ids) + len(req.output_ids):  # last chunk
-                tokens += output_budget(req)
-            self.served_tokens[tenant] = self.served_tokens.get(tenant, 0) + tokens
-            if tenant in self.deficits:
-                self.deficits[tenant] -= tokens
+            if req is not continuing:
+                self._charge(tenant_of(req), service_len(req))
             req.start_wait()
+
+    def _charge(self, tenant: str, tokens: int) -> None:
+        self.served_tokens[tenant] = self.served_tokens.get(tenant, 0) + tokens
+        if tenant in self.deficits:
+            self.deficits[tenant] -= tokens
 
     def sort(self, policy: str, waiting_queue: list[Req], deprioritized: set[Req]) -> None:
         if policy == "hrrn":

@@ -81,12 +81,20 @@ class Req:
         self.send_token_offset = 0
         self._clear_round_state()
         self._init_finish_state()
-        self.is_retracted = False
-        self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
+        self._init_cache_counters()
         self.time_stats = TimeStats()
         # Constrained decoding: the request's matcher (a Future while its grammar compiles, in
         # the scheduler's grammar queue), advanced with every output token.
         self.grammar: BaseGrammarObject | Future | None = None
+
+    def _init_cache_counters(self) -> None:
+        """What the request got from the cache, kept across retractions."""
+        self.is_retracted = False
+        # Once retracted or preempted (SGLang's flag): the prefix it matches again is its own
+        # KV, already counted or computed, so cached_tokens stays as it was.
+        self.retracted_stain = False
+        self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
+        self.hit_counted_len = 0  # the radix cache's: its tokens already counted as its hit
 
     def start_wait(self) -> None:
         """A new wait in the queue (fair_policy.py): its start on the prefill-token clock, stamped
@@ -284,7 +292,7 @@ class Req:
 
     def reset_for_retract(self) -> None:
         self._clear_round_state()
-        self.is_retracted = True
+        self.is_retracted = self.retracted_stain = True
         if self.grammar is not None:  # its matcher, rebuilt from the output ids
             self.grammar = self.grammar.copy()
             for token in self.output_ids:

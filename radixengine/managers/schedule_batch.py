@@ -188,7 +188,8 @@ class ScheduleBatch:
                 pool.write((row, slice(0, pre)), req.prefix_indices)
             pool.write((row, slice(pre, seq)), out_cache_loc[pt : pt + seq - pre])
             pt += seq - pre
-            req.cached_tokens += max(pre - req.already_computed, 0)
+            if not req.retracted_stain:
+                req.cached_tokens += max(pre - req.already_computed, 0)
             req.already_computed = seq
             req.is_retracted = False
             if not req.time_stats.forward_entry_time:

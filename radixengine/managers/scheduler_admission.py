@@ -80,7 +80,7 @@ class SchedulerAdmissionMixin:
         if req.to_abort:
             self._release_aborted_chunked_req(in_last_batch)
         elif in_last_batch:
-            self.tree_cache.cache_unfinished_req(req, chunked=True)
+            self.tree_cache.cache_unfinished_req(req)
 
     def _release_aborted_chunked_req(self: Scheduler, in_last_batch: bool) -> None:
         """Finish a request aborted between chunks: its KV covers the chunks computed so far."""
@@ -214,7 +214,7 @@ class SchedulerAdmissionMixin:
         """The one place a round's decision takes effect."""
         self._set_batch_is_full(plan.batch_is_full)
         self.stats.num_preempted_reqs += len(plan.preempted)
-        self.chunked_req = plan.chunked_req
+        continuing, self.chunked_req = self.chunked_req, plan.chunked_req
         if not plan.reqs:
             self._requeue(plan.preempted)
             return None
@@ -230,7 +230,7 @@ class SchedulerAdmissionMixin:
         batch = self._new_batch(plan.reqs)
         cached_before = sum(r.cached_tokens for r in plan.reqs)
         batch.prepare_for_extend()
-        self.policy.fair.on_prefill_batch(plan.reqs)
+        self.policy.fair.on_prefill_batch(plan.reqs, continuing)
         self.stats.num_cached_tokens += sum(r.cached_tokens for r in plan.reqs) - cached_before
         self.stats.num_prefill_tokens += batch.extend_num_tokens
         if self.enable_mixed_chunk:

@@ -20,6 +20,7 @@ class CacheReq(Protocol):
     req_pool_idx: int
     prefix_indices: torch.Tensor
     last_node: Any
+    hit_counted_len: int  # its tokens whose tree nodes counted it as a hit (lfu, slru), kept by the tree
 
 
 class MatchResult(NamedTuple):
@@ -130,9 +131,9 @@ class BasePrefixCache(ABC):
         `origin_input_ids + output_ids[:-1]` must have its KV slot in the row."""
 
     @abstractmethod
-    def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
-        """Hand over the KV of `req.fill_ids` while the request goes on (`chunked`: a chunk of a
-        prompt still being prefilled, no cache hit for the eviction policy). Afterwards
+    def cache_unfinished_req(self, req: CacheReq) -> None:
+        """Hand over the KV of `req.fill_ids` while the request goes on (a chunk of a prompt
+        still being prefilled, or the whole prompt after its prefill). Afterwards
         `req.prefix_indices` lists the slots to reuse, the request's row points at them, and
         `req.last_node` is locked in place of the old one."""
 

@@ -78,7 +78,7 @@ class ChunkCache(BasePrefixCache):
         self.req_to_token_pool.free(req.req_pool_idx)
         self.protected_size_ -= len(req.prefix_indices)
 
-    def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req: CacheReq) -> None:
         kv = req_kv_indices(self.req_to_token_pool, req, len(req.fill_ids))
         self.protected_size_ += len(kv) - len(req.prefix_indices)
         req.prefix_indices = kv

@@ -24,15 +24,16 @@ class LRUStrategy:
 
 
 class LFUStrategy:
-    """Fewest inserts through the node first; the least recently used among equals."""
+    """Fewest requests that inserted through the node first; the least recently used among
+    equals."""
 
     def get_priority(self, node: Any) -> tuple[int, int]:
         return (node.hit_count, node.last_access_time)
 
 
 class SLRUStrategy:
-    """Segmented LRU: nodes hit fewer than `protected_threshold` times (probationary) go before
-    the protected ones; LRU within a segment."""
+    """Segmented LRU: nodes fewer than `protected_threshold` requests inserted (probationary) go
+    before the protected ones; LRU within a segment."""
 
     def __init__(self, protected_threshold: int = 2) -> None:
         self.protected_threshold = protected_threshold

@@ -51,7 +51,7 @@ class TreeNode:
     # A logical clock (one tick per match/insert): the LRU order of SGLang's wall-clock times,
     # without ties.
     last_access_time: int = 0
-    hit_count: int = 0  # inserts through the node (lfu, slru)
+    hit_count: int = 0  # distinct requests that inserted through the node (lfu, slru)
     priority: int = 0  # the highest priority of the requests that inserted it (priority eviction)
     id: int = field(default_factory=lambda: next(_node_ids))
 
@@ -141,11 +141,12 @@ class RadixCache(BasePrefixCache):
         key: list[int] | tuple[int, ...],
         value: torch.Tensor | None = None,
         priority: int = 0,
-        chunked: bool = False,
+        counted_len: int = 0,
     ) -> int:
         """Insert `key`; returns how many of its tokens were already in the tree. `priority` and
-        `chunked` (a chunked prefill re-inserting its own earlier chunks: no hit) feed the
-        eviction policy."""
+        the hits feed the eviction policy: each node on the path that reaches past `counted_len`
+        (the tokens the same request inserted before: a chunk, its prompt after the prefill, a
+        preemption) counts one more request."""
         key_tokens = as_token_key(key)
         if value is None:
             value = torch.tensor(key_tokens, dtype=torch.int64, device=self.device)
@@ -153,10 +154,15 @@ class RadixCache(BasePrefixCache):
             raise ValueError(f"insert: value has {len(value)} slots for {len(key_tokens)} tokens")
         aligned = self._page_aligned(key_tokens)
         return self._insert_helper(
-            aligned, value if len(aligned) == len(key_tokens) else value[: len(aligned)], priority, chunked
+            aligned,
+            value if len(aligned) == len(key_tokens) else value[: len(aligned)],
+            priority,
+            counted_len,
         )
 
-    def _insert_helper(self, key: tuple[int, ...], value: torch.Tensor, priority: int, chunked: bool) -> int:
+    def _insert_helper(
+        self, key: tuple[int, ...], value: torch.Tensor, priority: int, counted_len: int
+    ) -> int:
         now = self._tick()
         node, i = self.root_node, 0
         node.last_access_time = now
@@ -168,10 +174,10 @@ class RadixCache(BasePrefixCache):
             if matched < len(child.key):
                 child = self._split_node(child, matched)
             child.last_access_time = now
-            _record_insert(child, priority, chunked)
+            _record_insert(child, priority, i + matched > counted_len)
             node, i = child, i + matched
         if i < len(key):
-            self._add_leaf(node, key[i:], value[i:], now, priority, int(not chunked))
+            self._add_leaf(node, key[i:], value[i:], now, priority, int(len(key) > counted_len))
         return i
 
     # ---- tree surgery ----
@@ -347,7 +353,7 @@ class RadixCache(BasePrefixCache):
         owned = self._tree_owned_len(req)
         allocator = self.token_to_kv_pool_allocator
         if is_insert:
-            new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned], _req_priority(req))
+            new_prefix_len = self._insert_req(req, token_ids[:aligned], kv[:aligned])
             allocator.free(kv[owned:new_prefix_len])
         else:
             allocator.free(kv[owned:aligned])
@@ -355,12 +361,12 @@ class RadixCache(BasePrefixCache):
         self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
 
-    def cache_unfinished_req(self, req: CacheReq, chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req: CacheReq) -> None:
         token_ids = list(req.fill_ids)
         kv = req_kv_indices(self.req_to_token_pool, req, len(token_ids))
         aligned = len(token_ids) // self.page_size * self.page_size
         owned = self._tree_owned_len(req)
-        new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned], _req_priority(req), chunked)
+        new_prefix_len = self._insert_req(req, token_ids[:aligned], kv[:aligned])
         self.token_to_kv_pool_allocator.free(kv[owned:new_prefix_len])
 
         new_indices, new_last_node = self.match_prefix(token_ids[:aligned])
@@ -376,6 +382,12 @@ class RadixCache(BasePrefixCache):
             new_indices = torch.cat((new_indices, kv[aligned:]))
         req.prefix_indices = new_indices
         req.last_node = new_last_node
+
+    def _insert_req(self, req: CacheReq, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Insert a request's tokens: its hit on a node counts once, whatever it inserts again."""
+        present = self.insert(token_ids, kv, _req_priority(req), req.hit_counted_len)
+        req.hit_counted_len = max(req.hit_counted_len, len(token_ids))
+        return present
 
     def _tree_owned_len(self, req: CacheReq) -> int:
         # With pages, prefix_indices may end in the request's own partial page; the tree owns only
@@ -406,8 +418,8 @@ class RadixCache(BasePrefixCache):
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
 
-def _record_insert(node: TreeNode, priority: int, chunked: bool) -> None:
-    if not chunked:
+def _record_insert(node: TreeNode, priority: int, hit: bool) -> None:
+    if hit:
         node.hit_count += 1
     node.priority = max(node.priority, priority)
 

@@ -17,6 +17,7 @@ _MODELS: dict[str, str] = {
     "Phi3ForCausalLM": "radixengine.models.phi3:Phi3ForCausalLM",
     "Qwen2MoeForCausalLM": "radixengine.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "radixengine.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "radixengine.models.mixtral:MixtralForCausalLM",
 }
 
 

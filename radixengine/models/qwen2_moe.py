@@ -8,7 +8,7 @@ from torch import nn
 
 from radixengine.layers.layernorm import RMSNorm
 from radixengine.layers.linear import Linear
-from radixengine.layers.moe import FusedMoE, FusedMoEExperts, expert_param_for
+from radixengine.layers.moe import EXPERT_PARTS, FusedMoE, FusedMoEExperts, expert_param_for
 from radixengine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
@@ -74,6 +74,7 @@ class Qwen2MoeModel(LlamaModel):
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     supports_tp = False  # the experts are not split over ranks
     model_cls = Qwen2MoeModel
+    expert_parts = EXPERT_PARTS
 
     def expected_weight_names(self) -> set[str]:
         names = {n for n in super().expected_weight_names() if ".experts.w" not in n}
@@ -83,7 +84,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         return names
 
     def _param_for(self, name: str) -> tuple[str, object]:
-        return expert_param_for(name) or super()._param_for(name)
+        return expert_param_for(name, self.expert_parts) or super()._param_for(name)
 
 
 EntryClass = [Qwen2MoeForCausalLM]
