@@ -20,9 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixengine.entrypoints import native_routes, openai_routes, operations_routes
+from radixengine.entrypoints import native_routes, openai_routes, operations_routes, responses_routes
 from radixengine.entrypoints.auth import APIKeyMiddleware
 from radixengine.entrypoints.http_errors import error_response
+from radixengine.entrypoints.response_store import ResponseStore
 from radixengine.managers.request_errors import EngineDeadError, RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager
 
@@ -40,6 +41,9 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan)
     app.state.tokenizer_manager = tm
+    app.state.response_store = ResponseStore(
+        server_args.response_store_max_count, server_args.response_store_max_bytes
+    )
     _install_error_handlers(app)
     if server_args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
@@ -48,7 +52,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     app.add_middleware(
         CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"]
     )
-    for module in (native_routes, openai_routes, operations_routes):
+    for module in (native_routes, openai_routes, responses_routes, operations_routes):
         app.include_router(module.router)
     return app
 
