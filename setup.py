@@ -16,6 +16,7 @@ INSTALL_REQUIRES = [
     "accelerate",
     "jinja2",
     "fastapi",
+    "python-multipart",  # /v1/files uploads
     "uvicorn",
     "prometheus-client",
     "tqdm",

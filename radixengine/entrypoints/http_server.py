@@ -14,14 +14,25 @@ import logging
 import signal
 import socket
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixengine.entrypoints import native_routes, openai_routes, operations_routes, responses_routes
+from radixengine.entrypoints import (
+    batches_routes,
+    files_routes,
+    native_routes,
+    openai_routes,
+    operations_routes,
+    responses_routes,
+)
 from radixengine.entrypoints.auth import APIKeyMiddleware
+from radixengine.entrypoints.batch_runner import BatchRunner
+from radixengine.entrypoints.batch_store import BatchStore, default_batch_dir
+from radixengine.entrypoints.file_store import FileStore
 from radixengine.entrypoints.http_errors import error_response
 from radixengine.entrypoints.response_store import ResponseStore
 from radixengine.managers.request_errors import EngineDeadError, RequestError
@@ -36,7 +47,10 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tm.ensure_started()
+        runner = app.state.batch_runner = batch_runner(tm, server_args)
+        runner.resume_all()
         yield
+        await runner.stop()
         await tm.aclose()
 
     app = FastAPI(lifespan=lifespan)
@@ -52,9 +66,22 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     app.add_middleware(
         CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"]
     )
-    for module in (native_routes, openai_routes, responses_routes, operations_routes):
+    for module in (
+        native_routes,
+        openai_routes,
+        responses_routes,
+        files_routes,
+        batches_routes,
+        operations_routes,
+    ):
         app.include_router(module.router)
     return app
+
+
+def batch_runner(tm: TokenizerManager, server_args) -> BatchRunner:
+    """The runner of /v1/batches over the files and batches of --batch-dir."""
+    root = Path(server_args.batch_dir or default_batch_dir())
+    return BatchRunner(tm, FileStore(root / "files"), BatchStore(root / "batches"), server_args)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
