@@ -4,17 +4,17 @@
     python benchmarks/bench_batch_ttft.py --batch-lines 1000 --interactive 30 -- --num-threads 2
 
 Starts the real server (`python -m radixengine.launch_server`, the flags after `--` added) once
-per mode and measures the same interactive load: `--interactive` streaming chat requests, one at
-a time with `--gap` seconds between them (`max_tokens` `--interactive-tokens`), TTFT = the time
-to the first content chunk. Modes:
-- `alone`: nothing else runs;
-- `batch`: a `--batch-lines`-line batch over /v1/chat/completions (distinct prompts,
-  `--batch-tokens` tokens each) is created first and runs at its lowest priority,
-  `--batch-max-running` lines in the engine at once; the interactive requests carry no priority;
-- `batch+priority`: the same with `--enable-priority-scheduling` and the interactive requests at
-  priority 0 (above the batch's lowest value: they go first and may preempt batch lines).
-Prints one JSON line per mode: TTFT p50 / p90 / max, e2e p50, and the batch lines finished
-during the measurement (the batch is cancelled after it)."""
+per configuration and measures the same interactive load in three phases: `--interactive`
+streaming chat requests, one at a time with `--gap` seconds between them (`max_tokens`
+`--interactive-tokens`), TTFT = the time to the first content chunk; first alone, then while a
+`--batch-lines`-line batch over /v1/chat/completions (distinct prompts, `--batch-tokens` tokens
+each) runs at its lowest priority, `--batch-max-running` lines in the engine at once, then alone
+again once the batch is cancelled. Configurations:
+- `default`: the interactive requests carry no priority (they tie with the batch's lowest value);
+- `priority`: `--enable-priority-scheduling`, the interactive requests at priority 0 (above the
+  batch's: they go first and may preempt batch lines).
+Prints one JSON line per phase: TTFT p50 / p90 / max, e2e p50, and the batch lines finished
+during it."""
 
 from __future__ import annotations
 
@@ -86,34 +86,48 @@ def pct(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
+def run_config(priority: bool, args: argparse.Namespace, root: Path) -> list[dict]:
+    """One server; the interactive load alone, under the batch, and alone again once the batch is
+    cancelled (the two alone runs bracket the batch run, against drift on a shared machine)."""
+    name = "priority" if priority else "default"
     flags = [
         "--batch-dir",
-        str(root / mode),
+        str(root / name),
         "--batch-max-running",
         str(args.batch_max_running),
         *args.server_flags,
     ]
-    if mode == "batch+priority":
+    if priority:
         flags.append("--enable-priority-scheduling")
-    model = args.model_path or _default_model()
-    server = launch_test_server(model, root / f"{mode}.log", flags, timeout=600)
+    server = launch_test_server(args.model_path or _default_model(), root / f"{name}.log", flags, timeout=600)
     try:
         base = server.base_url
         interactive(base, argparse.Namespace(**{**vars(args), "interactive": 2, "gap": 0}), None)  # warm-up
-        batch_id = start_batch(base, args) if mode != "alone" else None
-        done_before = get_batch(base, batch_id)["request_counts"]["completed"] if batch_id else 0
-        start = time.perf_counter()
-        ttfts, e2es = interactive(base, args, 0 if mode == "batch+priority" else None)
-        elapsed = time.perf_counter() - start
-        done = get_batch(base, batch_id)["request_counts"]["completed"] - done_before if batch_id else 0
-        if batch_id:
-            httpx.post(f"{base}/v1/batches/{batch_id}/cancel", timeout=60)
-        return {"mode": mode, "ttft_p50_s": round(statistics.median(ttfts), 4), "ttft_p90_s": round(pct(ttfts, 0.9), 4),
-                "ttft_max_s": round(max(ttfts), 4), "e2e_p50_s": round(statistics.median(e2es), 4),
-                "interactive": len(ttfts), "batch_lines_done_meanwhile": done, "seconds": round(elapsed, 1)}  # fmt: skip
+        rows = [measure(base, args, f"{name}: alone", None, None)]
+        batch_id = start_batch(base, args)
+        rows.append(measure(base, args, f"{name}: under the batch", batch_id, 0 if priority else None))
+        httpx.post(f"{base}/v1/batches/{batch_id}/cancel", timeout=60)
+        while get_batch(base, batch_id)["status"] != "cancelled":
+            time.sleep(0.2)
+        rows.append(measure(base, args, f"{name}: alone again", None, None))
+        return rows
     finally:
         stop_test_server(server)
+
+
+def measure(
+    base: str, args: argparse.Namespace, phase: str, batch_id: str | None, priority: int | None
+) -> dict:
+    done_before = get_batch(base, batch_id)["request_counts"]["completed"] if batch_id else 0
+    start = time.perf_counter()
+    ttfts, e2es = interactive(base, args, priority)
+    elapsed = time.perf_counter() - start
+    done = get_batch(base, batch_id)["request_counts"]["completed"] - done_before if batch_id else 0
+    row = {"phase": phase, "ttft_p50_s": round(statistics.median(ttfts), 4), "ttft_p90_s": round(pct(ttfts, 0.9), 4),
+           "ttft_max_s": round(max(ttfts), 4), "e2e_p50_s": round(statistics.median(e2es), 4),
+           "interactive": len(ttfts), "batch_lines_done_meanwhile": done, "seconds": round(elapsed, 1)}  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def _default_model() -> str:
@@ -127,7 +141,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model-path", default=None, help="default: the bundled SmolLM2-135M-Instruct GGUF")
-    parser.add_argument("--modes", default="alone,batch,batch+priority")
+    parser.add_argument("--configs", default="default,priority", help="default and/or priority")
     parser.add_argument("--batch-lines", type=int, default=1000)
     parser.add_argument("--batch-tokens", type=int, default=64)
     parser.add_argument("--batch-max-running", type=int, default=16)
@@ -138,8 +152,8 @@ def main() -> None:
     args = parser.parse_args()
     print(json.dumps({"git": _git_head(), "args": vars(args)}))
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
-            print(json.dumps(run_mode(mode, args, Path(tmp))), flush=True)
+        for config in args.configs.split(","):
+            run_config(config == "priority", args, Path(tmp))
 
 
 def _git_head() -> str:

@@ -129,6 +129,7 @@ def test_stream_events_add_up_to_the_answer(client):
     final = events[-1].response
     assert final.output_text == text and final.usage.output_tokens == 8
     assert final.output[0].id == events[2].item.id == events[-2].item.id
+    assert events[2].item.content == [] and events[3].part.text == ""  # announced empty, then its part
     assert client.responses.retrieve(final.id).output_text == text
 
 

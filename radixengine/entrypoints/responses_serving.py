@@ -171,12 +171,13 @@ class ResponseEvents:
             item = (
                 reasoning_item("", "in_progress") if kind == "reasoning" else message_item("", "in_progress")
             )
+            part = item["content"].pop()  # the item is announced empty, then its part
             events += self._open_item(item)
-            part = item["content"][0]
-            item["content"] = []
             events.append(self.event("response.content_part.added", item_id=item["id"],
                                      output_index=self._index(), content_index=0, part=dict(part)))  # fmt: skip
-            item["content"] = [part]
+            item["content"].append(part)
+        if not text:
+            return events
         self.open["content"][0]["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         extra = {} if kind == "reasoning" else {"logprobs": []}
