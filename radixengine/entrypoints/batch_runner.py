@@ -89,7 +89,6 @@ class BatchRunner:
         self.max_lines = server_args.max_batch_lines
         self.max_running = server_args.batch_max_running
         self.priority = lowest_priority_value(server_args.schedule_low_priority_values_first)
-        self.slots = asyncio.Semaphore(self.max_running)
         self.tasks: dict[str, asyncio.Task] = {}
         self.live: dict[str, dict] = {}  # the Batch objects of the running batches
         self.stopping = False
@@ -156,10 +155,10 @@ class BatchRunner:
         batch.update(status="cancelling", cancelling_at=int(time.time()))
         self.batches.save(batch)
         task = self.tasks.get(batch_id)
-        if task is not None and not task.done():
-            task.cancel()
-        else:
-            self._start(batch_id)
+        if batch_id in self.live:
+            task.cancel()  # its lines in the engine are aborted; the run finishes it as cancelled
+        elif task is None or task.done():
+            self._start(batch_id)  # (a run not started yet reads the cancel from disk)
         return public(batch)
 
     # A run ------------------------------------------------------------------------------------
