@@ -4,7 +4,8 @@ answer to the same conversation (greedy), stored responses come back from GET an
 previous_response_id (a radix cache hit), the stream is the Responses event sequence and adds up
 to the whole answer, function calls go round trip, text.format runs through the grammar backend
 (`responses.parse`), background responses can be cancelled, and what the server cannot do is a
-400 naming the field. A second server with `--reasoning-parser deepseek-r1` gives reasoning items."""
+400 naming the field. A second server with `--reasoning-parser deepseek-r1` gives reasoning items.
+LangChain's `ChatOpenAI(use_responses_api=True)` and `litellm.responses()` get the same answers."""
 
 from __future__ import annotations
 
@@ -259,3 +260,36 @@ def test_reasoning_items(reasoning_server):
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert streamed == reasoning
     assert events[-1].response.output[0].type == "reasoning"
+
+
+# Client libraries that speak the Responses API (skipped where not installed) --------------------
+
+
+def test_langchain_use_responses_api(server, client):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model="m", base_url=server.base_url + "/v1", api_key="none",
+                                      use_responses_api=True, temperature=0, max_tokens=6, max_retries=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    message = llm.invoke(PROMPT)
+    direct = client.responses.create(model="m", input=PROMPT, max_output_tokens=6, **GREEDY,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    assert message.text == direct.output_text and message.response_metadata["id"].startswith("resp_")
+    streamed = "".join(chunk.text for chunk in llm.stream(PROMPT))
+    assert streamed == direct.output_text
+    tools_llm = llm.model_copy(update={"max_tokens": 200})
+    forced = tools_llm.bind_tools([TOOL], tool_choice="set_units").invoke(PROMPT)
+    (call,) = forced.tool_calls
+    assert call["name"] == "set_units"
+    jsonschema.validate(call["args"], TOOL["parameters"])
+
+
+def test_litellm_responses(server, client, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download at import
+    litellm = pytest.importorskip("litellm")
+    # (LiteLLM raises a max_output_tokens under 16 to 16, OpenAI's minimum)
+    r = litellm.responses(model="openai/m", input=PROMPT, api_base=server.base_url + "/v1", api_key="none",
+                          max_output_tokens=16, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    direct = client.responses.create(model="m", input=PROMPT, max_output_tokens=16, **GREEDY,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    text = "".join(part.text for item in r.output if item.type == "message" for part in item.content)
+    assert text == direct.output_text and r.usage.output_tokens == 16
