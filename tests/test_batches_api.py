@@ -36,6 +36,7 @@ def model(tmp_path_factory):
 
 
 def serve(model, root, log_name: str = "server.log", max_running: int = 4):
+    """A server on `root / "batch_dir"`."""
     args = ["--dtype", "float32", "--num-threads", "1", "--max-total-tokens", "16384", "--batch-dir",
             str(root / "batch_dir"), "--batch-max-running", str(max_running), "--max-batch-lines", str(MAX_LINES),
             "--max-batch-file-bytes", "100000"]  # fmt: skip
@@ -45,6 +46,7 @@ def serve(model, root, log_name: str = "server.log", max_running: int = 4):
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     proc = serve(model, tmp_path_factory.mktemp("batch_server"))
+    proc.root = proc.log.parent
     yield proc
     stop_test_server(proc)
 
@@ -205,3 +207,14 @@ def test_restart_resumes_without_redoing_finished_lines(model, tmp_path):
         assert json.loads(out[4])["response"]["body"]["usage"]["completion_tokens"] == 3000
     finally:
         stop_test_server(second)
+
+
+def test_a_second_server_on_the_same_batch_dir_leaves_it_alone(model, server, client):
+    other = serve(model, server.root, "other.log")
+    try:
+        r = httpx.get(other.base_url + "/v1/batches", timeout=60)
+        assert r.status_code == 503 and "another server" in r.json()["error"]["message"]
+        assert httpx.get(other.base_url + "/health", timeout=60).status_code == 200
+    finally:
+        stop_test_server(other)
+    assert client.batches.list() is not None  # the first one still serves them

@@ -5,6 +5,7 @@ a server killed mid-batch knows on restart exactly which lines are answered."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -28,6 +29,19 @@ class BatchStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        self._lock_file = None
+
+    def lock(self) -> bool:
+        """Hold the folder for this process (released when it exits, even killed); False when
+        another process holds it."""
+        f = open(self.root / "lock", "w")  # noqa: SIM115 (held for the process's life)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return False
+        self._lock_file = f
+        return True
 
     def log_path(self, batch_id: str, kind: str) -> Path:
         return self.root / f"{batch_id}.{kind}.jsonl"

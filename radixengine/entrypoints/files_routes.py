@@ -18,7 +18,11 @@ CHUNK = 1 << 20
 
 
 def runner_of(request: Request) -> BatchRunner:
-    return request.app.state.batch_runner
+    runner = request.app.state.batch_runner
+    if runner is None:
+        raise RequestError("/v1/files and /v1/batches are off: another server uses this --batch-dir",
+                           status_code=503)  # fmt: skip
+    return runner
 
 
 @router.post("/v1/files")

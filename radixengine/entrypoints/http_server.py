@@ -48,9 +48,11 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     async def lifespan(app: FastAPI):
         tm.ensure_started()
         runner = app.state.batch_runner = batch_runner(tm, server_args)
-        runner.resume_all()
+        if runner is not None:
+            runner.resume_all()
         yield
-        await runner.stop()
+        if runner is not None:
+            await runner.stop()
         await tm.aclose()
 
     app = FastAPI(lifespan=lifespan)
@@ -78,10 +80,15 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     return app
 
 
-def batch_runner(tm: TokenizerManager, server_args) -> BatchRunner:
-    """The runner of /v1/batches over the files and batches of --batch-dir."""
+def batch_runner(tm: TokenizerManager, server_args) -> BatchRunner | None:
+    """The runner of /v1/batches over the files and batches of --batch-dir; None (the routes
+    answer 503) when another server holds that folder: two would run its batches twice."""
     root = Path(server_args.batch_dir or default_batch_dir())
-    return BatchRunner(tm, FileStore(root / "files"), BatchStore(root / "batches"), server_args)
+    batches = BatchStore(root / "batches")
+    if not batches.lock():
+        logger.warning("--batch-dir %s is used by another server: /v1/files and /v1/batches are off", root)
+        return None
+    return BatchRunner(tm, FileStore(root / "files"), batches, server_args)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
