@@ -90,7 +90,14 @@ def test_store_retrieve_delete(client):
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
-    unstored = client.responses.create(model="m", input=PROMPT, max_output_tokens=4, store=False, **GREEDY)
+    unstored = client.responses.create(
+        model="m",
+        input=PROMPT,
+        max_output_tokens=4,
+        store=False,
+        **GREEDY,
+        include=["reasoning.encrypted_content"],
+    )  # as Codex asks
     assert unstored.output_text == r.output_text and unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
@@ -210,7 +217,7 @@ UNSUPPORTED = [
      "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include[1]"),
     ({"background": True, "store": False}, "background"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

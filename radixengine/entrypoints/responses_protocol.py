@@ -19,6 +19,9 @@ PASSTHROUGH = ("top_k", "min_p", "seed", "stop", "ignore_eos", "priority", "freq
                "skip_special_tokens", "chat_template_kwargs", "rid")  # fmt: skip
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 TOOL_CHOICES = ("none", "auto", "required")
+# Accepted and without effect: no reasoning is encrypted here (the reasoning items carry their
+# text), so there is none to include; agents such as Codex ask for it with `store: false`.
+ACCEPTED_INCLUDES = ("reasoning.encrypted_content",)
 
 
 class ResponsesRequest(LenientModel):
@@ -81,11 +84,14 @@ def check_unsupported(req: ResponsesRequest) -> None:
         "conversation": "conversations are not supported: continue with previous_response_id",
         "prompt": "prompt templates are not supported",
         "max_tool_calls": "max_tool_calls is not supported",
-        "include": "include is not supported (no built-in tools, no encrypted reasoning)",
     }
     for name, why in refused.items():
         if getattr(req, name) not in (None, [], {}):
             raise RequestError(f"{name} is not supported: {why}", param=name)
+    for i, name in enumerate(req.include or []):
+        if name not in ACCEPTED_INCLUDES:
+            raise RequestError(f"include {name!r} is not supported (only {', '.join(ACCEPTED_INCLUDES)})",
+                               param=f"include[{i}]")  # fmt: skip
     if req.top_logprobs:
         raise RequestError("top_logprobs is not supported on /v1/responses", param="top_logprobs")
     if req.truncation not in (None, "disabled"):
