@@ -218,3 +218,12 @@ def test_a_second_server_on_the_same_batch_dir_leaves_it_alone(model, server, cl
     finally:
         stop_test_server(other)
     assert client.batches.list() is not None  # the first one still serves them
+
+
+def test_an_unusable_batch_dir_turns_batches_off_not_the_server(tmp_path):
+    from radixengine.entrypoints.http_server import batch_runner
+    from radixengine.server_args import ServerArgs
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert batch_runner(object(), ServerArgs(model_path="unused", batch_dir=str(blocker / "sub"))) is None

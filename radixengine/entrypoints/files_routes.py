@@ -20,8 +20,8 @@ CHUNK = 1 << 20
 def runner_of(request: Request) -> BatchRunner:
     runner = request.app.state.batch_runner
     if runner is None:
-        raise RequestError("/v1/files and /v1/batches are off: another server uses this --batch-dir",
-                           status_code=503)  # fmt: skip
+        raise RequestError("/v1/files and /v1/batches are off: another server uses this --batch-dir, or it "
+                           "cannot be created (the server's log says which)", status_code=503)  # fmt: skip
     return runner
 
 

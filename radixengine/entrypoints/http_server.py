@@ -82,13 +82,19 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
 
 def batch_runner(tm: TokenizerManager, server_args) -> BatchRunner | None:
     """The runner of /v1/batches over the files and batches of --batch-dir; None (the routes
-    answer 503) when another server holds that folder: two would run its batches twice."""
+    answer 503) when another server holds that folder (two would run its batches twice) or it
+    cannot be created."""
     root = Path(server_args.batch_dir or default_batch_dir())
-    batches = BatchStore(root / "batches")
-    if not batches.lock():
+    try:
+        batches, files = BatchStore(root / "batches"), FileStore(root / "files")
+        locked = batches.lock()
+    except OSError as e:
+        logger.warning("--batch-dir %s cannot be used (%s): /v1/files and /v1/batches are off", root, e)
+        return None
+    if not locked:
         logger.warning("--batch-dir %s is used by another server: /v1/files and /v1/batches are off", root)
         return None
-    return BatchRunner(tm, FileStore(root / "files"), batches, server_args)
+    return BatchRunner(tm, files, batches, server_args)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
