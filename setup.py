@@ -16,6 +16,7 @@ INSTALL_REQUIRES = [
     "accelerate",
     "jinja2",
     "fastapi",
+    "python-multipart",  # /v1/files uploads
     "uvicorn",
     "prometheus-client",
     "tqdm",
@@ -34,6 +35,8 @@ EXTRAS = {
         "sglang-router==0.3.2",
         "jsonschema",
         "llguidance==1.9.1",
+        "langchain-openai",  # tests/test_responses_api.py: ChatOpenAI(use_responses_api=True)
+        "litellm",  # tests/test_responses_api.py: litellm.responses()
     ],
     "llguidance": ["llguidance==1.9.1"],
 }

@@ -271,6 +271,14 @@ class Engine:
             return self._stream_async(objs[0])
         return await asyncio.wrap_future(self._runtime.submit(self._generate_all(objs, single)))
 
+    async def async_openai(self, url: str, body: dict) -> dict:
+        """The answer to an OpenAI `/v1/chat/completions` or `/v1/completions` body (not
+        streamed) as the HTTP route gives it; a refused one raises `RequestError`."""
+        from radixengine.entrypoints.openai_routes import answer_body
+
+        coro = answer_body(self.tokenizer_manager, url, body, None)
+        return await asyncio.wrap_future(self._runtime.submit(coro))
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],

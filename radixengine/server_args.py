@@ -58,6 +58,13 @@ class ServerArgs:
     api_key: str | None = None
     log_level: str = "info"
     log_requests: bool = False
+    # The Responses API's store and the Batch API (entrypoints/response_store.py, batch_runner.py)
+    response_store_max_count: int = 1000
+    response_store_max_bytes: int = 64 << 20
+    batch_dir: str | None = None  # None: ~/.cache/radixengine/batches
+    batch_max_running: int = 16
+    max_batch_file_bytes: int = 200 << 20
+    max_batch_lines: int = 50000
     log_requests_level: int = 2
 
     # Memory
@@ -178,6 +185,9 @@ class ServerArgs:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
         if self.retract_decode_steps < 0:
             raise ValueError(f"--retract-decode-steps must be >= 0, got {self.retract_decode_steps}")
+        for flag in ("response_store_max_count", "response_store_max_bytes", "batch_max_running",
+                     "max_batch_file_bytes", "max_batch_lines"):  # fmt: skip
+            _check_positive("--" + flag.replace("_", "-"), getattr(self, flag))
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         self._validate_fair_scheduling()
@@ -389,6 +399,21 @@ _HELP = {
         "Default: no key."
     ),
     "log_level": "Logging level of the server and its processes.",
+    "response_store_max_count": (
+        "How many stored /v1/responses answers are kept (for GET and previous_response_id); past it, "
+        "the oldest are dropped. Default: 1000."
+    ),
+    "response_store_max_bytes": "The same bound in bytes of JSON (default 64 MiB).",
+    "batch_dir": (
+        "Folder of /v1/files and /v1/batches (uploads, results, batch state); a restarted server resumes "
+        "its unfinished batches from it. Default: ~/.cache/radixengine/batches."
+    ),
+    "batch_max_running": (
+        "How many lines of /v1/batches are in the engine at once (at the lowest priority); the rest wait "
+        "in the batch. Default: 16."
+    ),
+    "max_batch_file_bytes": "Largest /v1/files upload, in bytes (default 200 MiB, as OpenAI).",
+    "max_batch_lines": "Most request lines in one batch input file (default 50000, as OpenAI).",
     "log_requests": (
         "Log every request when it arrives (`Receive: obj=...`) and when it finishes (`Finish: obj=..., "
         "out=...`: input, output and meta_info), at info level; how much is set by --log-requests-level."

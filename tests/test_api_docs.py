@@ -1,6 +1,6 @@
 """docs/api.md cannot drift from the app: every route the app serves (with its methods) is a
-heading there and every heading is a route; every request field the chat, completions and
-/generate routes read is named in its section."""
+heading there and every heading is a route; every request field the chat, completions, responses
+and /generate routes read is named in its section."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from radixengine.entrypoints.http_server import create_app
 from radixengine.entrypoints.native_routes import NATIVE_COMPAT_FIELDS, NATIVE_FIELDS
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixengine.entrypoints.responses_protocol import ResponsesRequest
 from radixengine.sampling.sampling_params import SamplingParams
 from radixengine.server_args import ServerArgs
 
@@ -52,6 +53,7 @@ def test_every_request_field_is_named_in_its_section():
     expected = {
         ("POST", "/v1/chat/completions"): set(ChatCompletionRequest.model_fields),
         ("POST", "/v1/completions"): set(CompletionRequest.model_fields) - set(ChatCompletionRequest.model_fields),
+        ("POST", "/v1/responses"): set(ResponsesRequest.model_fields),
         ("POST", "/generate"): NATIVE_FIELDS | NATIVE_COMPAT_FIELDS
         | {f for f in SamplingParams.__dataclass_fields__ if SamplingParams.__dataclass_fields__[f].init},
     }  # fmt: skip

@@ -7,10 +7,12 @@ machine cannot run refused at start, and `--watchdog-timeout` ending a forward t
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -380,3 +382,34 @@ def test_only_an_abort_counts_as_aborted(reason, aborted):
     samples = {s.name: s.value for m in metrics.registry.collect() for s in m.samples}
     assert samples.get("sglang:num_aborted_requests_total", 0) == aborted
     assert samples["sglang:num_requests_total"] == 1
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "examples" / "monitoring" / "grafana-dashboard.json"
+SERIES_NAME = re.compile(r"sglang[:_][A-Za-z0-9_:]*")
+# The panels SGLang's dashboard has, and this engine's own.
+DASHBOARD_PANELS = ["throughput", "time to first token", "inter-token latency", "end-to-end", "running and queued",
+                    "token usage", "cache hit rate", "retractions"]  # fmt: skip
+
+
+def dashboard_queries() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    return exprs + [v["definition"] for v in dash["templating"]["list"] if v["type"] == "query"]
+
+
+def test_shipped_dashboard_queries_series_metrics_exports(server, first_request):
+    """Every query of examples/monitoring/grafana-dashboard.json names only series this server's
+    /metrics exports (after one request), with its labels: the dashboard shows data."""
+    dash = json.loads(DASHBOARD.read_text())
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    assert [t for t in DASHBOARD_PANELS if t not in titles] == []
+    found = samples(server)
+    names = {s.name for s in found}
+    labels = set().union(*(s.labels for s in found)) | {"instance"}  # Prometheus adds instance
+    for expr in dashboard_queries():
+        used = SERIES_NAME.findall(expr)
+        assert used, expr
+        assert [n for n in used if n not in names] == [], expr
+        assert set(re.findall(r"(\w+)=~", expr)) <= labels, expr
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+    assert "sglang:num_grammar_queue_reqs" in names and "sglang:num_retracted_requests_total" in names

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from test_engine_utils import REPO_ROOT, build_tiny_model, subprocess_env
@@ -93,3 +95,100 @@ def test_help_says_what_max_new_tokens_is(tmp_path):
     )
     assert proc.returncode == 0
     assert "lines whose sampling_params do not give their own" in " ".join(proc.stdout.split())
+
+
+# OpenAI's batch format, results written as they finish, --resume ---------------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "hello world"}], "temperature": 0, "ignore_eos": True}
+# Short lines of both formats and one long line: a run killed once the short ones are written
+# has the long one still in flight.
+MIXED = [
+    {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions", "body": {**CHAT, "max_tokens": 3}},
+    {"id": "own-1", "text": "hello world", "sampling_params": {"max_new_tokens": 4, "temperature": 0,
+                                                                "ignore_eos": True}},
+    {"custom_id": "long", "url": "/v1/chat/completions", "body": {**CHAT, "max_tokens": 2500}},
+    {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": "hello", "max_tokens": 2, "temperature": 0}},
+    {"custom_id": "bad-url", "url": "/v1/embeddings", "body": {}},
+    {"text": "no id here", "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}},
+    {"custom_id": "refused", "url": "/v1/chat/completions", "body": {**CHAT, "temperature": -1}},
+]  # fmt: skip
+VOLATILE = {"id", "request_id", "created", "e2e_latency", "cached_tokens", "prompt_tokens_details"}
+
+
+def stable(record: dict) -> dict:
+    """A result without what differs between any two runs (a line's own `id` is kept)."""
+    cleaned = _drop_volatile(record)
+    if "custom_id" not in record and "id" in record:
+        cleaned["id"] = record["id"]
+    return cleaned
+
+
+def _drop_volatile(value):
+    if isinstance(value, dict):
+        return {k: _drop_volatile(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [_drop_volatile(v) for v in value]
+    return value
+
+
+def batch_cmd(model: str, src, dst, *extra: str) -> list[str]:
+    return [sys.executable, SCRIPT, "--input", str(src), "--output", str(dst), "--model-path", model,
+            "--dtype", "float32", "--max-total-tokens", "8192", "--num-threads", "1", "--log-level", "warning",
+            *extra]  # fmt: skip
+
+
+def test_openai_format_and_resume_after_a_kill(tmp_path):
+    model = build_tiny_model(str(tmp_path / "model"), max_position_embeddings=4096)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in MIXED))
+    whole = tmp_path / "whole.jsonl"
+    proc = subprocess.run(batch_cmd(model, src, whole), capture_output=True, text=True, timeout=600,
+                          env=subprocess_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in whole.read_text().splitlines()]
+    assert [r["line"] for r in results] == [1, 2, 3, 4, 6, 7]  # input order; line 5 is malformed
+    assert f"{src}:5: skipped malformed line: url must be one of" in proc.stderr
+    chat = results[0]
+    assert chat["custom_id"] == "chat-1" and chat["id"].startswith("batch_req_") and chat["error"] is None
+    body = chat["response"]["body"]
+    assert chat["response"]["status_code"] == 200 and body["object"] == "chat.completion"
+    assert body["usage"]["completion_tokens"] == 3
+    assert results[1]["id"] == "own-1" and results[1]["meta_info"]["completion_tokens"] == 4
+    assert results[3]["response"]["body"]["object"] == "text_completion"
+    assert "id" not in results[4] and results[4]["meta_info"]["completion_tokens"] == 3
+    refused = results[5]["response"]
+    assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "temperature"
+
+    # Killed (the whole process group) once every short line is written: the long one is lost.
+    out = tmp_path / "resumed.jsonl"
+    run = subprocess.Popen(batch_cmd(model, src, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=subprocess_env(), start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not out.exists() or len(out.read_text().splitlines()) < 5:
+            assert run.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.communicate()
+    partial = out.read_text().splitlines()
+    assert len(partial) == 5 and "long" not in [json.loads(line).get("custom_id") for line in partial]
+    with open(out, "a") as f:
+        f.write('{"line": 3, "custom_id": "long", "respo')  # a write the kill cut short
+    proc = subprocess.run(batch_cmd(model, src, out, "--resume"), capture_output=True, text=True, timeout=600,
+                          env=subprocess_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "--resume: 5 results already in" in proc.stderr
+    assert json.loads(proc.stdout)["run_now"] == 1 and json.loads(proc.stdout)["requests"] == 6
+    resumed = [json.loads(line) for line in out.read_text().splitlines()]
+    # The long line's 2,500 greedy tokens are compared by count only: it was prefilled beside other
+    # prompts in one run and alone in the other, and CPU kernels round differently by batch shape,
+    # which over thousands of steps can turn a near-tie the other way.
+    long_usage = [r["response"]["body"]["usage"]["completion_tokens"] for r in (resumed[2], results[2])]
+    assert long_usage == [2500, 2500] and resumed[2]["custom_id"] == results[2]["custom_id"] == "long"
+    assert [stable(r) for i, r in enumerate(resumed) if i != 2] == [
+        stable(r) for i, r in enumerate(results) if i != 2
+    ]
+    kept = {json.loads(line)["line"]: line for line in partial}
+    assert all(line in out.read_text().splitlines() for line in kept.values())  # not run again

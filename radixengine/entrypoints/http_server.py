@@ -14,15 +14,27 @@ import logging
 import signal
 import socket
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixengine.entrypoints import native_routes, openai_routes, operations_routes
+from radixengine.entrypoints import (
+    batches_routes,
+    files_routes,
+    native_routes,
+    openai_routes,
+    operations_routes,
+    responses_routes,
+)
 from radixengine.entrypoints.auth import APIKeyMiddleware
+from radixengine.entrypoints.batch_runner import BatchRunner
+from radixengine.entrypoints.batch_store import BatchStore, default_batch_dir
+from radixengine.entrypoints.file_store import FileStore
 from radixengine.entrypoints.http_errors import error_response
+from radixengine.entrypoints.response_store import ResponseStore
 from radixengine.managers.request_errors import EngineDeadError, RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager
 
@@ -35,11 +47,19 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tm.ensure_started()
+        runner = app.state.batch_runner = batch_runner(tm, server_args)
+        if runner is not None:
+            runner.resume_all()
         yield
+        if runner is not None:
+            await runner.stop()
         await tm.aclose()
 
     app = FastAPI(lifespan=lifespan)
     app.state.tokenizer_manager = tm
+    app.state.response_store = ResponseStore(
+        server_args.response_store_max_count, server_args.response_store_max_bytes
+    )
     _install_error_handlers(app)
     if server_args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
@@ -48,9 +68,33 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
     app.add_middleware(
         CORSMiddleware, allow_origins=["*"], allow_credentials=True, allow_methods=["*"], allow_headers=["*"]
     )
-    for module in (native_routes, openai_routes, operations_routes):
+    for module in (
+        native_routes,
+        openai_routes,
+        responses_routes,
+        files_routes,
+        batches_routes,
+        operations_routes,
+    ):
         app.include_router(module.router)
     return app
+
+
+def batch_runner(tm: TokenizerManager, server_args) -> BatchRunner | None:
+    """The runner of /v1/batches over the files and batches of --batch-dir; None (the routes
+    answer 503) when another server holds that folder (two would run its batches twice) or it
+    cannot be created."""
+    root = Path(server_args.batch_dir or default_batch_dir())
+    try:
+        batches, files = BatchStore(root / "batches"), FileStore(root / "files")
+        locked = batches.lock()
+    except OSError as e:
+        logger.warning("--batch-dir %s cannot be used (%s): /v1/files and /v1/batches are off", root, e)
+        return None
+    if not locked:
+        logger.warning("--batch-dir %s is used by another server: /v1/files and /v1/batches are off", root)
+        return None
+    return BatchRunner(tm, files, batches, server_args)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -17,7 +17,7 @@ from radixengine.entrypoints.openai_protocol import (
     ModelList,
 )
 from radixengine.entrypoints.request_fields import parse_json, parse_model
-from radixengine.entrypoints.request_runner import serve_requests, tm_of
+from radixengine.entrypoints.request_runner import collect_all, serve_requests, tm_of
 from radixengine.managers.request_errors import RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager
 
@@ -69,6 +69,33 @@ def _fill_defaults(tm: TokenizerManager, req: CompletionRequest | ChatCompletion
     req.model = req.model or tm.served_model_name
     if req.seed is None:
         req.seed = req.sampling_seed
+
+
+async def answer_body(tm: TokenizerManager, url: str, body: dict, priority: int | None) -> dict:
+    """The JSON answer of one non-streaming chat or completions body (a batch line), its
+    requests at `priority`; a refusal raises RequestError as the route would answer it."""
+    if url == "/v1/chat/completions":
+        req = parse_model(ChatCompletionRequest, body)
+        max_tokens = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        names = ("messages", max_tokens)
+    else:
+        req = parse_model(CompletionRequest, body)
+        names = ("prompt", "max_tokens")
+    if req.stream:
+        raise RequestError("stream is not supported in a batch", param="stream")
+    with openai_params(*names):
+        _fill_defaults(tm, req)
+        if isinstance(req, ChatCompletionRequest):
+            oai.apply_sampling_defaults(req, tm.default_sampling_params)
+            objs = oai.chat_requests(tm, req)
+        else:
+            objs, prompts = oai.completion_requests(tm, req)
+        for obj in objs:
+            obj.priority = priority
+        outs = await collect_all(tm, objs)
+    if isinstance(req, ChatCompletionRequest):
+        return oai.chat_response(tm, req, outs)
+    return oai.completion_response(tm, req, outs, prompts)
 
 
 @contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -150,8 +151,29 @@ async def _first_event(events: AsyncIterator[dict]) -> dict | None:
         return None
 
 
+def _error_event(message: str, err_type: str, param: str | None, code: int) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class SSEFormat:
+    """How a route's events are written: each event's bytes, the event an error mid-stream
+    becomes, and the closing line (chat and completions: `data: [DONE]`)."""
+
+    encode: Callable[[dict], bytes]
+    error_event: Callable[[str, str, str | None, int], dict] = _error_event
+    done: bytes = b"data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + encode_json_text(obj) + b"\n\n"
+
+
+CHAT_SSE = SSEFormat(_sse)
+
+
 async def sse_response(
-    request: Request, events: AsyncIterator[dict], objs: list[GenerateReqInput]
+    request: Request, events: AsyncIterator[dict], objs: list[GenerateReqInput], fmt: SSEFormat = CHAT_SSE
 ) -> Response:
     """Start the stream only once its first event is there, so that a refused request gets its
     HTTP status instead of a 200 with an error inside. A client that leaves before (a queued
@@ -169,26 +191,20 @@ async def sse_response(
         complete = False
         try:
             if first is not None:
-                yield _sse(first)
+                yield fmt.encode(first)
                 async for event in events:
-                    yield _sse(event)
+                    yield fmt.encode(event)
             complete = True
         except RequestError as e:
             complete = True
-            yield _sse(
-                {"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.status_code}}
-            )
+            yield fmt.encode(fmt.error_event(e.message, e.err_type, e.param, e.status_code))
         except EngineDeadError as e:
             complete = True
-            yield _sse({"error": {"message": str(e), "type": "EngineDeadError", "param": None, "code": 503}})
+            yield fmt.encode(fmt.error_event(str(e), "EngineDeadError", None, 503))
         finally:
             await events.aclose()
             if not complete:
                 logger.info("client disconnected mid-stream; aborted request(s) %s", ", ".join(_rids(objs)))
-        yield b"data: [DONE]\n\n"
+        yield fmt.done
 
     return StreamingResponse(body(), media_type="text/event-stream")
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + encode_json_text(obj) + b"\n\n"

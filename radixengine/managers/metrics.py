@@ -49,6 +49,10 @@ class SchedulerStatsCollector:
     GAUGES = {  # metric name: (state key, help)
         "num_running_reqs": ("num_running_reqs", "The number of running requests."),
         "num_queue_reqs": ("num_queue_reqs", "The number of requests in the waiting queue."),
+        "num_grammar_queue_reqs": (
+            "num_grammar_queue_reqs",
+            "The number of requests waiting for their grammar to compile.",
+        ),
         "gen_throughput": (
             "gen_throughput",
             "The generation throughput (token/s), over the last --decode-log-interval decode steps; 0 idle.",
@@ -146,6 +150,7 @@ class TokenizerMetricsCollector:
         )
         self.num_requests = self._counter("num_requests_total", "Number of requests processed.")
         self.num_aborted = self._counter("num_aborted_requests_total", "Number of requests aborted.")
+        self.num_aborted.labels(**self.labels)  # exported (0) before the first abort: dashboards show it
         self._init_histograms()
         self.scheduler = SchedulerStatsCollector(self.scheduler_labels)
         self.registry.register(self.scheduler)

@@ -1,0 +1,266 @@
+"""Running /v1/batches: each batch's input lines (OpenAI's batch format: `custom_id`, `method`,
+`url`, `body`) answered through the chat / completions logic, at most `--batch-max-running`
+lines in the engine at once, each at the lowest priority; every answer appended to the batch's
+result log as it comes. At the end the logs become the output file (status 200) and the error
+file (refusals, and malformed lines found before the run). A restarted server resumes every
+unfinished batch and skips the custom_ids its logs already hold: each line is answered once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from radixengine.entrypoints.batch_store import TERMINAL, BatchStore, ResultLog, public
+from radixengine.entrypoints.file_store import FileStore
+from radixengine.entrypoints.openai_routes import answer_body
+from radixengine.managers.request_errors import EngineDeadError, RequestError
+from radixengine.managers.schedule_policy import lowest_priority_value
+from radixengine.managers.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_WINDOW_S = 24 * 3600
+
+
+def req_id() -> str:
+    return f"batch_req_{uuid.uuid4().hex}"
+
+
+@dataclass
+class Line:
+    index: int
+    custom_id: str | None
+    body: dict | None = None
+    error: str | None = None  # why the line is malformed
+
+
+def parse_lines(data: bytes, endpoint: str) -> list[Line]:
+    """The input file's non-empty lines; a malformed one (not a JSON object, no custom_id,
+    another method or url, no body object, a custom_id seen before) carries its reason."""
+    lines: list[Line] = []
+    seen: set[str] = set()
+    for n, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+        if raw.strip():
+            lines.append(_parse_line(n, raw, endpoint, seen))
+    return lines
+
+
+def _parse_line(n: int, raw: str, endpoint: str, seen: set[str]) -> Line:
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        return Line(n, None, error=f"line {n}: invalid JSON: {e}")
+    if not isinstance(obj, dict):
+        return Line(n, None, error=f"line {n}: not a JSON object")
+    cid = obj.get("custom_id")
+    why = None
+    if not isinstance(cid, str) or not cid:
+        cid, why = None, "custom_id must be a non-empty string"
+    elif cid in seen:
+        why = f"custom_id {cid!r} is not unique in the file"
+    elif obj.get("method", "POST") != "POST":
+        why = f"method must be POST, got {obj.get('method')!r}"
+    elif obj.get("url") != endpoint:
+        why = f"url must be the batch's endpoint {endpoint}, got {obj.get('url')!r}"
+    elif not isinstance(obj.get("body"), dict):
+        why = "body must be a JSON object"
+    if why is not None:
+        return Line(n, cid, error=f"line {n}: {why}")
+    seen.add(cid)
+    return Line(n, cid, obj["body"])
+
+
+def count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+class BatchRunner:
+    def __init__(self, tm: TokenizerManager, files: FileStore, batches: BatchStore, server_args) -> None:
+        self.tm = tm
+        self.files = files
+        self.batches = batches
+        self.max_lines = server_args.max_batch_lines
+        self.max_running = server_args.batch_max_running
+        self.priority = lowest_priority_value(server_args.schedule_low_priority_values_first)
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.live: dict[str, dict] = {}  # the Batch objects of the running batches
+        self.stopping = False
+
+    # Lifecycle --------------------------------------------------------------------------------
+
+    def resume_all(self) -> None:
+        for batch in self.batches.list():
+            if batch["status"] not in TERMINAL:
+                logger.info("resuming batch %s (%s)", batch["id"], batch["status"])
+                self._start(batch["id"])
+
+    async def stop(self) -> None:
+        """Server shutdown: the runs stop where they are; a restart resumes them."""
+        self.stopping = True
+        for task in self.tasks.values():
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(self.tasks.values())
+
+    def _start(self, batch_id: str) -> None:
+        self.tasks[batch_id] = asyncio.ensure_future(self._run(batch_id))
+
+    # API --------------------------------------------------------------------------------------
+
+    def create(
+        self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None
+    ) -> dict:
+        meta = self.files.get(input_file_id)
+        if meta is None:
+            raise RequestError(f"No file with id {input_file_id!r}", param="input_file_id")
+        if meta["purpose"] != "batch":
+            raise RequestError(f"File {input_file_id} has purpose {meta['purpose']!r}, not 'batch'",
+                               param="input_file_id")  # fmt: skip
+        if endpoint not in ENDPOINTS:
+            raise RequestError(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}", param="endpoint"
+            )
+        if completion_window != "24h":
+            raise RequestError("completion_window must be 24h", param="completion_window")
+        total = count_lines(self.files.data_path(input_file_id))
+        if total > self.max_lines:
+            raise RequestError(f"The input file has {total} lines; at most {self.max_lines} (--max-batch-lines)",
+                               param="input_file_id")  # fmt: skip
+        now = int(time.time())
+        batch = {
+            "id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
+            "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
+            "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+            "expires_at": now + COMPLETION_WINDOW_S, "finalizing_at": None, "completed_at": None,
+            "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": total, "completed": 0, "failed": 0}, "metadata": metadata,
+        }  # fmt: skip
+        self.batches.save(batch)
+        self._start(batch["id"])
+        return public(batch)
+
+    def cancel(self, batch_id: str) -> dict | None:
+        batch = self.live.get(batch_id) or self.batches.get(batch_id)
+        if batch is None:
+            return None
+        if batch["status"] in (*TERMINAL, "cancelling", "finalizing"):
+            return public(batch)
+        batch.update(status="cancelling", cancelling_at=int(time.time()))
+        self.batches.save(batch)
+        task = self.tasks.get(batch_id)
+        if batch_id in self.live:
+            task.cancel()  # its lines in the engine are aborted; the run finishes it as cancelled
+        elif task is None or task.done():
+            self._start(batch_id)  # (a run not started yet reads the cancel from disk)
+        return public(batch)
+
+    # A run ------------------------------------------------------------------------------------
+
+    async def _run(self, batch_id: str) -> None:
+        batch = self.live[batch_id] = self.batches.get(batch_id)
+        logs = {
+            kind: ResultLog(self.batches.log_path(batch_id, kind)) for kind in ("output", "error", "invalid")
+        }
+        try:
+            if batch["status"] in ("validating", "in_progress"):
+                await self._answer_all(batch, logs)
+            self._finish(batch, logs, "cancelled" if batch["status"] == "cancelling" else "completed")
+        except asyncio.CancelledError:
+            if not self.stopping and batch["status"] == "cancelling":
+                self._finish(batch, logs, "cancelled")
+        except EngineDeadError:
+            logger.warning("batch %s stopped: the engine is down; a restart resumes it", batch_id)
+        finally:
+            for log in logs.values():
+                log.close()
+            self.tasks.pop(batch_id, None)
+            self.live.pop(batch_id, None)
+
+    async def _answer_all(self, batch: dict, logs: dict[str, ResultLog]) -> None:
+        lines = parse_lines(self.files.data_path(batch["input_file_id"]).read_bytes(), batch["endpoint"])
+        if batch["status"] == "validating":  # malformed lines go to the invalid log, once
+            logs["invalid"].reset()
+            for line in lines:
+                if line.error is not None:
+                    logs["invalid"].append(_error_line(line, line.error))
+            batch.update(status="in_progress", in_progress_at=int(time.time()))
+        done = logs["output"].custom_ids | logs["error"].custom_ids
+        pending = iter([line for line in lines if line.error is None and line.custom_id not in done])
+        self._count(batch, logs)
+
+        async def worker() -> None:
+            for line in pending:
+                await self._answer(batch, line, logs)
+
+        workers = [asyncio.ensure_future(worker()) for _ in range(self.max_running)]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.wait(workers)
+
+    async def _answer(self, batch: dict, line: Line, logs: dict[str, ResultLog]) -> None:
+        rid = req_id()
+        try:
+            body = await answer_body(self.tm, batch["endpoint"], line.body, self.priority)
+            logs["output"].append(_response_line(line, rid, 200, body))
+        except RequestError as e:
+            error = {
+                "error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.status_code}
+            }
+            logs["error"].append(_response_line(line, rid, e.status_code, error))
+        except EngineDeadError:
+            raise
+        except Exception as e:  # a bug: this line fails, the batch goes on
+            logger.exception("batch %s, line %d", batch["id"], line.index)
+            error = {"error": {"message": f"internal error: {e}", "type": "InternalServerError", "param": None,
+                               "code": 500}}  # fmt: skip
+            logs["error"].append(_response_line(line, rid, 500, error))
+        self._count(batch, logs)
+
+    def _count(self, batch: dict, logs: dict[str, ResultLog]) -> None:
+        failed = logs["error"].count + logs["invalid"].count
+        batch["request_counts"].update(completed=logs["output"].count, failed=failed)
+        self.batches.save(batch)
+
+    def _finish(self, batch: dict, logs: dict[str, ResultLog], status: str) -> None:
+        """The logs become the output file and the error file (malformed lines first); the batch
+        ends `status`. Each step can be done again: a kill in between finishes on restart."""
+        for log in logs.values():
+            log.close()
+        if batch["status"] != "finalizing":
+            ids = {"output": self.files.new_id(), "error": self.files.new_id()}
+            batch.update(status="finalizing", finalizing_at=int(time.time()), _final=status, _file_ids=ids)
+            self.batches.save(batch)
+        sources = {"output": ["output"], "error": ["invalid", "error"]}
+        for kind, names in sources.items():
+            data = b"".join(logs[n].path.read_bytes() for n in names if logs[n].path.exists())
+            if data:
+                file_id = batch["_file_ids"][kind]
+                self.files.write(file_id, data, f"{batch['id']}_{kind}.jsonl", f"batch_{kind}")
+                batch[f"{kind}_file_id"] = file_id
+        final = batch.pop("_final")
+        batch.pop("_file_ids")
+        batch.update(status=final, **{f"{final}_at": int(time.time())})
+        self.batches.save(batch)
+        for log in logs.values():
+            log.path.unlink(missing_ok=True)
+        logger.info("batch %s %s: %s", batch["id"], final, batch["request_counts"])
+
+
+def _response_line(line: Line, rid: str, status_code: int, body: dict) -> dict:
+    response = {"status_code": status_code, "request_id": rid, "body": body}
+    return {"id": rid, "custom_id": line.custom_id, "response": response, "error": None}
+
+
+def _error_line(line: Line, message: str) -> dict:
+    return {"id": req_id(), "custom_id": line.custom_id, "response": None,
+            "error": {"code": "invalid_request", "message": message}}  # fmt: skip

@@ -1,0 +1,229 @@
+"""/v1/files and /v1/batches through the official openai client against a real server (a tiny
+random Llama): a batch over chat completions answers every good line as the chat route does
+(greedy) in OpenAI's output line format, a malformed line or a refused request is a line of the
+error file (the batch still completes), completions batches, cancel, the limits; and a server
+killed mid-batch and started again on the same --batch-dir finishes the batch with every line
+answered exactly once, the lines finished before the kill kept as they were."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from test_engine_utils import build_tiny_model, children_paused, launch_test_server, stop_test_server
+
+MESSAGES = [{"role": "user", "content": "hello world this is a test"}]
+MAX_LINES = 40
+
+
+def chat_line(custom_id: str, max_tokens: int = 4, **body) -> dict:
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **body}  # fmt: skip
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def jsonl(lines: list) -> bytes:
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("batches") / "model"), max_position_embeddings=4096)
+
+
+def serve(model, root, log_name: str = "server.log", max_running: int = 4):
+    """A server on `root / "batch_dir"`."""
+    args = ["--dtype", "float32", "--num-threads", "1", "--max-total-tokens", "16384", "--batch-dir",
+            str(root / "batch_dir"), "--batch-max-running", str(max_running), "--max-batch-lines", str(MAX_LINES),
+            "--max-batch-file-bytes", "100000"]  # fmt: skip
+    return launch_test_server(model, root / log_name, args)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    proc = serve(model, tmp_path_factory.mktemp("batch_server"))
+    proc.root = proc.log.parent
+    yield proc
+    stop_test_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def wait_batch(client, batch_id: str, until=("completed", "failed", "cancelled"), timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while (batch := client.batches.retrieve(batch_id)).status not in until:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+    return batch
+
+
+def lines_of(client, file_id: str) -> list[dict]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_chat_batch_in_openai_line_format(client):
+    good = [chat_line(f"req-{i}", max_tokens=3 + i) for i in range(5)]
+    bad = ["{not json", chat_line("req-0"), {**chat_line("x"), "url": "/v1/embeddings"},
+           chat_line("refused", temperature=-1), {"method": "POST", "url": "/v1/chat/completions", "body": {}}]  # fmt: skip
+    upload = client.files.create(file=("in.jsonl", jsonl(good[:3] + bad + good[3:])), purpose="batch")
+    assert upload.purpose == "batch" and upload.bytes > 0 and client.files.retrieve(upload.id).id == upload.id
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"job": "t"})  # fmt: skip
+    assert batch.status == "validating" and batch.request_counts.total == 10
+    batch = wait_batch(client, batch.id)
+    assert batch.status == "completed" and batch.metadata == {"job": "t"}
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (5, 5)
+    out = {line["custom_id"]: line for line in lines_of(client, batch.output_file_id)}
+    assert sorted(out) == [f"req-{i}" for i in range(5)]
+    for i, line in enumerate(good):
+        record = out[line["custom_id"]]
+        assert record["id"].startswith("batch_req_") and record["error"] is None
+        assert record["response"]["status_code"] == 200
+        body = record["response"]["body"]
+        direct = httpx.post(str(client.base_url) + "chat/completions", json=line["body"], timeout=60).json()
+        assert body["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+        assert body["usage"]["completion_tokens"] == 3 + i
+    errors = lines_of(client, batch.error_file_id)
+    malformed = [e for e in errors if e["response"] is None]
+    assert [e["custom_id"] for e in malformed] == [None, "req-0", "x", None]
+    assert "line 4: invalid JSON" in malformed[0]["error"]["message"]
+    assert "not unique" in malformed[1]["error"]["message"] and "url" in malformed[2]["error"]["message"]
+    (refused,) = [e for e in errors if e["response"] is not None]
+    assert refused["custom_id"] == "refused" and refused["response"]["status_code"] == 400
+    assert refused["response"]["body"]["error"]["param"] == "temperature"
+    assert batch.id in [b.id for b in client.batches.list()]
+
+
+def test_completions_batch(client):
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": f"hello {i}", "max_tokens": 2, "temperature": 0}} for i in range(3)]  # fmt: skip
+    upload = client.files.create(file=("c.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    batch = wait_batch(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3 and batch.error_file_id is None
+    for record in lines_of(client, batch.output_file_id):
+        assert record["response"]["body"]["object"] == "text_completion"
+
+
+def test_cancel(server, client):
+    upload = client.files.create(
+        file=("in.jsonl", jsonl([chat_line(f"r{i}") for i in range(8)])), purpose="batch"
+    )
+    with children_paused(server):  # nothing finishes before the cancel
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")  # fmt: skip
+        assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+        batch = wait_batch(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at and batch.request_counts.completed == 0
+
+
+LIMITS = [
+    ({"endpoint": "/v1/embeddings"}, "endpoint"),
+    ({"completion_window": "1h"}, "completion_window"),
+    ({"input_file_id": "file-nope"}, "input_file_id"),
+]
+
+
+@pytest.mark.parametrize("fields, param", LIMITS)
+def test_bad_batches_are_400(client, fields, param):
+    upload = client.files.create(file=("in.jsonl", jsonl([chat_line("a")])), purpose="batch")
+    body = {
+        "input_file_id": upload.id,
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        **fields,
+    }
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(**body)
+    assert e.value.body["param"] == param
+
+
+def test_upload_limits(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.files.create(file=("in.jsonl", jsonl([chat_line(f"{i}") for i in range(MAX_LINES + 1)])),
+                            purpose="batch")  # fmt: skip
+    assert e.value.body["param"] == "file"
+    r = httpx.post(server.base_url + "/v1/files", files={"file": ("big.jsonl", b"x" * 100001)},
+                   data={"purpose": "batch"})  # fmt: skip
+    assert r.status_code == 413 and r.json()["error"]["param"] == "file"
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("in.jsonl", jsonl([chat_line("a")])), purpose="fine-tune")
+    upload = client.files.create(file=("in.jsonl", jsonl([chat_line("a")])), purpose="batch")
+    assert upload.id in [f.id for f in client.files.list()]
+    client.files.delete(upload.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(upload.id)
+
+
+def kill_tree(proc) -> None:
+    """SIGKILL the server and its children: nothing of it gets to clean up."""
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    for kid in kids:
+        kid.kill()
+    proc.wait()
+
+
+def test_restart_resumes_without_redoing_finished_lines(model, tmp_path):
+    # One line at a time: four short lines, one long one (killed in flight), then three short.
+    lines = [chat_line(f"s{i}", max_tokens=3) for i in range(4)] + [chat_line("long", max_tokens=3000)]
+    lines += [chat_line(f"t{i}", max_tokens=3) for i in range(3)]
+    first = serve(model, tmp_path, "first.log", max_running=1)
+    client = openai.OpenAI(base_url=first.base_url + "/v1", api_key="none", max_retries=0)
+    try:
+        upload = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")  # fmt: skip
+        deadline = time.monotonic() + 60
+        while client.batches.retrieve(batch.id).request_counts.completed < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        log = tmp_path / "batch_dir" / "batches" / f"{batch.id}.output.jsonl"
+        with children_paused(first):
+            before = log.read_text().splitlines()
+            kill_tree(first)
+    finally:
+        stop_test_server(first)
+    assert [json.loads(line)["custom_id"] for line in before] == ["s0", "s1", "s2", "s3"]
+    second = serve(model, tmp_path, "second.log", max_running=1)
+    try:
+        client = openai.OpenAI(base_url=second.base_url + "/v1", api_key="none", max_retries=0)
+        done = wait_batch(client, batch.id, timeout=300)
+        assert done.status == "completed" and done.request_counts.completed == 8
+        out = client.files.content(done.output_file_id).text.splitlines()
+        assert sorted(json.loads(line)["custom_id"] for line in out) == sorted(
+            line["custom_id"] for line in lines
+        )
+        assert out[:4] == before  # the finished lines were not answered again
+        assert json.loads(out[4])["response"]["body"]["usage"]["completion_tokens"] == 3000
+    finally:
+        stop_test_server(second)
+
+
+def test_a_second_server_on_the_same_batch_dir_leaves_it_alone(model, server, client):
+    other = serve(model, server.root, "other.log")
+    try:
+        r = httpx.get(other.base_url + "/v1/batches", timeout=60)
+        assert r.status_code == 503 and "another server" in r.json()["error"]["message"]
+        assert httpx.get(other.base_url + "/health", timeout=60).status_code == 200
+    finally:
+        stop_test_server(other)
+    assert client.batches.list() is not None  # the first one still serves them
+
+
+def test_an_unusable_batch_dir_turns_batches_off_not_the_server(tmp_path):
+    from radixengine.entrypoints.http_server import batch_runner
+    from radixengine.server_args import ServerArgs
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert batch_runner(object(), ServerArgs(model_path="unused", batch_dir=str(blocker / "sub"))) is None
