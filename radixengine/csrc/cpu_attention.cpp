@@ -146,8 +146,6 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   const int64_t chunk = round_up((num_keys + a.num_splits - 1) / a.num_splits, kDecodeBlock);
   const int64_t begin = first + std::min(num_keys, split * chunk);
   const int64_t end = std::min(seq_len, begin + chunk);
-  const int64_t row_stride = Hkv * D;
-  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(KVT));
 
   // Scratch: q [H][D], out acc [H][D], scores [G][block], max/sum [H].
   float* scratch = thread_scratch(2 * H * D + G * kDecodeBlock + 2 * H);
@@ -171,14 +169,7 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   for (int64_t start = begin; start < end; start += kDecodeBlock) {
     const int64_t n = std::min(kDecodeBlock, end - start);
     const int64_t n_pad = round_up(n, kVecWidth);
-    uint32_t touched = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t offset = slot_at(a.pool, row, start + i) * row_stride;
-      k_rows[i] = k_buf + offset;
-      v_rows[i] = v_buf + offset;
-      touched += touch_row(k_rows[i], row_bytes) + touch_row(v_rows[i], row_bytes);
-    }
-    asm volatile("" : : "r"(touched));  // keep the loads
+    gather_block_rows(a.pool, row, start, n, k_buf, v_buf, k_rows, v_rows);
 
     for (int64_t h = 0; h < Hkv; ++h) {
       const float* qh = qf + h * G * D;

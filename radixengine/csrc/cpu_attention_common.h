@@ -80,6 +80,24 @@ inline uint32_t touch_row(const void* p, int64_t bytes) {
   return sum;
 }
 
+// k_rows[i] / v_rows[i] = the pool rows (all kv heads) of positions start .. start + n - 1 of
+// req_to_token row `row`, each touched once (touch_row) so that their cache misses overlap.
+template <typename KVT>
+inline void gather_block_rows(const PoolView& pool, int64_t row, int64_t start, int64_t n,
+                              const KVT* k_buf, const KVT* v_buf, const KVT** k_rows,
+                              const KVT** v_rows) {
+  const int64_t row_stride = pool.num_kv_heads * pool.head_dim;
+  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(KVT));
+  uint32_t touched = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t offset = slot_at(pool, row, start + i) * row_stride;
+    k_rows[i] = k_buf + offset;
+    v_rows[i] = v_buf + offset;
+    touched += touch_row(k_rows[i], row_bytes) + touch_row(v_rows[i], row_bytes);
+  }
+  asm volatile("" : : "r"(touched));  // keep the loads
+}
+
 // Online softmax down the columns of S^T [n][ld] (one column per query row): each column's
 // running max and sum are updated, S^T becomes exp(S^T - new max), and alpha holds the factor
 // that rescales the column's earlier accumulation. `floor_max` keeps a column that has seen only

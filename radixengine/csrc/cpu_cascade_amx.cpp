@@ -272,8 +272,6 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
   const int64_t num_members = a.member_ptr[u + 1] - m0;
   const int64_t M = num_members * G;  // query rows per kv head, member-major: j * G + g
   const int64_t Mp = round_up(M, kRows);
-  const int64_t row_stride = Hkv * D;
-  const int64_t row_bytes = row_stride * static_cast<int64_t>(sizeof(bf16));
 
   thread_local std::vector<bf16> bufs;
   bufs.resize(Hkv * Mp * D + 2 * Hkv * kBlock * D + 2 * Mp * kBlock);
@@ -307,14 +305,7 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
   load_tile_config();
   for (int64_t start = a.unit_start[u]; start < a.unit_end[u]; start += kBlock) {
     const int64_t n = std::min(kBlock, a.unit_end[u] - start);
-    uint32_t touched = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t offset = slot_at(a.pool, row, start + i) * row_stride;
-      k_rows[i] = k_buf + offset;
-      v_rows[i] = v_buf + offset;
-      touched += touch_row(k_rows[i], row_bytes) + touch_row(v_rows[i], row_bytes);
-    }
-    asm volatile("" : : "r"(touched));  // keep the loads
+    gather_block_rows(a.pool, row, start, n, k_buf, v_buf, k_rows, v_rows);
     // Every head's K and V packed first: the tile loads then read lines the packing wrote
     // well before (a tile load right after the stores it reads waits for them).
     for (int64_t h = 0; h < Hkv; ++h) {
