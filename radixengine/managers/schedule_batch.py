@@ -39,6 +39,13 @@ def _int64(values, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
+@dataclass(frozen=True)
+class RetractResult:
+    retracted: list[Req]  # released, back to the waiting queue
+    new_token_ratio: float  # the estimate the retraction implies
+    aborted: list[Req]  # the last request, when even it could not get its next slot
+
+
 @dataclass
 class ScheduleBatch:
     reqs: list[Req]
@@ -355,11 +362,10 @@ class ScheduleBatch:
         retract_decode_steps: int,
         retraction_policy: str = "length",
         low_priority_values_first: bool = False,
-    ) -> tuple[list[Req], float, list[Req]]:
+    ) -> RetractResult:
         """Retract requests until the next decode step fits, in --retraction-policy's order
         (managers/retraction_policy.py). At least one request stays; if even it cannot get its
-        next slot, it is aborted. Returns the retracted requests, the new new_token_ratio and the
-        aborted."""
+        next slot, it is aborted."""
         order = retraction_order(self.reqs, retraction_policy, low_priority_values_first)
         retracted: list[Req] = []
         while len(order) > 1 and (not retracted or not self.check_decode_mem(_int64(order))):
@@ -379,7 +385,7 @@ class ScheduleBatch:
             )
             aborted.append(req)
         self.filter_batch(keep_indices=sorted(order))
-        return retracted, self._ratio_after_retract(retract_decode_steps), aborted
+        return RetractResult(retracted, self._ratio_after_retract(retract_decode_steps), aborted)
 
     def _ratio_after_retract(self, retract_decode_steps: int) -> float:
         """How much of the remaining requests' max_new_tokens to reserve from now on."""

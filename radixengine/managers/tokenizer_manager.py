@@ -38,8 +38,7 @@ from radixengine.managers.request_errors import (
 )
 from radixengine.managers.request_logger import RequestLogger
 from radixengine.managers.request_validator import RequestLimits, RequestValidator
-from radixengine.managers.scheduler_process import WATCHDOG_EXIT_CODE
-from radixengine.managers.scheduler_ranks import describe_scheduler_exit
+from radixengine.managers.scheduler_exit import WATCHDOG_EXIT_CODE, describe_scheduler_exit
 from radixengine.managers.served_model import ServedModel, load_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixengine.layers.forward_logprobs import ForwardLogprobs
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
 from radixengine.model_executor.runtime_support import check_runtime_support
@@ -22,15 +23,9 @@ TEST_FORWARD_STALL_ENV = "RADIXENGINE_TEST_FORWARD_STALL_S"
 @dataclass
 class GenerationBatchResult:
     next_token_ids: torch.Tensor | None  # int64 [bs], on the model's device; None until sampled
-    next_token_logprobs: torch.Tensor | None = None  # float32 [bs] when the batch asked for them
     invalid_rows: torch.Tensor | None = None  # bool [bs]: nothing to sample (NaN logits); None if none
-    # The logprob results a request asked for besides the chosen tokens' (see LogitsProcessorOutput):
-    # top logprobs [bs, k] and prompt logprobs [rows] / [rows, k]; None when nobody asked.
-    next_token_top_logprobs_val: torch.Tensor | None = None
-    next_token_top_logprobs_idx: torch.Tensor | None = None
-    input_token_logprobs: torch.Tensor | None = None
-    input_top_logprobs_val: torch.Tensor | None = None
-    input_top_logprobs_idx: torch.Tensor | None = None
+    # The logprob results the requests asked for (see LogitsProcessorOutput); None when none did.
+    logprobs: ForwardLogprobs[torch.Tensor] | None = None
     delay_sample_func: Callable[[], GenerationBatchResult] | None = None
 
 
@@ -97,14 +92,9 @@ class TpModelWorker:
 
         def sample() -> GenerationBatchResult:
             result.next_token_ids = self.model_runner.sample(logits_output, forward_batch)
-            out = logits_output
-            result.next_token_logprobs = out.next_token_logprobs
-            result.invalid_rows = out.invalid_rows
-            result.next_token_top_logprobs_val = out.next_token_top_logprobs_val
-            result.next_token_top_logprobs_idx = out.next_token_top_logprobs_idx
-            result.input_token_logprobs = out.input_token_logprobs
-            result.input_top_logprobs_val = out.input_top_logprobs_val
-            result.input_top_logprobs_idx = out.input_top_logprobs_idx
+            result.invalid_rows = logits_output.invalid_rows
+            if forward_batch.return_logprob:
+                result.logprobs = logits_output.logprobs
             result.delay_sample_func = None
             return result
 
