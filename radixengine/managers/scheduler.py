@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,36 +46,24 @@ from radixengine.managers.scheduler_components.running_batch_updater import (
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
 from radixengine.managers.scheduler_components.step_plan import StepPlan
 from radixengine.managers.scheduler_io import InProcessIO, SchedulerIO, SchedulerIOClosed
-from radixengine.managers.worker_client import OverlapResult, TpModelWorkerClient, make_worker_client
+from radixengine.managers.worker_client import (
+    ModelWorker,
+    OverlapResult,
+    TpModelWorkerClient,
+    make_worker_client,
+)
 from radixengine.mem_cache.accounting import TokenAccountingError, check_token_accounting
-from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.chunk_cache import ChunkCache
-from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.mem_cache.radix_cache import RadixCache
-from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
 from radixengine.server_args import ServerArgs
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.tp_worker import GenerationBatchResult, WorkerInfo
+    from radixengine.model_executor.tp_worker import GenerationBatchResult
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Scheduler", "SchedulerStats"]
-
-
-class ModelWorker(Protocol):
-    """What the scheduler uses of TpModelWorker."""
-
-    def get_worker_info(self) -> WorkerInfo: ...
-
-    def get_memory_pool(self) -> tuple[ReqToTokenPool, BaseTokenToKVPoolAllocator]: ...
-
-    def forward_batch_generation(
-        self, model_worker_batch: ModelWorkerBatch, delay_sample: bool = False
-    ) -> GenerationBatchResult: ...
-
-    def num_shared_prefix_forwards(self) -> int: ...
 
 
 class Scheduler:
@@ -136,7 +124,23 @@ class Scheduler:
         self.ratio = NewTokenRatioTracker(args.init_ratio, args.min_ratio, args.ratio_decay)
         self.streamer = OutputStreamer(self.io, args.stream_interval)
         self.grammar_manager = self._new_grammar_manager(args)
-        self.intake = RequestIntake(
+        self.intake = self._new_intake(args)
+        memory = MemoryView(self.token_to_kv_pool_allocator, self.tree_cache, self.max_total_num_tokens)
+        graph_runner = getattr(getattr(self.tp_worker, "model_runner", None), "cuda_graph_runner", None)
+        self.metrics = MetricsReporter(
+            self.stats, memory, self.device, graph_runner, args.decode_log_interval
+        )
+        self.admission = self._new_admission(args)
+        retraction = RetractionConfig(
+            args.retract_decode_steps, args.retraction_policy, args.schedule_low_priority_values_first
+        )
+        self.decode_updater = RunningBatchUpdater(
+            retraction, self.ratio, self.stats, self.intake, self.streamer, self.admission.note_departures
+        )
+        self.result_processor = self._new_result_processor()
+
+    def _new_intake(self, args: ServerArgs) -> RequestIntake:
+        return RequestIntake(
             RequestLimits(self.vocab_size, self.max_req_input_len, self.max_req_len),
             QueueConfig(
                 args.enable_priority_scheduling,
@@ -149,33 +153,18 @@ class Scheduler:
             self.streamer,
             self._active_reqs,
         )
-        self.metrics = MetricsReporter(
-            self.stats,
-            MemoryView(self.token_to_kv_pool_allocator, self.tree_cache, self.max_total_num_tokens),
-            self.device,
-            getattr(getattr(self.tp_worker, "model_runner", None), "cuda_graph_runner", None),
-            args.decode_log_interval,
+
+    def _new_result_processor(self) -> BatchResultProcessor:
+        ctx = ResultContext(
+            self.tree_cache,
+            self.token_to_kv_pool_allocator,
+            self.page_size,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.tokenizer,
         )
-        self.admission = self._new_admission(args)
-        self.decode_updater = RunningBatchUpdater(
-            RetractionConfig(
-                args.retract_decode_steps, args.retraction_policy, args.schedule_low_priority_values_first
-            ),
-            self.ratio,
-            self.stats,
-            self.intake,
-            self.streamer,
-            self.admission.note_departures,
-        )
-        self.result_processor = BatchResultProcessor(
-            ResultContext(
-                self.tree_cache,
-                self.token_to_kv_pool_allocator,
-                self.page_size,
-                self.vocab_size,
-                self.eos_token_ids,
-                self.tokenizer,
-            ),
+        return BatchResultProcessor(
+            ctx,
             self.timer,
             self.stats,
             self.streamer,
@@ -265,8 +254,6 @@ class Scheduler:
             eos_token_ids=self.eos_token_ids,
         )
 
-    # What the components own, read by the loop, the tests and the benchmarks ---------------------
-
     @property
     def waiting_queue(self) -> list[Req]:
         return self.intake.waiting_queue
@@ -282,8 +269,6 @@ class Scheduler:
     @property
     def new_token_ratio(self) -> float:
         return self.ratio.value
-
-    # One step ---------------------------------------------------------------------------------
 
     def recv_requests(self, block: bool = False) -> list[object]:
         """The scheduler's one receive point."""
@@ -419,8 +404,6 @@ class Scheduler:
         self.ratio.reset()
         self.metrics.reset_decode_stats()
 
-    # Control requests --------------------------------------------------------------------------
-
     def get_internal_state(self) -> dict:
         return self.metrics.internal_state(
             QueueView(self._active_reqs(), self.waiting_queue),
@@ -454,8 +437,6 @@ class Scheduler:
                 self.io.send(FlushCacheReqOutput(success=ok, message=message))
             else:
                 self.io.send(GetInternalStateReqOutput(state=self.get_internal_state()))
-
-    # Loops -------------------------------------------------------------------------------------
 
     def event_loop_normal(self) -> None:
         """Run normal steps until the I/O closes or `shutdown()` is called."""

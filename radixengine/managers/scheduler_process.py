@@ -62,12 +62,7 @@ class ZmqSchedulerIO:
 def run_scheduler_process(server_args, port_args, pipe_writer) -> None:
     """The scheduler process; with --tp-size N it is TP rank 0 and starts the node's other ranks
     (`scheduler_ranks.py`)."""
-    from radixengine.managers.scheduler_ranks import (
-        TpLeaderIO,
-        exit_for_rank,
-        rank_server_args,
-        start_tp_ranks,
-    )
+    from radixengine.managers import scheduler_ranks as ranks
     from radixengine.managers.scheduler_runtime import build_scheduler, ready_info, run_event_loop
     from radixengine.utils.process import watch_parent
 
@@ -79,13 +74,13 @@ def run_scheduler_process(server_args, port_args, pipe_writer) -> None:
     def on_rank_death(message: str, rank: int) -> None:
         if not ready.is_set():
             pipe_writer.send({"status": "error", "error": message})
-        exit_for_rank(message, rank)
+        ranks.exit_for_rank(message, rank)
 
     try:
-        server_args = rank_server_args(server_args)
-        monitor = start_tp_ranks(server_args, on_rank_death)
+        server_args = ranks.rank_server_args(server_args)
+        monitor = ranks.start_tp_ranks(server_args, on_rank_death)
         io = ZmqSchedulerIO(port_args)
-        scheduler = build_scheduler(server_args, io if monitor is None else TpLeaderIO(io))
+        scheduler = build_scheduler(server_args, io if monitor is None else ranks.TpLeaderIO(io))
         info = ready_info(scheduler)
     except Exception as e:  # report, then exit: the parent raises with this message
         logger.exception("scheduler failed to start")

@@ -20,6 +20,8 @@ import torch
 from radixengine.layers.forward_logprobs import ForwardLogprobs, tensor_to_host
 from radixengine.managers.overlap_utils import FutureMap, StepTimer
 from radixengine.managers.schedule_batch import ScheduleBatch
+from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
 from radixengine.utils.streams import (
     CpuStream,
@@ -32,17 +34,23 @@ from radixengine.utils.streams import (
 )
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.tp_worker import GenerationBatchResult
+    from radixengine.model_executor.tp_worker import GenerationBatchResult, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
 
 class ModelWorker(Protocol):
-    """What the clients use of TpModelWorker."""
+    """What the scheduler and its clients use of TpModelWorker."""
+
+    def get_worker_info(self) -> WorkerInfo: ...
+
+    def get_memory_pool(self) -> tuple[ReqToTokenPool, BaseTokenToKVPoolAllocator]: ...
 
     def forward_batch_generation(
         self, model_worker_batch: ModelWorkerBatch, delay_sample: bool = False
     ) -> GenerationBatchResult: ...
+
+    def num_shared_prefix_forwards(self) -> int: ...
 
 
 class WorkerClient(Protocol):

@@ -263,8 +263,8 @@ class PrefillAdmission:
             req.fill_ids = req.fill_ids[: len(req.prefix_indices) + extend_len]
         intake.remove_admitted(plan.reqs)
         intake.requeue(plan.preempted)
-        if self.chunked_req is not None:
-            self.chunked_req.is_chunked += 1
+        if plan.chunked_req is not None:
+            plan.chunked_req.is_chunked += 1
         queues = QueueView(running.reqs, self.waiting_queue)
         self.peers.metrics.log_prefill_stats(len(plan.reqs), plan.new_tokens, plan.cached_tokens, queues)
         batch = self._prepare_batch(plan, continuing)
