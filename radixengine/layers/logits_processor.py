@@ -76,7 +76,9 @@ class LogitsProcessor(nn.Module):
                 top_vals.append(values)
                 top_ids.append(indices)
         device = hidden_states.device
-        out.logprobs.input_token_logprobs = torch.cat(token_lps) if token_lps else torch.empty(0, device=device)
+        out.logprobs.input_token_logprobs = (
+            torch.cat(token_lps) if token_lps else torch.empty(0, device=device)
+        )
         if top > 0:
             empty = torch.empty((0, top), device=device)
             out.logprobs.input_top_logprobs_val = torch.cat(top_vals) if top_vals else empty
