@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.mem_cache.evict_policy import RADIX_EVICTION_POLICIES
 from radixengine.parser.reasoning_parser import REASONING_PARSERS
+from radixengine.speculative.spec_args import SPECULATIVE_ALGORITHMS, validate_speculative_args
 from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first", "dlpm")
@@ -117,6 +118,19 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
 
+    # Speculative decoding (SGLang's flags; see _HELP and docs/api.md "Speculative decoding")
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_num_steps: int | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 1
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 0
+    speculative_max_verify_tokens: int = 64
+
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -192,6 +206,7 @@ class ServerArgs:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         self._validate_fair_scheduling()
         self._validate_tensor_parallel()
+        validate_speculative_args(self)
 
     def _validate_fair_scheduling(self) -> None:
         aging = self.lpm_aging_tokens_per_pass
@@ -291,6 +306,7 @@ class ServerArgs:
 
 
 _CHOICES = {
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "schedule_policy": SCHEDULE_POLICIES,
     "dtype": DTYPES,
     "device": DEVICES,
@@ -310,6 +326,24 @@ _CHOICES = {
 }
 
 _HELP = {
+    "speculative_algorithm": (
+        "Speculative decoding: NGRAM drafts each request's next tokens from its own prompt and output "
+        "(what followed earlier occurrences of its last tokens) and verifies them in one forward; "
+        "greedy output is unchanged, sampling keeps the model's distribution. Runs the normal step order."
+    ),
+    "speculative_num_draft_tokens": "Tokens verified per request per step, its last token included (NGRAM default 8).",
+    "speculative_num_steps": "Draft steps of a draft model (STANDALONE; not supported yet).",
+    "speculative_draft_model_path": "The draft model (STANDALONE; not supported yet).",
+    "speculative_ngram_min_match_window_size": "Shortest suffix of the context an n-gram draft matches.",
+    "speculative_ngram_max_match_window_size": "Longest suffix of the context an n-gram draft matches.",
+    "speculative_ngram_min_bfs_breadth": "Draft-tree breadth at the deepest level (1: a chain).",
+    "speculative_ngram_max_bfs_breadth": "Draft-tree breadth at the root (only 1, chains, for now).",
+    "speculative_ngram_branch_length": "Longest branch of an n-gram draft.",
+    "speculative_ngram_capacity": "Tokens of recent finished requests kept to draft from (0: none).",
+    "speculative_max_verify_tokens": (
+        "Draft tokens (last tokens included) one verify step may hold: each request drafts at most this "
+        "divided by the batch size, and a batch too large for 2 a request decodes plainly."
+    ),
     "tool_call_parser": (
         "How /v1/chat/completions reads tool calls in the model's text into `tool_calls` (SGLang's "
         "names): llama3 (Llama 3.x, <|python_tag|> / JSON), qwen25 or qwen (Qwen2.5 / Qwen3, "

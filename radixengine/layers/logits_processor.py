@@ -47,7 +47,7 @@ class LogitsProcessor(nn.Module):
         self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatch
     ) -> LogitsProcessorOutput:
         states = hidden_states
-        if forward_batch.forward_mode.is_extend():
+        if forward_batch.forward_mode.has_extend_layout():
             states = hidden_states.index_select(0, forward_batch.last_token_indices())
         out = LogitsProcessorOutput(next_token_logits=self._logits(states, lm_head))
         if forward_batch.forward_mode.is_extend() and forward_batch.input_logprob_indices is not None:

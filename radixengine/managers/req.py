@@ -22,6 +22,7 @@ from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.radix_cache import TreeNode
 from radixengine.sampling.sampling_params import SamplingParams
 from radixengine.sampling.stop_regex import stop_regex_window
+from radixengine.speculative.ngram_index import NgramIndex
 
 _EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
 
@@ -86,6 +87,9 @@ class Req:
         # Constrained decoding: the request's matcher (a Future while its grammar compiles, in
         # the scheduler's grammar queue), advanced with every output token.
         self.grammar: BaseGrammarObject | Future | None = None
+        # Speculative decoding: verify steps run for it, and its n-gram index (prompt + output).
+        self.spec_verify_ct = 0
+        self.ngram_index: NgramIndex | None = None
 
     def _init_cache_counters(self) -> None:
         """What the request got from the cache, kept across retractions."""

@@ -28,6 +28,7 @@ from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from radixengine.sampling.output_token_counts import OutputTokenCounts
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
+from radixengine.speculative.spec_tree import DraftTrees
 
 __all__ = ["Req", "ScheduleBatch", "TimeStats"]
 
@@ -79,6 +80,8 @@ class ScheduleBatch:
     num_decoding_reqs: int = 0
     # The requests' output token counts (as of the tokens in output_ids), when one has a penalty.
     output_token_counts: OutputTokenCounts | None = None
+    # TARGET_VERIFY: the draft tree of each request (node 0: its last token).
+    spec_trees: DraftTrees | None = None
     _sampling_base: SamplingBatchInfo | None = field(default=None, repr=False)
 
     @classmethod
@@ -127,7 +130,11 @@ class ScheduleBatch:
         it = iter(fresh)
         return [x if x is not None else next(it) for x in rows]
 
-    def _alloc_extend_slots(self, prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+    def _alloc_extend_slots(
+        self, prefix_lens: list[int], seq_lens: list[int], last_loc: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Slots for the extend of every request; with pages, `last_loc` is the slot of each
+        request's last cached token (-1: none; default: its prefix's)."""
         n = self.extend_num_tokens
         allocator = self.token_to_kv_pool_allocator
         if self.page_size == 1:
@@ -135,10 +142,11 @@ class ScheduleBatch:
             out = allocator.alloc(n)
         else:
             self._evict_for(n + len(self.reqs) * self.page_size)
-            last_loc = _int64(
-                [int(r.prefix_indices[-1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)],
-                self.device,
-            )
+            if last_loc is None:
+                last_loc = _int64(
+                    [int(r.prefix_indices[-1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)],
+                    self.device,
+                )
             out = allocator.alloc_extend(
                 _int64(prefix_lens, self.device),
                 _int64(seq_lens, self.device),
@@ -281,6 +289,70 @@ class ScheduleBatch:
         self.seq_lens = self.seq_lens + 1
         self.seq_lens_cpu = self.seq_lens_cpu + 1
 
+    # Speculative verify ------------------------------------------------------------------------
+
+    def verify_slots_needed(self, num_nodes: list[int]) -> int:
+        """KV slots a verify step of `num_nodes` tokens per request allocates (whole pages)."""
+        prefix = self.seq_lens_cpu
+        seq = prefix + _int64(num_nodes)
+        if self.page_size == 1:
+            return int((seq - prefix).sum())
+        page = self.page_size
+        return int(((seq + page - 1) // page - (prefix + page - 1) // page).sum()) * page
+
+    def check_verify_mem(self, trees: DraftTrees) -> bool:
+        num_tokens = self.verify_slots_needed(trees.num_nodes_cpu)
+        self._evict_for(num_tokens)
+        return self.token_to_kv_pool_allocator.available_size() >= num_tokens
+
+    def prepare_for_verify(self, trees: DraftTrees) -> None:
+        """A verify step (speculative decoding): each request extends its KV by its draft tree,
+        node 0 being its last sampled token, and every node's logits are verified."""
+        self.forward_mode = ForwardMode.TARGET_VERIFY
+        self.num_decoding_reqs = 0
+        self.input_logprob_indices = self.input_logprob_token_ids = self.input_logprob_counts = None
+        prefix = self.seq_lens_cpu  # the tokens with KV: all but the last sampled one
+        seq = prefix + _int64(trees.num_nodes_cpu)
+        self.prefix_lens, self.extend_lens = prefix.tolist(), list(trees.num_nodes_cpu)
+        self.extend_num_tokens = sum(self.extend_lens)
+        last_loc = None
+        if self.page_size > 1:
+            rows, before = self.req_pool_indices, self.seq_lens - 1
+            last_loc = self.req_to_token_pool.req_to_token[rows, before.clamp(min=0)].to(torch.int64)
+        out = self._alloc_extend_slots(self.prefix_lens, seq.tolist(), last_loc)
+        if out is None:
+            raise self._alloc_failed("verify", self.extend_num_tokens)
+        pt = 0
+        for row, pre, n in zip(self.req_pool_indices.tolist(), self.prefix_lens, self.extend_lens):
+            self.req_to_token_pool.write((row, slice(pre, pre + n)), out[pt : pt + n])
+            pt += n
+        self.input_ids = trees.tokens[trees.valid()].to(self.device)
+        self.output_ids = None
+        self.out_cache_loc = out
+        self.spec_trees = trees
+        self.seq_lens_cpu = seq
+        self.seq_lens = seq.to(self.device)
+
+    def free_verify_tail(self, index: int, kv_keep: int) -> None:
+        """Free the slots a verify step gave request `index` past its first `kv_keep` tokens
+        (the rejected drafts, and the accepted ones past a stop): whole pages only, the page
+        holding position `kv_keep - 1` stays the request's."""
+        end = int(self.seq_lens_cpu[index])
+        start = -(-kv_keep // self.page_size) * self.page_size
+        if start < end:
+            row = self.reqs[index].req_pool_idx
+            self.token_to_kv_pool_allocator.free(
+                self.req_to_token_pool.req_to_token[row, start:end].to(torch.int64)
+            )
+
+    def finish_verify(self, kv_lens: list[int], last_ids: list[int]) -> None:
+        """After a verify step: each request's KV length and its last sampled token (the next
+        step's input)."""
+        self.seq_lens_cpu = _int64(kv_lens)
+        self.seq_lens = self.seq_lens_cpu.to(self.device)
+        self.output_ids = _int64(last_ids, self.device)
+        self.spec_trees = None
+
     # Composition -------------------------------------------------------------------------------
 
     def filter_batch(
@@ -398,6 +470,8 @@ class ScheduleBatch:
     def _sampling_info(self) -> SamplingBatchInfo:
         # Tokens each request sampled before this step (a partial chunk samples nothing useful).
         steps = (self.seq_lens_cpu - self.origin_lens_cpu).clamp_(min=0)
+        if self.spec_trees is not None:  # the root's step: the drafts are its later ones
+            steps = steps - (_int64(self.spec_trees.num_nodes_cpu) - 1)
         if self._sampling_base is None:
             self._sampling_base = SamplingBatchInfo.from_sampling_params(
                 [r.sampling_params for r in self.reqs],
@@ -419,7 +493,7 @@ class ScheduleBatch:
         return dataclasses.replace(info, output_token_counts=counts, output_token_counts_out=out)
 
     def get_model_worker_batch(self) -> ModelWorkerBatch:
-        is_extend = self.forward_mode.is_extend()
+        is_extend = self.forward_mode.has_extend_layout()
         top_logprobs_nums = None
         if self.return_logprob:
             nums = [r.top_logprobs_num for r in self.reqs]
@@ -438,4 +512,5 @@ class ScheduleBatch:
             top_logprobs_nums=top_logprobs_nums,
             input_logprob_indices=self.input_logprob_indices if is_extend else None,
             input_logprob_token_ids=self.input_logprob_token_ids if is_extend else None,
+            spec_trees=self.spec_trees,
         )

@@ -44,6 +44,7 @@ from radixengine.managers.scheduler_components.running_batch_updater import (
     RunningBatchUpdater,
 )
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
+from radixengine.managers.scheduler_components.speculative_drafter import DrafterConfig, SpeculativeDrafter
 from radixengine.managers.scheduler_components.step_plan import StepPlan
 from radixengine.managers.scheduler_io import InProcessIO, SchedulerIO, SchedulerIOClosed
 from radixengine.managers.worker_client import (
@@ -57,6 +58,7 @@ from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.radix_cache import RadixCache
 from radixengine.server_args import ServerArgs
+from radixengine.speculative.spec_args import ngram_params
 
 if TYPE_CHECKING:
     from radixengine.model_executor.tp_worker import GenerationBatchResult
@@ -131,11 +133,18 @@ class Scheduler:
             self.stats, memory, self.device, graph_runner, args.decode_log_interval
         )
         self.admission = self._new_admission(args)
+        self.drafter = _new_drafter(args)
         retraction = RetractionConfig(
             args.retract_decode_steps, args.retraction_policy, args.schedule_low_priority_values_first
         )
         self.decode_updater = RunningBatchUpdater(
-            retraction, self.ratio, self.stats, self.intake, self.streamer, self.admission.note_departures
+            retraction,
+            self.ratio,
+            self.stats,
+            self.intake,
+            self.streamer,
+            self.admission.note_departures,
+            self.drafter,
         )
         self.result_processor = self._new_result_processor()
 
@@ -169,6 +178,7 @@ class Scheduler:
             self.stats,
             self.streamer,
             lambda batch: self.metrics.log_decode_stats(batch, len(self.intake.waiting_queue)),
+            self.drafter,
         )
 
     def _new_grammar_manager(self, args: ServerArgs) -> GrammarManager:
@@ -235,7 +245,8 @@ class Scheduler:
             self.tp_worker,
             self.timer,
             self.device,
-            overlap=not args.disable_overlap_schedule,
+            # Speculative decoding runs the normal step order (its next step needs the accepted lengths).
+            overlap=not args.disable_overlap_schedule and self.drafter is None,
             cpu_forward_stream=args.cpu_forward_stream,
             num_rows=self.req_to_token_pool.size,
             trace=args.trace_file is not None,
@@ -492,6 +503,12 @@ class Scheduler:
             if batch is None and self.is_idle() and not getattr(self.io, "inbox", None):
                 return step
         raise RuntimeError(f"scheduler not idle after {max_steps} steps: {self.get_internal_state()}")
+
+
+def _new_drafter(args: ServerArgs) -> SpeculativeDrafter | None:
+    if args.speculative_algorithm != "NGRAM":
+        return None
+    return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
 
 
 def _tokenizer_eos(tokenizer: Tokenizer | None) -> frozenset[int]:

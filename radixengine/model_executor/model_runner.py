@@ -235,7 +235,7 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(forward_batch)
-        if forward_batch.forward_mode.is_extend():
+        if forward_batch.forward_mode.has_extend_layout():
             return self.forward_extend(forward_batch)
         return self.forward_idle(forward_batch)
 

@@ -20,12 +20,14 @@ from radixengine.managers.req import Tokenizer
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
+from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
-from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache, finished_kv_len
 
 if TYPE_CHECKING:
     from radixengine.managers.worker_client import OverlapResult
     from radixengine.model_executor.tp_worker import GenerationBatchResult
+    from radixengine.speculative.spec_verify import VerifyResult
 
     BatchResult = GenerationBatchResult | OverlapResult
 
@@ -40,6 +42,39 @@ class HostResults:
     next_ids: list[int]
     invalid_rows: frozenset[int]  # rows whose logits had nothing to sample
     logprobs: ForwardLogprobs[list] | None = None
+
+
+LogprobEntry = tuple[float, list[float] | None, list[int] | None]  # logprob, top values, top ids
+
+
+@dataclass
+class VerifyLogprobs:
+    """A verify step's logprobs on the host: [bs][n], and the top ones by row b * n + position."""
+
+    logprobs: list[list[float]]
+    top_val: list[list[float]] | None
+    top_idx: list[list[int]] | None
+    width: int
+
+    def entry(self, req: Req, row: int, position: int) -> LogprobEntry | None:
+        if not req.return_logprob:
+            return None
+        k, flat = req.top_logprobs_num, row * self.width + position
+        top_val = self.top_val[flat][:k] if k and self.top_val is not None else None
+        top_idx = self.top_idx[flat][:k] if k and self.top_idx is not None else None
+        return self.logprobs[row][position], top_val, top_idx
+
+
+def _verify_logprobs(batch: ScheduleBatch, v: VerifyResult) -> VerifyLogprobs | None:
+    if not batch.return_logprob or v.logprobs is None:
+        return None
+    top = v.top_logprobs
+    return VerifyLogprobs(
+        v.logprobs.tolist(),
+        None if top is None else top.val.tolist(),
+        None if top is None else top.idx.tolist(),
+        v.output_ids.shape[1],
+    )
 
 
 @dataclass(frozen=True)
@@ -62,15 +97,19 @@ class BatchResultProcessor:
         stats: SchedulerStats,
         streamer: OutputStreamer,
         on_decode_batch: Callable[[ScheduleBatch], None],
+        drafter: SpeculativeDrafter | None = None,
     ) -> None:
         self.ctx = ctx
+        self.drafter = drafter
         self.timer = timer
         self.stats = stats
         self.streamer = streamer
         self.on_decode_batch = on_decode_batch  # the metrics reporter's decode log
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        if batch.forward_mode.is_decode():
+        if batch.forward_mode.is_target_verify():
+            self.process_batch_result_verify(batch, result)
+        elif batch.forward_mode.is_decode():
             self.process_batch_result_decode(batch, result)
         elif batch.forward_mode.is_extend():
             self.process_batch_result_prefill(batch, result)
@@ -116,6 +155,50 @@ class BatchResultProcessor:
         allocator.free_group_end()
         self.on_decode_batch(batch)
 
+    def process_batch_result_verify(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        """A verify step: each request takes its accepted drafts and the bonus token one by one,
+        up to a stop (the rest is dropped); the KV past what it keeps is freed."""
+        v = result.verify
+        out_ids, accepted = v.output_ids.tolist(), v.accept_lens.tolist()
+        invalid = set() if v.invalid_rows is None else set(v.invalid_rows.nonzero().view(-1).tolist())
+        logprobs = _verify_logprobs(batch, v)
+        self.ctx.allocator.free_group_begin()
+        for i, req in enumerate(batch.reqs):
+            req.spec_verify_ct += 1
+            if i in invalid:
+                self._abort_invalid_verify_row(batch, i)
+            else:
+                emitted = self._take_verified(req, out_ids[i][: accepted[i] + 1], logprobs, i)
+                self.stats.add_spec_verify(emitted)
+                batch.free_verify_tail(i, finished_kv_len(req))
+                if req.finished():
+                    self._finish(req)
+            self.streamer.add(req)
+        batch.finish_verify(
+            [finished_kv_len(r) for r in batch.reqs],
+            [r.output_ids[-1] if r.output_ids else 0 for r in batch.reqs],
+        )
+        self.ctx.allocator.free_group_end()
+        self.on_decode_batch(batch)
+
+    def _take_verified(self, req: Req, tokens: list[int], logprobs: VerifyLogprobs | None, row: int) -> int:
+        """Append the verified tokens until one finishes the request; returns how many."""
+        for j, token in enumerate(tokens):
+            entry = None if logprobs is None else logprobs.entry(req, row, j)
+            self._append_token(req, token, entry)
+            if req.finished():
+                return j + 1
+        return len(tokens)
+
+    def _abort_invalid_verify_row(self, batch: ScheduleBatch, row: int) -> None:
+        req = batch.reqs[row]
+        self._abort_invalid_row(req)
+        req.time_stats.finish_time = time.perf_counter()
+        prefix = batch.prefix_lens[row]
+        batch.free_verify_tail(row, prefix)
+        with req.as_prefilled_upto(prefix):  # the verify's KV may hold NaN: freed, not inserted
+            self.ctx.tree_cache.cache_finished_req(req, is_insert=False)
+
     def _host_results(self, batch: ScheduleBatch, result: BatchResult) -> HostResults:
         copy_done = getattr(result, "copy_done", None)
         if copy_done is not None:
@@ -141,20 +224,25 @@ class BatchResultProcessor:
             with req.as_prefilled_upto(int(batch.seq_lens_cpu[row])):
                 self.ctx.tree_cache.cache_finished_req(req, is_insert=False)
             return
-        self._append_token(req, res.next_ids[row], res, row)
+        self._append_token(req, res.next_ids[row], _logprob_entry(req, res.logprobs, row))
         if req.finished():
-            req.time_stats.finish_time = time.perf_counter()
-            self.ctx.tree_cache.cache_finished_req(req)
+            self._finish(req)
 
-    def _append_token(self, req: Req, token: int, res: HostResults, row: int) -> None:
+    def _finish(self, req: Req) -> None:
+        req.time_stats.finish_time = time.perf_counter()
+        self.ctx.tree_cache.cache_finished_req(req)
+        if self.drafter is not None:
+            self.drafter.on_finished(req)
+
+    def _append_token(self, req: Req, token: int, logprob: LogprobEntry | None) -> None:
         if req.sampling_params.max_new_tokens == 0:  # prefill only
             req.finished_reason = finish_length(0)
             return
         req.output_ids.append(token)
         if req.grammar is not None:
             _accept_grammar_token(req, token)
-        if req.return_logprob and res.logprobs is not None and res.logprobs.next_token_logprobs is not None:
-            _append_output_logprobs(req, res.logprobs, row)
+        if logprob is not None:
+            req.append_output_logprobs(*logprob)
         self.stats.add_generated()
         if len(req.output_ids) == 1:
             req.time_stats.first_token_time = time.perf_counter()
@@ -199,7 +287,10 @@ def _accept_grammar_token(req: Req, token: int) -> None:
         req.abort(f"Constrained decoding failed: {e}", 500, "InternalServerError")
 
 
-def _append_output_logprobs(req: Req, lp: ForwardLogprobs[list], row: int) -> None:
+def _logprob_entry(req: Req, lp: ForwardLogprobs[list] | None, row: int) -> LogprobEntry | None:
+    """What the request is told of the token sampled for `row`, if it asked for logprobs."""
+    if not req.return_logprob or lp is None or lp.next_token_logprobs is None:
+        return None
     k = req.top_logprobs_num
     top_val = (
         lp.next_token_top_logprobs_val[row][:k] if k and lp.next_token_top_logprobs_val is not None else None
@@ -207,7 +298,7 @@ def _append_output_logprobs(req: Req, lp: ForwardLogprobs[list], row: int) -> No
     top_idx = (
         lp.next_token_top_logprobs_idx[row][:k] if k and lp.next_token_top_logprobs_idx is not None else None
     )
-    req.append_output_logprobs(lp.next_token_logprobs[row], top_val, top_idx)
+    return lp.next_token_logprobs[row], top_val, top_idx
 
 
 def _add_input_logprobs(req: Req, res: HostResults, start: int, end: int) -> None:

@@ -1,5 +1,6 @@
 """The decode side of a step (SGLang's update_running_batch): the running batch drops its
-finished requests, retracts when the next step does not fit, and is prepared for decode."""
+finished requests, retracts when the next step does not fit, and is prepared for decode (or, with
+speculative decoding and drafts that fit, for a verify step)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from radixengine.managers.scheduler_components.new_token_ratio import NewTokenRa
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
 from radixengine.managers.scheduler_components.request_intake import RequestIntake
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
+from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter
 
 logger = logging.getLogger("radixengine.managers.scheduler")
 
@@ -33,6 +35,7 @@ class RunningBatchUpdater:
         intake: RequestIntake,
         streamer: OutputStreamer,
         note_departures: Callable[[int, ScheduleBatch], None],
+        drafter: SpeculativeDrafter | None = None,
     ) -> None:
         self.config = config
         self.ratio = ratio
@@ -40,6 +43,7 @@ class RunningBatchUpdater:
         self.intake = intake
         self.streamer = streamer
         self.note_departures = note_departures  # admission's batch_is_full bookkeeping
+        self.drafter = drafter  # speculative decoding: a verify step instead of a decode step
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
         # Measured before the filter: requests that finished last step free their rows and
@@ -53,8 +57,16 @@ class RunningBatchUpdater:
                 self._retract_decode(batch)
         self.note_departures(initial_bs, batch)
         if not batch.is_empty():
-            batch.prepare_for_decode()
+            self._prepare_next_step(batch)
         return batch
+
+    def _prepare_next_step(self, batch: ScheduleBatch) -> None:
+        """A verify step when the drafter has drafts and they fit; else a decode step."""
+        trees = self.drafter.draft(batch) if self.drafter is not None else None
+        if trees is not None and batch.check_verify_mem(trees):
+            batch.prepare_for_verify(trees)
+        else:
+            batch.prepare_for_decode()
 
     def _retract_decode(self, batch: ScheduleBatch) -> None:
         old_ratio = self.ratio.value

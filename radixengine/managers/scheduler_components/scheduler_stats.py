@@ -14,11 +14,24 @@ class SchedulerStats:
     num_retracted_reqs: int = 0
     num_preempted_reqs: int = 0
     num_forward_steps: int = 0
+    # Speculative decoding: requests verified (one per request per verify step) and the tokens
+    # they took from it (accepted drafts plus the bonus token).
+    num_spec_verify_reqs: int = 0
+    num_spec_verified_tokens: int = 0
 
     @property
     def cache_hit_rate(self) -> float:
         total = self.num_prefill_tokens + self.num_cached_tokens
         return self.num_cached_tokens / total if total else 0.0
+
+    @property
+    def avg_spec_accept_length(self) -> float:
+        """Tokens a request takes from a verify step, on average (1.0: no draft accepted)."""
+        return self.num_spec_verified_tokens / self.num_spec_verify_reqs if self.num_spec_verify_reqs else 0.0
+
+    def add_spec_verify(self, tokens: int) -> None:
+        self.num_spec_verify_reqs += 1
+        self.num_spec_verified_tokens += tokens
 
     def add_prefill(self, computed_tokens: int, cached_tokens: int) -> None:
         self.num_prefill_tokens += computed_tokens
