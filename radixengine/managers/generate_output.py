@@ -15,6 +15,7 @@ class MetaInfo(TypedDict):
     cached_tokens: int
     finish_reason: dict | None  # None while the request runs
     e2e_latency: float
+    spec_verify_ct: NotRequired[int]  # with speculative decoding: the request's verify steps
     # With return_logprob:
     input_token_logprobs: NotRequired[list[LogprobTriple]]
     output_token_logprobs: NotRequired[list[LogprobTriple]]

@@ -119,6 +119,8 @@ class ReqState:
             "e2e_latency": now - self.created_time,
         }
         finished = reason is not None
+        if recv.spec_verify_ct:
+            meta["spec_verify_ct"] = recv.spec_verify_ct[i]
         if self.logprobs is not None:
             self.logprobs.add_to(meta, self.obj.top_logprobs_num, copy=not finished)
         text = self.text if finished else self.visible_text()

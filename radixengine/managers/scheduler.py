@@ -124,7 +124,7 @@ class Scheduler:
     def _init_components(self, args: ServerArgs) -> None:
         self.stats = SchedulerStats()
         self.ratio = NewTokenRatioTracker(args.init_ratio, args.min_ratio, args.ratio_decay)
-        self.streamer = OutputStreamer(self.io, args.stream_interval)
+        self.streamer = OutputStreamer(self.io, args.stream_interval, args.speculative_algorithm is not None)
         self.grammar_manager = self._new_grammar_manager(args)
         self.intake = self._new_intake(args)
         memory = MemoryView(self.token_to_kv_pool_allocator, self.tree_cache, self.max_total_num_tokens)

@@ -114,12 +114,18 @@ class MetricsReporter:
         if not logger.isEnabledFor(logging.INFO):
             return
         used, usage = self.memory.token_usage()
+        accept = (
+            f"accept len: {self.stats.avg_spec_accept_length:.2f}, "
+            if self.stats.num_spec_verify_reqs
+            else ""
+        )
         logger.info(
-            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %s, "
+            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %s%s, "
             "gen throughput (token/s): %.2f, #queue-req: %d",
             batch.batch_size(),
             used,
             usage,
+            accept,
             self._graph_label(batch),
             self.last_gen_throughput,
             num_waiting,
@@ -163,4 +169,6 @@ class MetricsReporter:
             "cache_hit_rate": s.cache_hit_rate,
             "new_token_ratio": new_token_ratio,
             "gen_throughput": self.last_gen_throughput,
+            "num_spec_verify_reqs": s.num_spec_verify_reqs,
+            "avg_spec_accept_length": s.avg_spec_accept_length,
         }

@@ -21,9 +21,10 @@ class OutputSink(Protocol):
 
 
 class OutputStreamer:
-    def __init__(self, sink: OutputSink, stream_interval: int) -> None:
+    def __init__(self, sink: OutputSink, stream_interval: int, speculative: bool = False) -> None:
         self.sink = sink
         self.stream_interval = stream_interval
+        self.speculative = speculative  # report each request's verify steps
         self.pending: list[Req] = []  # requests with something to send at the end of this step
 
     def add(self, req: Req) -> None:
@@ -33,7 +34,7 @@ class OutputStreamer:
         pending, self.pending = self.pending, []
         reqs = [r for r in dict.fromkeys(pending) if self._should_send(r)]  # once each, in order
         if reqs:
-            self.sink.send(_batch_token_id_out(reqs))
+            self.sink.send(_batch_token_id_out(reqs, self.speculative))
 
     def _should_send(self, req: Req) -> bool:
         if req.finished() or self.stream_interval == 1 or not req.stream:
@@ -41,7 +42,7 @@ class OutputStreamer:
         return len(req.output_ids) % self.stream_interval == 1
 
 
-def _batch_token_id_out(reqs: list[Req]) -> BatchTokenIDOut:
+def _batch_token_id_out(reqs: list[Req], speculative: bool) -> BatchTokenIDOut:
     """What is new since each request's previous message; advances their send offsets."""
     new_ids, tails = [], []
     logprobs = LogprobOutputs() if any(r.return_logprob for r in reqs) else None
@@ -63,6 +64,7 @@ def _batch_token_id_out(reqs: list[Req]) -> BatchTokenIDOut:
         no_stop_trim=[r.keeps_matched_stop for r in reqs],
         spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
         queue_times=[_queue_time(r) for r in reqs],
+        spec_verify_ct=[r.spec_verify_ct for r in reqs] if speculative else [],
         **(logprobs.logprob_outputs() if logprobs is not None else {}),
     )
 
