@@ -131,10 +131,15 @@ def test_tree_picks_the_matching_branch_and_kv_path() -> None:
     logits[0, 0, 3] = logits[0, 2, 4] = logits[0, 3, 9] = 5.0
     logits[0, 1, 0] = 5.0
     trees = DraftTrees.from_drafts([(np.array([1, 2, 3, 4]), np.array([-1, 0, 0, 2]))], 4)
-    result = verify_tree(logits, trees, _batch_info([SamplingParams(temperature=0)], [0], [[]]))
+    info = _batch_info([SamplingParams(temperature=0)], [0], [[]])
+    result = verify_tree(logits.clone(), trees, info, return_logprob=True, top_logprobs_num=2)
     assert result.accept_lens.tolist() == [2]
     assert result.output_ids.tolist() == [[3, 4, 9, -1]]
     assert result.path_nodes.tolist() == [[0, 2, 3, -1]]
+    # each output token's logprob comes from its node on the path: nodes 0, 2, 3
+    want = torch.log_softmax(logits[0, [0, 2, 3]], dim=-1)[torch.arange(3), torch.tensor([3, 4, 9])]
+    assert torch.allclose(result.logprobs[0, :3], want, atol=1e-6)
+    assert result.top_logprobs.idx.view(1, 4, 2)[0, :3, 0].tolist() == [3, 4, 9]
 
 
 def test_repeated_sibling_counts_once() -> None:
