@@ -131,10 +131,15 @@ def test_tree_picks_the_matching_branch_and_kv_path() -> None:
     logits[0, 0, 3] = logits[0, 2, 4] = logits[0, 3, 9] = 5.0
     logits[0, 1, 0] = 5.0
     trees = DraftTrees.from_drafts([(np.array([1, 2, 3, 4]), np.array([-1, 0, 0, 2]))], 4)
-    result = verify_tree(logits, trees, _batch_info([SamplingParams(temperature=0)], [0], [[]]))
+    info = _batch_info([SamplingParams(temperature=0)], [0], [[]])
+    result = verify_tree(logits.clone(), trees, info, return_logprob=True, top_logprobs_num=2)
     assert result.accept_lens.tolist() == [2]
     assert result.output_ids.tolist() == [[3, 4, 9, -1]]
     assert result.path_nodes.tolist() == [[0, 2, 3, -1]]
+    # each output token's logprob comes from its node on the path: nodes 0, 2, 3
+    want = torch.log_softmax(logits[0, [0, 2, 3]], dim=-1)[torch.arange(3), torch.tensor([3, 4, 9])]
+    assert torch.allclose(result.logprobs[0, :3], want, atol=1e-6)
+    assert result.top_logprobs.idx.view(1, 4, 2)[0, :3, 0].tolist() == [3, 4, 9]
 
 
 def test_repeated_sibling_counts_once() -> None:
@@ -362,3 +367,30 @@ def test_draft_model_greedy_is_exact_with_an_unrelated_draft() -> None:
     for b in range(bs):
         want = _plain_decode(logits[b], tokens[b].tolist(), list(range(-1, n - 1)), params[b], 0, [])
         assert result.output_ids[b, : int(result.accept_lens[b]) + 1].tolist() == want
+
+
+def test_penalty_counts_carry_across_verify_steps() -> None:
+    """Step 2's counts are step 1's `output_token_counts_out` after `cumulate_accepted` (the
+    ScheduleBatch protocol); both steps equal plain decoding under a strong frequency penalty."""
+    gen = torch.Generator().manual_seed(4)
+    params = SamplingParams(temperature=0, frequency_penalty=1.5, repetition_penalty=1.4)
+    n = 5
+    outputs: list[int] = []
+    counts = None
+    for _ in range(3):
+        logits = torch.randn(1, n, VOCAB, generator=gen)
+        chain = list(range(-1, n - 1))
+        tokens = _draft_like(logits[0], [0] * n, chain, 0.9, gen)
+        info = SamplingBatchInfo.from_sampling_params(
+            [params], [len(outputs)], "cpu", VOCAB, frozenset({EOS})
+        )
+        source = OutputTokenCounts.zeros(1, VOCAB) if counts is None else OutputTokenCounts.of(counts)
+        info.output_token_counts, info.output_token_counts_out = source, torch.empty(1, VOCAB)
+        result = verify_tree(logits.clone(), DraftTrees.chains(torch.tensor([tokens]), [n]), info)
+        cumulate_accepted(info.output_token_counts_out, result)
+        counts = info.output_token_counts_out
+        want = _plain_decode(logits[0], tokens, chain, params, len(outputs), outputs)
+        got = result.output_ids[0, : int(result.accept_lens[0]) + 1].tolist()
+        assert got == want
+        outputs += got
+    assert torch.equal(counts[0], torch.bincount(torch.tensor(outputs), minlength=VOCAB).float())

@@ -152,3 +152,13 @@ def accepted_kv_moves(
     moved = kept & (src != out_cache_loc)
     freed = ~kept & trees.valid()
     return src[moved], out_cache_loc[moved], out_cache_loc[freed]
+
+
+def pad_verify_logits(logits: torch.Tensor, trees: DraftTrees) -> torch.Tensor:
+    """The verify extend's logits, one row per real node in request order ([sum(num_nodes),
+    vocab], as `flatten_verify_inputs` laid the tokens out), as [bs, n, vocab]; padding nodes get
+    zeros (never accepted, never read for an output)."""
+    valid = trees.valid()
+    out = logits.new_zeros((trees.batch_size, trees.width, logits.shape[-1]))
+    out[valid] = logits
+    return out

@@ -128,7 +128,8 @@ def process_target_logits(
     position_vocab_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SamplingBatchInfo, torch.Tensor | None]:
     """(logits [bs * n, vocab] after penalties, logit_bias and the token masks, the expanded
-    sampling info, the nodes with nothing to sample or None): the sampler's pipeline per node."""
+    sampling info, the nodes with nothing to sample or None): the sampler's pipeline per node.
+    Like the Sampler, float32 `logits` may be modified in place (the grammar mask)."""
     bs, n, vocab = logits.shape
     if (bs, n) != tuple(trees.tokens.shape):
         raise ValueError(f"logits for {bs} x {n} nodes, drafts of {tuple(trees.tokens.shape)}")
