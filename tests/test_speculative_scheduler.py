@@ -20,7 +20,7 @@ from sched_utils import (
 )
 from test_scheduler_equivalence import SYSTEM_A, run_in_waves, workload
 
-from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter
+from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter, _trim
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft
 
@@ -45,9 +45,12 @@ class ScriptedIndex:
 
 
 def script_drafts(monkeypatch, continuations: dict[tuple, list[int]], corrupt: bool = False) -> None:
-    monkeypatch.setattr(
-        SpeculativeDrafter, "_index_of", lambda self, req: ScriptedIndex(req, continuations, corrupt)
-    )
+    """Every request drafts from its known continuation (the budget still trims the drafts)."""
+
+    def draft_one(self, req, limit):
+        return _trim(ScriptedIndex(req, continuations, corrupt).draft(), limit)
+
+    monkeypatch.setattr(SpeculativeDrafter, "_draft_one", draft_one)
 
 
 def oracle_continuations(prompts: list[list[int]], n: int) -> dict[tuple, list[int]]:
@@ -187,6 +190,16 @@ def test_large_batches_decode_plainly():
     assert_matches_oracle(reqs, results)
     steps_at_40 = sched.stats.num_spec_verify_reqs
     assert steps_at_40 < 40 * 5  # only once requests have left the batch
+
+
+def test_requests_whose_drafts_fail_stop_drafting_for_a_while():
+    """Random text (the tiny model's outputs never repeat its prompt): after a verify step gives
+    too few tokens a request pauses, longer after each miss, so most of its steps are plain."""
+    prompts = random_prompts(606, 2, 30, 30)
+    reqs = [gen_req(f"a{i}", p, 120, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched = make_scheduler(**SPEC)
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+    assert 0 < sched.stats.num_spec_verify_reqs < 2 * 120 // 8
 
 
 def test_speculation_runs_the_normal_step_order():

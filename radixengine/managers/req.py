@@ -7,7 +7,7 @@ import re
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -22,7 +22,9 @@ from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.radix_cache import TreeNode
 from radixengine.sampling.sampling_params import SamplingParams
 from radixengine.sampling.stop_regex import stop_regex_window
-from radixengine.speculative.ngram_index import NgramIndex
+
+if TYPE_CHECKING:
+    from radixengine.managers.scheduler_components.speculative_drafter import RequestSpecState
 
 _EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
 
@@ -87,9 +89,6 @@ class Req:
         # Constrained decoding: the request's matcher (a Future while its grammar compiles, in
         # the scheduler's grammar queue), advanced with every output token.
         self.grammar: BaseGrammarObject | Future | None = None
-        # Speculative decoding: verify steps run for it, and its n-gram index (prompt + output).
-        self.spec_verify_ct = 0
-        self.ngram_index: NgramIndex | None = None
 
     def _init_cache_counters(self) -> None:
         """What the request got from the cache, kept across retractions."""
@@ -99,6 +98,10 @@ class Req:
         self.retracted_stain = False
         self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
         self.hit_counted_len = 0  # the radix cache's: its tokens already counted as its hit
+        # Speculative decoding: verify steps run for it, and its drafter's state (kept across
+        # retractions: its output ids are).
+        self.spec_verify_ct = 0
+        self.spec_state: RequestSpecState | None = None
 
     def start_wait(self) -> None:
         """A new wait in the queue (fair_policy.py): its start on the prefill-token clock, stamped

@@ -20,6 +20,8 @@ from itertools import chain
 
 import torch
 
+from radixengine.managers.batch_slots import BatchSlots
+from radixengine.managers.batch_slots import int64_tensor as _int64
 from radixengine.managers.req import Req, TimeStats
 from radixengine.managers.retraction_policy import retraction_order
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
@@ -34,10 +36,6 @@ __all__ = ["Req", "ScheduleBatch", "TimeStats"]
 
 
 # Batch ------------------------------------------------------------------------------------------
-
-
-def _int64(values, device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True)
@@ -103,61 +101,26 @@ class ScheduleBatch:
         running batch build new lists and tensors, so the copy keeps what was launched."""
         return dataclasses.replace(self, reqs=list(self.reqs))
 
-    # Memory ------------------------------------------------------------------------------------
-
-    def _evict_for(self, num_tokens: int) -> None:
-        shortfall = num_tokens - self.token_to_kv_pool_allocator.available_size()
-        if shortfall > 0:
-            self.tree_cache.evict(shortfall)
-
-    def _alloc_failed(self, what: str, num_tokens: int) -> RuntimeError:
-        avail = self.token_to_kv_pool_allocator.available_size()
-        evictable = self.tree_cache.evictable_size()
-        return RuntimeError(
-            f"Out of memory allocating {num_tokens} KV slots for {what} "
-            f"(available {avail}, evictable {evictable}). Try a smaller batch."
+    @property
+    def _slots(self) -> BatchSlots:
+        return BatchSlots(
+            self.req_to_token_pool,
+            self.token_to_kv_pool_allocator,
+            self.tree_cache,
+            self.page_size,
+            self.device,
         )
 
-    def _alloc_req_rows(self) -> list[int]:
-        rows: list[int | None] = [r.req_pool_idx for r in self.reqs]  # a chunked req keeps its row
-        need = sum(1 for x in rows if x is None)
-        fresh = self.req_to_token_pool.alloc(need) if need else []
-        if fresh is None:
-            raise RuntimeError(
-                f"No free request rows for {need} requests (available "
-                f"{self.req_to_token_pool.available_size()}); lower --max-running-requests."
-            )
-        it = iter(fresh)
-        return [x if x is not None else next(it) for x in rows]
+    def _evict_for(self, num_tokens: int) -> None:
+        self._slots.evict_for(num_tokens)
+
+    def _alloc_failed(self, what: str, num_tokens: int) -> RuntimeError:
+        return self._slots.alloc_failed(what, num_tokens)
 
     def _alloc_extend_slots(
         self, prefix_lens: list[int], seq_lens: list[int], last_loc: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Slots for the extend of every request; with pages, `last_loc` is the slot of each
-        request's last cached token (-1: none; default: its prefix's)."""
-        n = self.extend_num_tokens
-        allocator = self.token_to_kv_pool_allocator
-        if self.page_size == 1:
-            self._evict_for(n)
-            out = allocator.alloc(n)
-        else:
-            self._evict_for(n + len(self.reqs) * self.page_size)
-            if last_loc is None:
-                last_loc = _int64(
-                    [int(r.prefix_indices[-1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)],
-                    self.device,
-                )
-            out = allocator.alloc_extend(
-                _int64(prefix_lens, self.device),
-                _int64(seq_lens, self.device),
-                last_loc,
-                n,
-                prefix_lens_cpu=_int64(prefix_lens),
-                seq_lens_cpu=_int64(seq_lens),
-            )
-        if out is None:
-            raise self._alloc_failed("prefill", n)
-        return out
+        return self._slots.alloc_extend(self.reqs, prefix_lens, seq_lens, self.extend_num_tokens, last_loc)
 
     # Prefill -----------------------------------------------------------------------------------
 
@@ -171,7 +134,7 @@ class ScheduleBatch:
         self.extend_num_tokens = sum(extend_lens)
         input_ids = list(chain.from_iterable(r.fill_ids[p:] for r, p in zip(reqs, prefix_lens)))
 
-        rows = self._alloc_req_rows()
+        rows = self._slots.alloc_rows(self.reqs)
         out_cache_loc = self._alloc_extend_slots(prefix_lens, seq_lens)
         self._write_req_to_token(rows, prefix_lens, seq_lens, out_cache_loc)
 
@@ -320,8 +283,6 @@ class ScheduleBatch:
             rows, before = self.req_pool_indices, self.seq_lens - 1
             last_loc = self.req_to_token_pool.req_to_token[rows, before.clamp(min=0)].to(torch.int64)
         out = self._alloc_extend_slots(self.prefix_lens, seq.tolist(), last_loc)
-        if out is None:
-            raise self._alloc_failed("verify", self.extend_num_tokens)
         pt = 0
         for row, pre, n in zip(self.req_pool_indices.tolist(), self.prefix_lens, self.extend_lens):
             self.req_to_token_pool.write((row, slice(pre, pre + n)), out[pt : pt + n])

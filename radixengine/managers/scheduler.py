@@ -44,9 +44,10 @@ from radixengine.managers.scheduler_components.running_batch_updater import (
     RunningBatchUpdater,
 )
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
-from radixengine.managers.scheduler_components.speculative_drafter import DrafterConfig, SpeculativeDrafter
+from radixengine.managers.scheduler_components.speculative_drafter import make_drafter
 from radixengine.managers.scheduler_components.step_plan import StepPlan
 from radixengine.managers.scheduler_io import InProcessIO, SchedulerIO, SchedulerIOClosed
+from radixengine.managers.served_model import tokenizer_eos_ids
 from radixengine.managers.worker_client import (
     ModelWorker,
     OverlapResult,
@@ -58,7 +59,6 @@ from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.radix_cache import RadixCache
 from radixengine.server_args import ServerArgs
-from radixengine.speculative.spec_args import ngram_params
 
 if TYPE_CHECKING:
     from radixengine.model_executor.tp_worker import GenerationBatchResult
@@ -103,7 +103,7 @@ class Scheduler:
         self.context_len: int = info.context_len
         self.vocab_size: int = info.vocab_size
         if eos_token_ids is None:
-            eos_token_ids = frozenset(info.eos_token_ids) | _tokenizer_eos(self.tokenizer)
+            eos_token_ids = frozenset(info.eos_token_ids) | tokenizer_eos_ids(self.tokenizer)
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(info.device)
         if info.page_size != self.page_size:
@@ -133,7 +133,7 @@ class Scheduler:
             self.stats, memory, self.device, graph_runner, args.decode_log_interval
         )
         self.admission = self._new_admission(args)
-        self.drafter = _new_drafter(args)
+        self.drafter = make_drafter(args)
         retraction = RetractionConfig(
             args.retract_decode_steps, args.retraction_policy, args.schedule_low_priority_values_first
         )
@@ -164,14 +164,8 @@ class Scheduler:
         )
 
     def _new_result_processor(self) -> BatchResultProcessor:
-        ctx = ResultContext(
-            self.tree_cache,
-            self.token_to_kv_pool_allocator,
-            self.page_size,
-            self.vocab_size,
-            self.eos_token_ids,
-            self.tokenizer,
-        )
+        pools = (self.tree_cache, self.token_to_kv_pool_allocator, self.page_size)
+        ctx = ResultContext(*pools, self.vocab_size, self.eos_token_ids, self.tokenizer)
         return BatchResultProcessor(
             ctx,
             self.timer,
@@ -503,15 +497,3 @@ class Scheduler:
             if batch is None and self.is_idle() and not getattr(self.io, "inbox", None):
                 return step
         raise RuntimeError(f"scheduler not idle after {max_steps} steps: {self.get_internal_state()}")
-
-
-def _new_drafter(args: ServerArgs) -> SpeculativeDrafter | None:
-    if args.speculative_algorithm != "NGRAM":
-        return None
-    return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
-
-
-def _tokenizer_eos(tokenizer: Tokenizer | None) -> frozenset[int]:
-    """The tokenizer's own EOS id (SGLang adds it to the model's EOS set)."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return frozenset() if eos is None else frozenset({eos})

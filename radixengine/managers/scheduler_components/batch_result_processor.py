@@ -164,12 +164,15 @@ class BatchResultProcessor:
         logprobs = _verify_logprobs(batch, v)
         self.ctx.allocator.free_group_begin()
         for i, req in enumerate(batch.reqs):
-            req.spec_verify_ct += 1
+            drafted = batch.extend_lens[i] > 1  # else this was its decode step
+            req.spec_verify_ct += int(drafted)
             if i in invalid:
                 self._abort_invalid_verify_row(batch, i)
             else:
                 emitted = self._take_verified(req, out_ids[i][: accepted[i] + 1], logprobs, i)
-                self.stats.add_spec_verify(emitted)
+                if drafted:
+                    self.stats.add_spec_verify(emitted)
+                    self.drafter.on_verified(req, emitted)
                 batch.free_verify_tail(i, finished_kv_len(req))
                 if req.finished():
                     self._finish(req)

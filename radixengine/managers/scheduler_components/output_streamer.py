@@ -42,8 +42,9 @@ class OutputStreamer:
         return len(req.output_ids) % self.stream_interval == 1
 
 
-def _batch_token_id_out(reqs: list[Req], speculative: bool) -> BatchTokenIDOut:
-    """What is new since each request's previous message; advances their send offsets."""
+def _new_outputs(reqs: list[Req]) -> tuple[list[list[int]], list[list[int] | None], LogprobOutputs | None]:
+    """Each request's output ids (and logprobs) new since its previous message, and its prompt
+    tail while nothing was sent; advances their send offsets."""
     new_ids, tails = [], []
     logprobs = LogprobOutputs() if any(r.return_logprob for r in reqs) else None
     for r in reqs:
@@ -53,6 +54,12 @@ def _batch_token_id_out(reqs: list[Req], speculative: bool) -> BatchTokenIDOut:
         if logprobs is not None:
             _add_logprob_outputs(logprobs, r, start)
         r.send_token_offset = len(r.output_ids)
+    return new_ids, tails, logprobs
+
+
+def _batch_token_id_out(reqs: list[Req], speculative: bool) -> BatchTokenIDOut:
+    """What is new since each request's previous message."""
+    new_ids, tails, logprobs = _new_outputs(reqs)
     return BatchTokenIDOut(
         rids=[r.rid for r in reqs],
         finished_reasons=[r.finished_reason for r in reqs],

@@ -14,8 +14,8 @@ class SchedulerStats:
     num_retracted_reqs: int = 0
     num_preempted_reqs: int = 0
     num_forward_steps: int = 0
-    # Speculative decoding: requests verified (one per request per verify step) and the tokens
-    # they took from it (accepted drafts plus the bonus token).
+    # Speculative decoding: drafts verified (one per drafting request per verify step) and the
+    # tokens their requests took from them (accepted drafts plus the bonus token).
     num_spec_verify_reqs: int = 0
     num_spec_verified_tokens: int = 0
 
