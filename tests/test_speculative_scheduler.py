@@ -7,11 +7,14 @@ test); the budget rule that turns speculation off for large batches."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from sched_utils import (
     assert_matches_oracle,
     assert_no_leak,
+    collect,
     gen_req,
     make_scheduler,
     oracle_greedy,
@@ -225,3 +228,36 @@ def test_speculation_runs_the_normal_step_order():
 def test_unusable_speculative_configurations_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(**kwargs)
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_streaming_sends_each_token_once(monkeypatch, interval):
+    """A verify step adds several tokens at once: every message carries what is new, each token
+    exactly once, the first at once and then at least every `interval` tokens."""
+    prompts = random_prompts(607, 2, 10, 20)
+    script_drafts(monkeypatch, oracle_continuations(prompts, 40))
+    reqs = [gen_req(f"st{i}", p, 33, ignore_eos=True) for i, p in enumerate(prompts)]
+    for r in reqs:
+        r.stream = True
+    sched = make_scheduler(stream_interval=interval, **SPEC)
+    sched.io.put(*reqs)
+    sched.run_until_idle()
+    msgs = sched.io.take_outputs()
+    results = collect(msgs)
+    assert_matches_oracle(reqs, results)
+    assert_no_leak(sched)
+    sizes = [len(m.output_ids[i]) for m in msgs for i, rid in enumerate(m.rids) if rid == "st0"]
+    assert sizes[0] == 1 and sum(sizes) == 33 and len(sizes) < 33
+    assert all(n >= min(interval, 2) for n in sizes[1:-1])
+    assert max(sizes[1:]) <= 8  # sent the step they were taken (a verify gives at most 8)
+
+
+def test_the_trace_shows_draft_verify_and_accept(monkeypatch, tmp_path):
+    prompts = random_prompts(608, 2, 10, 20)
+    script_drafts(monkeypatch, oracle_continuations(prompts, 30))
+    trace = tmp_path / "trace.json"
+    sched = make_scheduler(trace_file=str(trace), **SPEC)
+    run_to_completion(sched, [gen_req(f"t{i}", p, 24, ignore_eos=True) for i, p in enumerate(prompts)])
+    sched.write_trace()
+    names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"draft", "verify", "accept"} <= names

@@ -145,6 +145,7 @@ class Scheduler:
             self.streamer,
             self.admission.note_departures,
             self.drafter,
+            self.timer,
         )
         self.result_processor = self._new_result_processor()
 

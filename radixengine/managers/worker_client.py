@@ -98,7 +98,7 @@ class InlineWorkerClient(_WorkerClientBase):
         mwb = batch.get_model_worker_batch()
         if batch.has_grammar:
             self.update_vocab_mask(batch, mwb)
-        with self.timer.phase("forward"):
+        with self.timer.phase("verify" if batch.forward_mode.is_target_verify() else "forward"):
             result = self.worker.forward_batch_generation(mwb)
         batch.output_ids = result.next_token_ids
         return result
@@ -107,7 +107,7 @@ class InlineWorkerClient(_WorkerClientBase):
         pass
 
     def device_intervals(self, scheduler_events: list[tuple[str, float, float]]) -> list:
-        return [(s, e, "forward") for name, s, e in scheduler_events if name == "forward"]
+        return [(s, e, name) for name, s, e in scheduler_events if name in ("forward", "verify")]
 
     def close(self) -> None:
         pass

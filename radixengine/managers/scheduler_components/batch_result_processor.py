@@ -108,7 +108,8 @@ class BatchResultProcessor:
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         if batch.forward_mode.is_target_verify():
-            self.process_batch_result_verify(batch, result)
+            with self.timer.phase("accept"):
+                self.process_batch_result_verify(batch, result)
         elif batch.forward_mode.is_decode():
             self.process_batch_result_decode(batch, result)
         elif batch.forward_mode.is_extend():

@@ -37,9 +37,10 @@ class OutputStreamer:
             self.sink.send(_batch_token_id_out(reqs, self.speculative))
 
     def _should_send(self, req: Req) -> bool:
-        if req.finished() or self.stream_interval == 1 or not req.stream:
+        if req.finished() or self.stream_interval == 1 or not req.stream or req.send_token_offset == 0:
             return True
-        return len(req.output_ids) % self.stream_interval == 1
+        # Tokens since the last message (a verify step may add several at once).
+        return len(req.output_ids) - req.send_token_offset >= self.stream_interval
 
 
 def _new_outputs(reqs: list[Req]) -> tuple[list[list[int]], list[list[int] | None], LogprobOutputs | None]:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from radixengine.managers.overlap_utils import StepTimer
 from radixengine.managers.schedule_batch import ScheduleBatch
 from radixengine.managers.scheduler_components.new_token_ratio import NewTokenRatioTracker
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
@@ -36,6 +37,7 @@ class RunningBatchUpdater:
         streamer: OutputStreamer,
         note_departures: Callable[[int, ScheduleBatch], None],
         drafter: SpeculativeDrafter | None = None,
+        timer: StepTimer | None = None,
     ) -> None:
         self.config = config
         self.ratio = ratio
@@ -44,6 +46,7 @@ class RunningBatchUpdater:
         self.streamer = streamer
         self.note_departures = note_departures  # admission's batch_is_full bookkeeping
         self.drafter = drafter  # speculative decoding: a verify step instead of a decode step
+        self.timer = timer or StepTimer()
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
         # Measured before the filter: requests that finished last step free their rows and
@@ -62,7 +65,10 @@ class RunningBatchUpdater:
 
     def _prepare_next_step(self, batch: ScheduleBatch) -> None:
         """A verify step when the drafter has drafts and they fit; else a decode step."""
-        trees = self.drafter.draft(batch) if self.drafter is not None else None
+        trees = None
+        if self.drafter is not None:
+            with self.timer.phase("draft"):
+                trees = self.drafter.draft(batch)
         if trees is not None and batch.check_verify_mem(trees):
             batch.prepare_for_verify(trees)
         else:
