@@ -1,0 +1,50 @@
+"""Speculative decoding through the real server and the official `openai` client: greedy answers
+equal transformers', streamed or not; meta_info.spec_verify_ct; the accept length in
+/get_server_info and /metrics; no KV leaked."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from test_engine_utils import launch_test_server, stop_test_server
+from test_http import API_KEY, AUTH, assert_idle_accounting, model_path, oracle, post  # noqa: F401
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):  # noqa: F811
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = ["--dtype", "float32", "--max-total-tokens", "16384", "--num-threads", "1", "--api-key", API_KEY]
+    args += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6", "--enable-metrics"]
+    proc = launch_test_server(model_path, log, args)
+    yield proc
+    stop_test_server(proc)
+
+
+def test_greedy_answers_equal_transformers(server, oracle):  # noqa: F811
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "one two three one two three one two three one two"}]
+    _, expected = oracle(oracle.chat_ids(messages), MAX_NEW)
+    kw = dict(
+        model=model, messages=messages, max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert client.chat.completions.create(**kw).choices[0].message.content == expected
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert_idle_accounting(server)
+
+
+def test_meta_info_server_info_and_metrics_report_speculation(server, oracle):  # noqa: F811
+    ids = oracle.tok.encode("a b c a b c a b c a b")
+    expected_ids, _ = oracle(ids, MAX_NEW)
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    body = post(server, "/generate", {"input_ids": ids, "sampling_params": params}).json()
+    assert body["output_ids"] == expected_ids
+    assert isinstance(body["meta_info"]["spec_verify_ct"], int) and body["meta_info"]["spec_verify_ct"] >= 1
+    info = assert_idle_accounting(server)
+    assert info["speculative_algorithm"] == "NGRAM" and info["avg_spec_accept_length"] >= 1.0
+    metrics = httpx.get(server.base_url + "/metrics", headers=AUTH, timeout=30).text
+    assert "sglang:spec_accept_length" in metrics
