@@ -384,3 +384,24 @@ def test_a_grammar_complete_before_min_new_tokens_ends_with_stop(model_dir, toke
     assert len(logprobs) == len(results["pet"].output_ids) and logprobs[-1] == pytest.approx(0.0, abs=1e-6)
     for r in free_reqs(tokenizer, "u"):
         assert results[r.rid].output_ids == free_alone[r.rid].output_ids, r.rid
+
+
+def test_speculation_beside_constrained_requests(model_dir, tokenizer, monkeypatch):
+    """With NGRAM speculation, a request with a grammar takes no draft (its verify node is its
+    decode step, under its mask) while the free requests of the same verify batches draft: every
+    output equals the one without speculation."""
+    from test_speculative_scheduler import script_drafts
+
+    reqs = constrained_reqs(tokenizer, "sp")[:8] + free_reqs(tokenizer, "sp")
+    plain = run(make_scheduler(model_dir, tokenizer, overlap=False), reqs)
+    free = {
+        tuple(r.input_ids): plain[r.rid].output_ids + [0] * 8
+        for r in reqs
+        if r.sampling_params.grammar_key is None
+    }
+    script_drafts(monkeypatch, free)
+    sched = make_scheduler(model_dir, tokenizer, overlap=False, speculative_algorithm="NGRAM")
+    spec = run(sched, reqs)
+    assert {rid: r.output_ids for rid, r in spec.items()} == {rid: r.output_ids for rid, r in plain.items()}
+    assert sched.stats.num_spec_verify_reqs > 0 and sched.stats.avg_spec_accept_length > 2.0
+    assert_valid(tokenizer, reqs, spec)

@@ -80,7 +80,9 @@ class StepTimer:
         phases but the forward run inline and the wait for the device)."""
         steps = max(self.steps, 1)
         out = {f"{p}_ms": 1e3 * self.totals.get(p, 0.0) / steps for p in PHASES}
-        out["cpu_ms"] = sum(out[f"{p}_ms"] for p in ("recv", "schedule", "draft", "launch", "process", "accept"))
+        out["cpu_ms"] = sum(
+            out[f"{p}_ms"] for p in ("recv", "schedule", "draft", "launch", "process", "accept")
+        )
         out["steps"] = self.steps
         return out
 

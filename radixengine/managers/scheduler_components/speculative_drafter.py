@@ -11,7 +11,8 @@ When speculation pays (the rule, deterministic: it depends on the tokens, never 
   `MIN_TOKENS_PER_VERIFY` its drafts are mostly rejected (random text): it stops drafting for
   `BACKOFF_STEPS` steps, twice as long after each further miss (up to `MAX_BACKOFF_STEPS`), then
   drafts once to probe (a hit resumes drafting, a miss pauses again).
-- A batch with a grammar, or whose requests draft nothing, decodes plainly."""
+- A request with a grammar does not draft (its verify node is its decode step, under its mask);
+  a batch whose requests draft nothing decodes plainly."""
 
 from __future__ import annotations
 
@@ -55,12 +56,12 @@ class SpeculativeDrafter:
 
     def draft(self, batch: ScheduleBatch) -> DraftTrees | None:
         """The batch's draft trees, or None when it should decode plainly."""
-        if batch.has_grammar:
-            return None
         limit = min(self.config.params.num_draft_tokens, self.config.max_verify_tokens // batch.batch_size())
         if limit < 2:
             return None
-        drafts = [self._draft_one(req, limit) for req in batch.reqs]
+        drafts = [
+            _root_only(req) if req.grammar is not None else self._draft_one(req, limit) for req in batch.reqs
+        ]
         width = max(d.num_nodes for d in drafts)
         if width == 1:
             return None
@@ -91,7 +92,7 @@ class SpeculativeDrafter:
         state = self._state_of(req)
         if state.skip_steps > 0:
             state.skip_steps -= 1
-            return NgramDraft(np.array([req.output_ids[-1]], dtype=np.int64), np.array([-1], dtype=np.int64))
+            return _root_only(req)
         return _trim(state.index.draft(self.shared), limit)
 
     def _state_of(self, req: Req) -> RequestSpecState:
@@ -108,6 +109,11 @@ def make_drafter(args: SpeculativeArgs) -> SpeculativeDrafter | None:
     if args.speculative_algorithm != "NGRAM":
         return None
     return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
+
+
+def _root_only(req: Req) -> NgramDraft:
+    """No draft: its verify node is its decode step."""
+    return NgramDraft(np.array([req.output_ids[-1]], dtype=np.int64), np.array([-1], dtype=np.int64))
 
 
 def _trim(draft: NgramDraft, limit: int) -> NgramDraft:
