@@ -214,7 +214,22 @@ def test_speculation_runs_the_normal_step_order():
     "kwargs,message",
     [
         (dict(speculative_algorithm="EAGLE"), "must be one of NGRAM, STANDALONE"),
-        (dict(speculative_algorithm="STANDALONE"), "not supported yet"),
+        (dict(speculative_algorithm="STANDALONE"), "needs --speculative-draft-model-path"),
+        (
+            dict(
+                speculative_algorithm="STANDALONE", speculative_draft_model_path="d", speculative_num_steps=0
+            ),
+            "num-steps must be >= 1",
+        ),
+        (
+            dict(
+                speculative_algorithm="STANDALONE",
+                speculative_draft_model_path="d",
+                speculative_num_steps=3,
+                speculative_num_draft_tokens=6,
+            ),
+            "must be --speculative-num-steps \\+ 1",
+        ),
         (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="x"), "NGRAM takes no draft model"),
         (dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=3), "tree drafts"),
         (
@@ -261,3 +276,68 @@ def test_the_trace_shows_draft_verify_and_accept(monkeypatch, tmp_path):
     sched.write_trace()
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"draft", "verify", "accept"} <= names
+
+
+# STANDALONE: a draft model -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unrelated_draft(tmp_path_factory) -> str:
+    """A smaller random model of the same vocabulary (one layer, other weights)."""
+    import torch
+    import transformers
+    from sched_utils import TINY_LLAMA
+
+    folder = tmp_path_factory.mktemp("draft")
+    torch.manual_seed(99)
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, "num_hidden_layers": 1})
+    config.architectures = ["LlamaForCausalLM"]
+    transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(folder)
+    return str(folder)
+
+
+def standalone(draft: str, steps: int = 3, **kw):
+    return make_scheduler(
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=steps,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_a_draft_equal_to_the_target_accepts_everything(page):
+    from sched_utils import tiny_model_dir
+
+    prompts = random_prompts(610, 4, 10, 30)
+    reqs = [gen_req(f"d{i}", p, 30 + 5 * i, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched = standalone(tiny_model_dir(), page_size=page)
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+    assert sched.stats.avg_spec_accept_length > 3.8  # 3 drafts + the bonus a step
+    draft = sched.drafter.runner  # every draft slot and row back once the requests finished
+    assert draft.token_to_kv_pool_allocator.available_size() == draft.token_to_kv_pool_allocator.size
+    assert draft.req_to_token_pool.available_size() == draft.req_to_token_pool.size
+
+
+def test_an_unrelated_draft_still_gives_exact_output(unrelated_draft):
+    sched = standalone(unrelated_draft, steps=4, chunked_prefill_size=32)
+    reqs = workload("u")
+    results = run_in_waves(sched, reqs)
+    assert_matches_oracle(reqs, results)
+    assert sched.stats.num_spec_verify_reqs > 0
+
+
+def test_draft_model_retraction_and_seeded_sampling(unrelated_draft):
+    from sched_utils import tiny_model_dir
+
+    sched = standalone(
+        tiny_model_dir(), max_total_tokens=256, chunked_prefill_size=64, init_new_token_ratio=0.05
+    )
+    prompts = random_prompts(11, 8, 20, 50, shared=[SYSTEM_A[:24]])
+    reqs = [gen_req(f"rt{i}", p, max_new_tokens=32) for i, p in enumerate(prompts)]
+    results = run_in_waves(sched, reqs, first=8, steps_between=0)
+    assert sched.stats.num_retracted_reqs > 0
+    assert_matches_oracle(reqs, results)
+    params = dict(temperature=0.9, top_p=0.95, sampling_seed=5, ignore_eos=True)
+    sampled = [gen_req(f"x{i}", p, 30, **params) for i, p in enumerate(random_prompts(611, 3, 8, 16))]
+    assert _sampled(standalone(tiny_model_dir()), sampled) == _sampled(make_scheduler(), sampled)

@@ -9,6 +9,7 @@ from radixengine.speculative.ngram_index import NgramParams
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 DEFAULT_NGRAM_DRAFT_TOKENS = 8
+DEFAULT_DRAFT_STEPS = 3
 
 
 class SpeculativeArgs(Protocol):
@@ -36,11 +37,8 @@ def validate_speculative_args(args: SpeculativeArgs) -> None:
             f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}; got {algo!r}"
         )
     if algo == "STANDALONE":
-        raise ValueError(
-            "--speculative-algorithm STANDALONE (a draft model) is not supported yet; use NGRAM, "
-            "which drafts from the request's own tokens"
-        )
-    if args.speculative_draft_model_path is not None:
+        _validate_standalone(args)
+    elif args.speculative_draft_model_path is not None:
         raise ValueError("--speculative-draft-model-path is for STANDALONE; NGRAM takes no draft model")
     if args.speculative_ngram_max_bfs_breadth > 1:
         raise ValueError(
@@ -54,7 +52,32 @@ def validate_speculative_args(args: SpeculativeArgs) -> None:
             f"--speculative-max-verify-tokens must be >= 2 (a last token and a draft), got "
             f"{args.speculative_max_verify_tokens}"
         )
-    ngram_params(args)  # the n-gram knobs' own checks
+    if algo == "NGRAM":
+        ngram_params(args)  # the n-gram knobs' own checks
+
+
+def _validate_standalone(args: SpeculativeArgs) -> None:
+    if args.speculative_draft_model_path is None:
+        raise ValueError(
+            "--speculative-algorithm STANDALONE needs --speculative-draft-model-path (the draft model)"
+        )
+    steps = standalone_num_steps(args)
+    if steps < 1:
+        raise ValueError(f"--speculative-num-steps must be >= 1, got {steps}")
+    if args.speculative_num_draft_tokens is not None and args.speculative_num_draft_tokens != steps + 1:
+        raise ValueError(
+            f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({steps + 1}) for a draft "
+            f"model's chain, got {args.speculative_num_draft_tokens}"
+        )
+
+
+def standalone_num_steps(args: SpeculativeArgs) -> int:
+    """Tokens the draft model proposes a step (SGLang's --speculative-num-steps; default 3)."""
+    if args.speculative_num_steps is not None:
+        return args.speculative_num_steps
+    if args.speculative_num_draft_tokens is not None:
+        return args.speculative_num_draft_tokens - 1
+    return DEFAULT_DRAFT_STEPS
 
 
 def ngram_params(args: SpeculativeArgs) -> NgramParams:

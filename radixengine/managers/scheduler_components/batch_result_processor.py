@@ -20,7 +20,7 @@ from radixengine.managers.req import Tokenizer
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
-from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter
+from radixengine.managers.scheduler_components.speculative_drafter import Drafter
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache, finished_kv_len
 
@@ -97,7 +97,7 @@ class BatchResultProcessor:
         stats: SchedulerStats,
         streamer: OutputStreamer,
         on_decode_batch: Callable[[ScheduleBatch], None],
-        drafter: SpeculativeDrafter | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.ctx = ctx
         self.drafter = drafter

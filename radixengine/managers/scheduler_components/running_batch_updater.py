@@ -15,7 +15,7 @@ from radixengine.managers.scheduler_components.new_token_ratio import NewTokenRa
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
 from radixengine.managers.scheduler_components.request_intake import RequestIntake
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
-from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter
+from radixengine.managers.scheduler_components.speculative_drafter import Drafter
 
 logger = logging.getLogger("radixengine.managers.scheduler")
 
@@ -36,7 +36,7 @@ class RunningBatchUpdater:
         intake: RequestIntake,
         streamer: OutputStreamer,
         note_departures: Callable[[int, ScheduleBatch], None],
-        drafter: SpeculativeDrafter | None = None,
+        drafter: Drafter | None = None,
         timer: StepTimer | None = None,
     ) -> None:
         self.config = config

@@ -16,13 +16,18 @@ When speculation pays (the rule, deterministic: it depends on the tokens, never 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
+from radixengine.managers.scheduler_components.standalone_drafter import StandaloneDrafter
+from radixengine.model_executor.model_runner import ModelRunner
+from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft, NgramIndex, NgramParams, SharedNgramIndex
-from radixengine.speculative.spec_args import SpeculativeArgs, ngram_params
+from radixengine.speculative.spec_args import ngram_params, standalone_num_steps
 from radixengine.speculative.spec_tree import DraftTrees
 
 MIN_TOKENS_PER_VERIFY = 1.3
@@ -30,6 +35,16 @@ EMA_DECAY = 0.7
 INITIAL_TOKENS_PER_VERIFY = 1.6  # a new request: two misses in a row pause it
 BACKOFF_STEPS = 8
 MAX_BACKOFF_STEPS = 64
+
+
+class Drafter(Protocol):
+    """What the scheduler asks of a drafter (NGRAM or a draft model)."""
+
+    def draft(self, batch: ScheduleBatch) -> DraftTrees | None: ...
+
+    def on_verified(self, req: Req, tokens: int) -> None: ...
+
+    def on_finished(self, req: Req) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -105,10 +120,30 @@ class SpeculativeDrafter:
         return state
 
 
-def make_drafter(args: SpeculativeArgs) -> SpeculativeDrafter | None:
-    if args.speculative_algorithm != "NGRAM":
-        return None
-    return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
+def make_drafter(args: ServerArgs) -> Drafter | None:
+    if args.speculative_algorithm == "NGRAM":
+        return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
+    if args.speculative_algorithm == "STANDALONE":
+        runner = ModelRunner(draft_model_args(args))
+        return StandaloneDrafter(runner, standalone_num_steps(args), args.speculative_max_verify_tokens)
+    return None
+
+
+def draft_model_args(args: ServerArgs) -> ServerArgs:
+    """The draft model's runner: the target's device, dtype and threads; its own pools of the
+    target's size (page size 1); no speculation, no CUDA graphs."""
+    return dataclasses.replace(
+        args,
+        model_path=args.speculative_draft_model_path,
+        tokenizer_path=None,
+        revision=None,
+        speculative_algorithm=None,
+        speculative_draft_model_path=None,
+        speculative_num_draft_tokens=None,
+        page_size=1,
+        disable_cuda_graph=True,
+        context_length=None,
+    )
 
 
 def _root_only(req: Req) -> NgramDraft:

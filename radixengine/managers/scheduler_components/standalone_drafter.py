@@ -1,0 +1,167 @@
+"""STANDALONE speculative decoding: a smaller model of the same tokenizer drafts each request's
+next tokens greedily, on its own KV pool, in the scheduler's process.
+
+The draft model's KV follows each request lazily: a draft first extends it by the tokens it lacks
+(the whole prompt the first time; after a verify, the accepted tokens it did not draft itself and
+the bonus), which yields the first draft token, then decodes `--speculative-num-steps - 1` more.
+Positions whose tokens the verify rejected are dropped before that, so the draft KV always holds
+a prefix of the request's tokens. The drafts are deterministic (the draft model's argmax), so the
+verify step accepts them by the target's own draws (`verify_tree`): greedy output is unchanged
+and sampling keeps the target's distribution. The per-step budget and the backoff rule are the
+NGRAM drafter's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from radixengine.managers.schedule_batch import Req, ScheduleBatch
+from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
+from radixengine.model_executor.model_runner import ModelRunner
+from radixengine.speculative.spec_tree import DraftTrees
+
+
+@dataclass
+class DraftKV:
+    """A request's rows in the draft model's pools: its KV covers `tokens` (a prefix of the
+    request's tokens, or drafts the next verify may reject)."""
+
+    row: int
+    tokens: list[int] = field(default_factory=list)
+
+
+class StandaloneDrafter:
+    def __init__(self, runner: ModelRunner, num_steps: int, max_verify_tokens: int) -> None:
+        self.runner = runner
+        self.num_steps = num_steps  # draft tokens a request proposes per step
+        self.max_verify_tokens = max_verify_tokens
+        self.states: dict[int, tuple[Req, DraftKV]] = {}  # id(req) -> its draft KV
+
+    def draft(self, batch: ScheduleBatch) -> DraftTrees | None:
+        self._release_finished()
+        limit = min(self.num_steps + 1, self.max_verify_tokens // batch.batch_size())
+        drafting = [r for r in batch.reqs if r.grammar is None] if limit >= 2 else []
+        if not drafting or not self._make_room(drafting, limit):
+            return None
+        drafted = self._run_draft_model(drafting, limit - 1)
+        rows = [[r.output_ids[-1], *drafted.get(id(r), [])] for r in batch.reqs]
+        width = max(len(t) for t in rows)
+        chains = [(np.array(t, dtype=np.int64), np.arange(-1, len(t) - 1)) for t in rows]
+        return DraftTrees.from_drafts(chains, width, batch.device)
+
+    def on_verified(self, req: Req, tokens: int) -> None:
+        """Nothing now: the next draft drops what the verify rejected."""
+
+    def on_finished(self, req: Req) -> None:
+        entry = self.states.pop(id(req), None)
+        if entry is not None:
+            self._drop(entry[1])
+
+    # The draft model's KV ----------------------------------------------------------------------
+
+    def _state_of(self, req: Req) -> DraftKV:
+        entry = self.states.get(id(req))
+        if entry is None:
+            row = self.runner.req_to_token_pool.alloc(1)[0]
+            entry = self.states[id(req)] = (req, DraftKV(row))
+        return entry[1]
+
+    def _sync(self, req: Req, state: DraftKV) -> list[int]:
+        """Drop the draft KV past the longest prefix it shares with the request's tokens (never
+        the last token: its logits give the first draft); returns the tokens to extend by."""
+        tokens = req.origin_input_ids + req.output_ids
+        keep = min(len(state.tokens), len(tokens) - 1)
+        start = max(keep - self.num_steps - 1, 0)  # only the last step's drafts can differ
+        for i in range(start, keep):
+            if state.tokens[i] != tokens[i]:
+                keep = i
+                break
+        self._free(state, keep)
+        return tokens[keep:]
+
+    def _free(self, state: DraftKV, keep: int) -> None:
+        """Free the draft KV past its first `keep` tokens."""
+        if keep < len(state.tokens):
+            slots = self.runner.req_to_token_pool.req_to_token[state.row, keep : len(state.tokens)]
+            self.runner.token_to_kv_pool_allocator.free(slots.to(torch.int64))
+            del state.tokens[keep:]
+
+    def _drop(self, state: DraftKV) -> None:
+        self._free(state, 0)
+        self.runner.req_to_token_pool.free(state.row)
+
+    def _release_finished(self) -> None:
+        for key, (req, state) in list(self.states.items()):
+            if req.finished():
+                del self.states[key]
+                self._drop(state)
+
+    def _fits(self, reqs: list[Req], limit: int) -> bool:
+        need = 0
+        for r in reqs:
+            entry = self.states.get(id(r))
+            have = len(entry[1].tokens) if entry is not None else 0
+            need += len(r.origin_input_ids) + len(r.output_ids) - have + limit
+        fresh = sum(1 for r in reqs if id(r) not in self.states)
+        runner = self.runner
+        return runner.token_to_kv_pool_allocator.available_size() >= need and (
+            runner.req_to_token_pool.available_size() >= fresh
+        )
+
+    def _make_room(self, reqs: list[Req], limit: int) -> bool:
+        """Rows and slots for these requests' drafts; the draft KV of requests not in the batch
+        is dropped first when short (it is rebuilt when they come back)."""
+        keys = {id(r) for r in reqs}
+        for key, (_, state) in list(self.states.items()):
+            if self._fits(reqs, limit):
+                return True
+            if key not in keys:
+                del self.states[key]
+                self._drop(state)
+        return self._fits(reqs, limit)
+
+    # Forwards ----------------------------------------------------------------------------------
+
+    def _run_draft_model(self, reqs: list[Req], steps: int) -> dict[int, list[int]]:
+        states = [self._state_of(r) for r in reqs]
+        new_tokens = [self._sync(r, s) for r, s in zip(reqs, states)]
+        last = self._forward(ForwardMode.EXTEND, states, new_tokens)
+        drafted = [[t] for t in last]
+        for _ in range(steps - 1):
+            last = self._forward(ForwardMode.DECODE, states, [[t] for t in last])
+            for d, t in zip(drafted, last):
+                d.append(t)
+        return {id(r): d for r, d in zip(reqs, drafted)}
+
+    @torch.no_grad()
+    def _forward(self, mode: ForwardMode, states: list[DraftKV], new_tokens: list[list[int]]) -> list[int]:
+        """One forward of the draft model over each request's new tokens; their KV slots are
+        allocated and recorded; returns each request's argmax after its last token."""
+        runner = self.runner
+        prefix = [len(s.tokens) for s in states]
+        lens = [len(t) for t in new_tokens]
+        slots = runner.token_to_kv_pool_allocator.alloc(sum(lens))
+        pt = 0
+        for state, pre, n, toks in zip(states, prefix, lens, new_tokens):
+            runner.req_to_token_pool.write((state.row, slice(pre, pre + n)), slots[pt : pt + n])
+            state.tokens.extend(toks)
+            pt += n
+        device = runner.device
+        seq = [p + n for p, n in zip(prefix, lens)]
+        mwb = ModelWorkerBatch(
+            forward_mode=mode,
+            input_ids=torch.tensor(
+                [t for toks in new_tokens for t in toks], dtype=torch.int64, device=device
+            ),
+            req_pool_indices=torch.tensor([s.row for s in states], dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
+            seq_lens_cpu=seq,
+            out_cache_loc=slots,
+            extend_prefix_lens=prefix if mode.is_extend() else None,
+            extend_seq_lens=lens if mode.is_extend() else None,
+            sampling_info=None,
+        )
+        logits = runner.forward(ForwardBatch.init_new(mwb, runner)).next_token_logits
+        return torch.argmax(logits, dim=-1).tolist()
