@@ -7,7 +7,7 @@ import re
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -22,9 +22,7 @@ from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.radix_cache import TreeNode
 from radixengine.sampling.sampling_params import SamplingParams
 from radixengine.sampling.stop_regex import stop_regex_window
-
-if TYPE_CHECKING:
-    from radixengine.managers.scheduler_components.speculative_drafter import RequestSpecState
+from radixengine.speculative.request_state import RequestSpecState
 
 _EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
 

@@ -27,13 +27,12 @@ from radixengine.managers.scheduler_components.standalone_drafter import Standal
 from radixengine.model_executor.model_runner import ModelRunner
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft, NgramIndex, NgramParams, SharedNgramIndex
+from radixengine.speculative.request_state import BACKOFF_STEPS, RequestSpecState
 from radixengine.speculative.spec_args import ngram_params, standalone_num_steps
 from radixengine.speculative.spec_tree import DraftTrees
 
 MIN_TOKENS_PER_VERIFY = 1.3
 EMA_DECAY = 0.7
-INITIAL_TOKENS_PER_VERIFY = 1.6  # a new request: two misses in a row pause it
-BACKOFF_STEPS = 8
 MAX_BACKOFF_STEPS = 64
 
 
@@ -51,16 +50,6 @@ class Drafter(Protocol):
 class DrafterConfig:
     params: NgramParams
     max_verify_tokens: int  # draft tokens (roots included) one verify step may hold
-
-
-@dataclass
-class RequestSpecState:
-    """One request's drafting state: its n-gram index and how its drafts have fared."""
-
-    index: NgramIndex
-    tokens_per_verify: float = INITIAL_TOKENS_PER_VERIFY
-    skip_steps: int = 0  # decode steps left without drafting
-    backoff: int = BACKOFF_STEPS
 
 
 class SpeculativeDrafter:
