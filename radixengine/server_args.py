@@ -327,13 +327,17 @@ _CHOICES = {
 
 _HELP = {
     "speculative_algorithm": (
-        "Speculative decoding: NGRAM drafts each request's next tokens from its own prompt and output "
-        "(what followed earlier occurrences of its last tokens) and verifies them in one forward; "
-        "greedy output is unchanged, sampling keeps the model's distribution. Runs the normal step order."
+        "Speculative decoding. NGRAM drafts each request's next tokens from its own prompt and output (what "
+        "followed earlier occurrences of its last tokens); STANDALONE from a smaller draft model of the same "
+        "tokenizer (--speculative-draft-model-path). The drafts are verified in one forward: greedy output is "
+        "unchanged, sampling keeps the model's distribution. Runs the normal step order."
     ),
-    "speculative_num_draft_tokens": "Tokens verified per request per step, its last token included (NGRAM default 8).",
-    "speculative_num_steps": "Draft steps of a draft model (STANDALONE; not supported yet).",
-    "speculative_draft_model_path": "The draft model (STANDALONE; not supported yet).",
+    "speculative_num_draft_tokens": (
+        "Tokens verified per request per step, its last token included (NGRAM default 8; STANDALONE: "
+        "--speculative-num-steps + 1)."
+    ),
+    "speculative_num_steps": "Tokens the draft model proposes per step (STANDALONE; default 3).",
+    "speculative_draft_model_path": "The draft model for STANDALONE: a folder or GGUF of the same tokenizer.",
     "speculative_ngram_min_match_window_size": "Shortest suffix of the context an n-gram draft matches.",
     "speculative_ngram_max_match_window_size": "Longest suffix of the context an n-gram draft matches.",
     "speculative_ngram_min_bfs_breadth": "Draft-tree breadth at the deepest level (1: a chain).",
