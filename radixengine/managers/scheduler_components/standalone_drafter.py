@@ -7,8 +7,8 @@ the bonus), which yields the first draft token, then decodes `--speculative-num-
 Positions whose tokens the verify rejected are dropped before that, so the draft KV always holds
 a prefix of the request's tokens. The drafts are deterministic (the draft model's argmax), so the
 verify step accepts them by the target's own draws (`verify_tree`): greedy output is unchanged
-and sampling keeps the target's distribution. The per-step budget and the backoff rule are the
-NGRAM drafter's."""
+and sampling keeps the target's distribution. The per-step budget is the NGRAM drafter's
+(`--speculative-max-verify-tokens`); requests with a grammar take no draft."""
 
 from __future__ import annotations
 
