@@ -30,7 +30,7 @@ LAYERS = (
     {"constrained", "function_call", "parser"},
     {"sampling"},
     {"layers", "models", "model_loader"},
-    {"model_executor", "server_args"},
+    {"model_executor", "server_args", "server_args_help"},
     {"managers"},
     {"engine", "entrypoints", "launch_server", "__init__"},
 )
