@@ -13,6 +13,7 @@ from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.mem_cache.evict_policy import RADIX_EVICTION_POLICIES
 from radixengine.parser.reasoning_parser import REASONING_PARSERS
 from radixengine.server_args_help import SERVER_ARGS_HELP
+from radixengine.speculative.spec_args import SPECULATIVE_ALGORITHMS, validate_speculative_args
 from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first", "dlpm")
@@ -119,6 +120,19 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
 
+    # Speculative decoding (SGLang's flags; see SERVER_ARGS_HELP and docs/api.md "Speculative decoding")
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_num_steps: int | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 1
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 0
+    speculative_max_verify_tokens: int = 64
+
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -129,10 +143,12 @@ class ServerArgs:
         self.validate()
 
     def validate(self) -> None:
-        """Refuse the first broken rule of SERVER_ARGS_RULES (in its order) with its message."""
+        """Refuse the first broken rule of SERVER_ARGS_RULES (in its order) with its message, then
+        the speculative decoding flags' (speculative/spec_args.py)."""
         for rule in SERVER_ARGS_RULES:
             if rule.broken(self):
                 raise ValueError(rule.message(self))
+        validate_speculative_args(self)
 
     # Derived values --------------------------------------------------------------------------
 
@@ -198,6 +214,7 @@ class ServerArgs:
 
 
 _CHOICES = {
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "schedule_policy": SCHEDULE_POLICIES,
     "dtype": DTYPES,
     "device": DEVICES,

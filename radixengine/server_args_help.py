@@ -1,6 +1,24 @@
 """The `--help` text of ServerArgs' flags (field name -> text); fields without one get none."""
 
 SERVER_ARGS_HELP = {
+    "speculative_algorithm": (
+        "Speculative decoding: NGRAM drafts each request's next tokens from its own prompt and output "
+        "(what followed earlier occurrences of its last tokens) and verifies them in one forward; "
+        "greedy output is unchanged, sampling keeps the model's distribution. Runs the normal step order."
+    ),
+    "speculative_num_draft_tokens": "Tokens verified per request per step, its last token included (NGRAM default 8).",
+    "speculative_num_steps": "Draft steps of a draft model (STANDALONE; not supported yet).",
+    "speculative_draft_model_path": "The draft model (STANDALONE; not supported yet).",
+    "speculative_ngram_min_match_window_size": "Shortest suffix of the context an n-gram draft matches.",
+    "speculative_ngram_max_match_window_size": "Longest suffix of the context an n-gram draft matches.",
+    "speculative_ngram_min_bfs_breadth": "Draft-tree breadth at the deepest level (1: a chain).",
+    "speculative_ngram_max_bfs_breadth": "Draft-tree breadth at the root (only 1, chains, for now).",
+    "speculative_ngram_branch_length": "Longest branch of an n-gram draft.",
+    "speculative_ngram_capacity": "Tokens of recent finished requests kept to draft from (0: none).",
+    "speculative_max_verify_tokens": (
+        "Draft tokens (last tokens included) one verify step may hold: each request drafts at most this "
+        "divided by the batch size, and a batch too large for 2 a request decodes plainly."
+    ),
     "tool_call_parser": (
         "How /v1/chat/completions reads tool calls in the model's text into `tool_calls` (SGLang's "
         "names): llama3 (Llama 3.x, <|python_tag|> / JSON), qwen25 or qwen (Qwen2.5 / Qwen3, "

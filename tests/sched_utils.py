@@ -128,7 +128,9 @@ def _worker(
     )
 
 
-def make_scheduler(tokenizer=None, overlap: bool = False, **overrides) -> Scheduler:
+def make_scheduler(
+    tokenizer=None, overlap: bool = False, eos_token_ids: frozenset[int] | None = None, **overrides
+) -> Scheduler:
     """A scheduler over a cached worker whose pools are cleared first; test mode (the idle
     self-check raises); the overlap loop if `overlap`."""
     args = dict(
@@ -149,7 +151,9 @@ def make_scheduler(tokenizer=None, overlap: bool = False, **overrides) -> Schedu
     req_pool, allocator = worker.get_memory_pool()
     req_pool.clear()
     allocator.clear()
-    return Scheduler(server_args, tp_worker=worker, tokenizer=tokenizer, io=InProcessIO())
+    return Scheduler(
+        server_args, tp_worker=worker, tokenizer=tokenizer, io=InProcessIO(), eos_token_ids=eos_token_ids
+    )
 
 
 # Requests ----------------------------------------------------------------------------------------

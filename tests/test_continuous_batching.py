@@ -98,7 +98,8 @@ def test_last_request_that_cannot_fit_is_aborted_with_a_clear_error(overlap):
     sched = make_scheduler(overlap=overlap)
     ratio = sched.new_token_ratio
     stolen = start_decoding(sched, [gen_req("only", random_prompts(705, 1, 10, 10)[0], 30, ignore_eos=True)])
-    assert sched.get_next_batch_to_run() is None  # (a whole step would self-check with slots taken)
+    # (a whole step would self-check with slots taken)
+    assert sched.apply_step_plan(sched.get_next_batch_to_run()) is None
     assert sched.stats.num_retracted_reqs == 0
     assert sched.new_token_ratio > 0.0 and sched.new_token_ratio <= ratio
     sched.token_to_kv_pool_allocator.free(stolen)

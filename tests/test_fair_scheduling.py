@@ -114,7 +114,7 @@ def test_priority_retraction_keeps_the_important_requests_running(monkeypatch):
 
     def recording(batch, *args):
         out = original(batch, *args)
-        retracted.extend(r.rid for r in out[0])
+        retracted.extend(r.rid for r in out.retracted)
         return out
 
     monkeypatch.setattr(ScheduleBatch, "retract_decode", recording)

@@ -6,8 +6,9 @@ The layers, from the bottom (`LAYERS`); a module imports its own layer and those
 0. `utils` and `mem_cache`: import nothing of radixengine but themselves.
 1. `constrained`, `function_call`, `parser`: grammars and parsers, on their own.
 2. `sampling`: the sampling parameters and the batch's sampling state (grammars included).
-3. `layers`, `models`, `model_loader`: the model and its parts. They name the batch through the
-   Protocols of `layers/forward_batch_view.py` (`ForwardBatchView`), never `ForwardBatch`.
+3. `layers`, `models`, `model_loader`, `speculative`: the model and its parts, and the drafts and
+   their verification. They name the batch through the Protocols of `layers/forward_batch_view.py`
+   (`ForwardBatchView`), never `ForwardBatch`.
 4. `model_executor` and `server_args`: the worker. `ModelRunner` and `TpModelWorker` read a dozen
    flags of `ServerArgs` (as SGLang's do), so `server_args` sits here: nothing below
    `model_executor` imports it (a layer that needs a flag's value gets the value).
@@ -29,7 +30,7 @@ LAYERS = (
     {"distributed"},
     {"constrained", "function_call", "parser"},
     {"sampling"},
-    {"layers", "models", "model_loader"},
+    {"layers", "models", "model_loader", "speculative"},
     {"model_executor", "server_args", "server_args_help"},
     {"managers"},
     {"engine", "entrypoints", "launch_server", "__init__"},

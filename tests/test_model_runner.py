@@ -140,7 +140,7 @@ def test_tp_worker_generation(folder):
     ref = driver.extend({"a": [5, 6, 7, 8], "b": [9, 10, 11]})
     assert result.next_token_ids.tolist() == ref.argmax(-1).tolist()
     expected = torch.log_softmax(ref, -1).gather(1, ref.argmax(-1, keepdim=True)).view(-1)
-    torch.testing.assert_close(result.next_token_logprobs, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(result.logprobs.next_token_logprobs, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_idle_batch(folder):

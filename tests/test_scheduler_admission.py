@@ -32,14 +32,14 @@ def test_plan_chunks_the_request_that_does_not_fit_and_the_scheduler_applies_it(
     b = b + random_prompts(801, 1, 20, 20)[0]  # 30 tokens
     reqs = [gen_req("a", a, 4), gen_req("b", b, 4), gen_req("c", c, 4)]
     queue(sched, reqs)
-    plan = sched.plan_prefill()
+    plan = sched.admission.plan_prefill(sched.running_batch)
     assert [r.rid for r in plan.reqs] == ["a", "b"]
     assert plan.extend_lens == [10, 6]  # the chunk budget left after "a"
     assert plan.chunked_req is plan.reqs[1] and plan.preempted == [] and not plan.batch_is_full
     b_req = plan.reqs[1]
     assert b_req.extend_input_len == 30 and len(b_req.fill_ids) == 30  # untouched until applied
 
-    batch = sched.apply_prefill_plan(plan)
+    batch = sched.apply_step_plan(sched.admission.apply_prefill_plan(plan, sched.running_batch))
     assert batch.extend_lens == [10, 6] and batch.input_ids.numel() == 16
     assert sched.chunked_req is b_req and b_req.fill_ids == b[:6] and b_req.is_chunked == 1
     assert [r.rid for r in sched.waiting_queue] == ["c"]
@@ -65,14 +65,14 @@ def test_plan_names_the_preempted_victims():
     assert len(sched.running_batch.reqs) == 2
     vip = gen_req("vip", random_prompts(803, 1, 30, 30)[0], 40, priority=100, ignore_eos=True)
     queue(sched, [vip])
-    plan = sched.plan_prefill()
+    plan = sched.admission.plan_prefill(sched.running_batch)
     assert [r.rid for r in plan.reqs] == ["vip"]
     assert plan.preempted and {r.rid for r in plan.preempted} <= {"low0", "low1"}
     assert all(r.is_retracted for r in plan.preempted)
     assert not any(r in sched.running_batch.reqs for r in plan.preempted)
     assert not any(r in sched.waiting_queue for r in plan.preempted)  # requeued when applied
 
-    batch = sched.apply_prefill_plan(plan)
+    batch = sched.apply_step_plan(sched.admission.apply_prefill_plan(plan, sched.running_batch))
     assert batch is not None and [r.rid for r in batch.reqs] == ["vip"]
     assert all(r in sched.waiting_queue for r in plan.preempted)
     assert sched.stats.num_preempted_reqs == len(plan.preempted)
@@ -94,7 +94,7 @@ def test_each_waiting_request_is_matched_once_per_round():
     match_prefix = sched.tree_cache.match_prefix
     sched.tree_cache.match_prefix = lambda key: (calls.append(len(key)), match_prefix(key))[1]
     queue(sched, [gen_req(f"m{i}", shared[:n] + [99] * 3, 4) for i, n in enumerate([5, 12, 20])])
-    plan = sched.plan_prefill()
+    plan = sched.admission.plan_prefill(sched.running_batch)
     assert len(calls) == 3  # LPM matches all three to order them; admission does not match again
     assert [r.rid for r in plan.reqs] == ["m2", "m1", "m0"]  # longest prefix first
     assert [len(r.prefix_indices) for r in plan.reqs] == [20, 12, 5]

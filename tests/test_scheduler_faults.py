@@ -78,8 +78,10 @@ def test_a_request_that_fails_to_initialise_fails_alone(overlap, tmp_path):
     run, and the scheduler keeps serving."""
     from test_engine_utils import build_tokenizer
 
-    sched = make_scheduler(tokenizer=build_tokenizer(str(tmp_path)), overlap=overlap)
-    sched.eos_token_ids = frozenset({EOS})  # the model's, as the oracle has it (not the tokenizer's)
+    # The model's EOS, as the oracle has it (not the tokenizer's).
+    sched = make_scheduler(
+        tokenizer=build_tokenizer(str(tmp_path)), overlap=overlap, eos_token_ids=frozenset({EOS})
+    )
     _, _, clean = pick_poison_token()
     good = [gen_req(f"good{i}", p, 8) for i, p in enumerate(clean[:2])]
     sched.io.put(gen_req("bad", clean[0], 8, stop="\ud800"), *good)

@@ -221,7 +221,7 @@ def test_full_queue_with_priorities_evicts_the_worst():
     lower = gen_req("lower", [13, 14], 4, priority=0)
     sched.process_input_requests([low, mid, high, lower])
     results = collect([])
-    sched.stream_output()
+    sched.streamer.stream_output()
     results = collect(sched.io.outputs)
     assert results["low"].finished_reason["message"] == "The request is aborted by a higher priority request."
     assert results["lower"].finished_reason["message"] == "The request queue is full."
@@ -350,8 +350,7 @@ def test_eos_and_ignore_eos_end_to_end(overlap):
     prompt = random_prompts(341, 1, 10, 10)[0]
     cont = oracle_greedy(prompt, 24, ignore_eos=True)
     eos = cont[6]
-    sched = make_scheduler(overlap=overlap)
-    sched.eos_token_ids = frozenset({eos})
+    sched = make_scheduler(overlap=overlap, eos_token_ids=frozenset({eos}))
     reqs = [gen_req("eos", prompt, 24), gen_req("ignore", prompt, 24, ignore_eos=True)]
     results = run_to_completion(sched, reqs)
     assert results["eos"].output_ids == cont[: cont.index(eos) + 1]
@@ -446,3 +445,34 @@ def test_outputs_report_queue_times():
             latest[rid] = q
     assert latest["bad"] is None
     assert 0 <= latest["first"] < latest["second"]  # "second" waited for the only running slot
+
+
+def test_event_loop_normal_runs_normal_steps_on_an_overlap_scheduler():
+    """The loop a caller names is the loop that runs: `event_loop_normal` never takes an overlap
+    step, and `event_loop_overlap` refuses a scheduler built without the overlapped client."""
+    sched = make_scheduler(overlap=True)
+    assert sched.enable_overlap
+
+    def no_overlap_step():
+        raise AssertionError("event_loop_normal ran an overlap step")
+
+    sched.run_step_overlap = no_overlap_step
+    reqs = [gen_req(f"n{i}", p, 6) for i, p in enumerate(random_prompts(351, 3, 5, 12))]
+    thread = threading.Thread(target=sched.event_loop_normal, daemon=True)
+    thread.start()
+    sched.io.put(*reqs)
+    deadline = time.monotonic() + 60
+    results = {}
+    while time.monotonic() < deadline and thread.is_alive():
+        with sched.io._cond:
+            results = collect(list(sched.io.outputs))
+        if len(results) == 3 and all(r.finished_reason for r in results.values()):
+            break
+        time.sleep(0.02)
+    sched.io.close()
+    thread.join(10)
+    sched.close()
+    assert_matches_oracle(reqs, results)
+    assert_no_leak(sched)
+    with pytest.raises(RuntimeError, match="event_loop_overlap"):
+        make_scheduler(overlap=False).event_loop_overlap()

@@ -31,9 +31,8 @@ def prompt_reaching_its_stop(seed: int) -> tuple[list[int], list[int]]:
 def test_min_new_tokens_keeps_stop_tokens_and_eos_from_being_sampled(overlap):
     prompt, full = prompt_reaching_its_stop(900)
     stop = full[1]
-    sched = make_scheduler(overlap=overlap)
     eos = full[3]
-    sched.eos_token_ids = frozenset({eos})
+    sched = make_scheduler(overlap=overlap, eos_token_ids=frozenset({eos}))
     reqs = [
         gen_req("stop", prompt, 24, stop_token_ids=[stop], min_new_tokens=8),
         gen_req("eos", prompt, 24, min_new_tokens=6),

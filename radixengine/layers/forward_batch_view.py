@@ -12,9 +12,12 @@ from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 
 class ForwardModeView(Protocol):
-    """`ForwardMode`: EXTEND and MIXED are extends, DECODE is one new token per request."""
+    """`ForwardMode`: EXTEND and MIXED are extends (prefills), DECODE is one new token per request;
+    a prefill and a speculative verify share the extend layout."""
 
     def is_extend(self) -> bool: ...
+
+    def has_extend_layout(self) -> bool: ...
 
     def is_decode(self) -> bool: ...
 

@@ -4,12 +4,13 @@ logprobs: log_softmax of the raw logits, no temperature), computed only at the p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from radixengine.layers.forward_logprobs import ForwardLogprobs
 from radixengine.layers.linear import block_linear
 
 if TYPE_CHECKING:
@@ -24,20 +25,14 @@ _FLOAT32_MIN = torch.finfo(torch.float32).min
 @dataclass
 class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # float32 [bs, vocab]
-    # Filled by the sampler when the batch asks for logprobs: logprob of each chosen token [bs].
-    next_token_logprobs: torch.Tensor | None = None
-    # Filled by the sampler when a request asks for top logprobs: [bs, max top_logprobs_num].
-    next_token_top_logprobs_val: torch.Tensor | None = None
-    next_token_top_logprobs_idx: torch.Tensor | None = None
     # Filled by the sampler: bool [bs], the rows whose logits had nothing to sample (all NaN or
     # -inf); None when every row was fine.
     invalid_rows: torch.Tensor | None = None
-    # EXTEND with input logprobs: one row per prompt position asked (ForwardBatch.
-    # input_logprob_indices), the logprob of the prompt token that follows it, and the top
+    # The chosen tokens' logprobs (filled by the sampler when the batch asks for them) and, in an
+    # EXTEND with input logprobs, one row per prompt position asked (ForwardBatch.
+    # input_logprob_indices): the logprob of the prompt token that follows it, and the top
     # max(top_logprobs_nums) there when a request asks for them.
-    input_token_logprobs: torch.Tensor | None = None
-    input_top_logprobs_val: torch.Tensor | None = None
-    input_top_logprobs_idx: torch.Tensor | None = None
+    logprobs: ForwardLogprobs[torch.Tensor] = field(default_factory=ForwardLogprobs)
 
 
 class LogitsProcessor(nn.Module):
@@ -52,7 +47,7 @@ class LogitsProcessor(nn.Module):
         self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatchView
     ) -> LogitsProcessorOutput:
         states = hidden_states
-        if forward_batch.forward_mode.is_extend():
+        if forward_batch.forward_mode.has_extend_layout():
             states = hidden_states.index_select(0, forward_batch.last_token_indices())
         out = LogitsProcessorOutput(next_token_logits=self._logits(states, lm_head))
         if forward_batch.forward_mode.is_extend() and forward_batch.input_logprob_indices is not None:
@@ -81,11 +76,13 @@ class LogitsProcessor(nn.Module):
                 top_vals.append(values)
                 top_ids.append(indices)
         device = hidden_states.device
-        out.input_token_logprobs = torch.cat(token_lps) if token_lps else torch.empty(0, device=device)
+        out.logprobs.input_token_logprobs = (
+            torch.cat(token_lps) if token_lps else torch.empty(0, device=device)
+        )
         if top > 0:
             empty = torch.empty((0, top), device=device)
-            out.input_top_logprobs_val = torch.cat(top_vals) if top_vals else empty
-            out.input_top_logprobs_idx = torch.cat(top_ids) if top_ids else empty.long()
+            out.logprobs.input_top_logprobs_val = torch.cat(top_vals) if top_vals else empty
+            out.logprobs.input_top_logprobs_idx = torch.cat(top_ids) if top_ids else empty.long()
 
     def _logits(self, states: torch.Tensor, lm_head: VocabEmbedding) -> torch.Tensor:
         logits = lm_head.gather_logits(block_linear(states, lm_head.weight, lm_head.block_weight)).float()

@@ -138,6 +138,7 @@ class IncrementalDetokenizer:
             prompt_tokens=recv.prompt_tokens,
             cached_tokens=recv.cached_tokens,
             queue_times=recv.queue_times,
+            spec_verify_ct=recv.spec_verify_ct,
             **recv.logprob_outputs(),
         )
 

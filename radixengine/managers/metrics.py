@@ -77,6 +77,10 @@ class SchedulerStatsCollector:
             "Radix-cached token slots locked by running requests (not evictable).",
         ),
         "new_token_ratio": ("new_token_ratio", "The new token ratio of the scheduler's admission estimate."),
+        "spec_accept_length": (
+            "avg_spec_accept_length",
+            "Speculative decoding: tokens a request takes from a verify step, on average since start.",
+        ),
         "max_total_num_tokens": ("max_total_tokens", "Maximum total number of tokens in the KV cache pool."),
     }
     COUNTERS = {

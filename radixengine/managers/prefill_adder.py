@@ -27,12 +27,15 @@ class AddReqResult(Enum):
 
 @dataclass
 class PrefillPlan:
-    """One prefill round's decision, applied by the scheduler in one place."""
+    """One prefill round's decision, applied by the admission in one place: the admitted requests
+    and the queue are untouched until then. Priority preemption is the exception: its victims are
+    released from the running batch (KV freed or cached) while the round is computed, since the
+    requests admitted after them need that room; applying the plan requeues them."""
 
     reqs: list[Req]  # admitted, in batch order (a continuing chunked request first)
     extend_lens: list[int]  # the tokens each computes this round
     chunked_req: Req | None  # the request whose prompt goes on in a later round, if any
-    preempted: list[Req]  # running requests released to make room (back to the waiting queue)
+    preempted: list[Req]  # running requests released to make room (requeued when applied)
     batch_is_full: bool  # stopped for want of rows or tokens
     new_tokens: int = 0  # for the Prefill log line: input tokens (page-rounded) and cache hits
     cached_tokens: int = 0

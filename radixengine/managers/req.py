@@ -7,7 +7,7 @@ import re
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -22,6 +22,9 @@ from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.radix_cache import TreeNode
 from radixengine.sampling.sampling_params import SamplingParams
 from radixengine.sampling.stop_regex import stop_regex_window
+
+if TYPE_CHECKING:
+    from radixengine.managers.scheduler_components.speculative_drafter import RequestSpecState
 
 _EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
 
@@ -95,6 +98,10 @@ class Req:
         self.retracted_stain = False
         self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
         self.hit_counted_len = 0  # the radix cache's: its tokens already counted as its hit
+        # Speculative decoding: verify steps run for it, and its drafter's state (kept across
+        # retractions: its output ids are).
+        self.spec_verify_ct = 0
+        self.spec_state: RequestSpecState | None = None
 
     def start_wait(self) -> None:
         """A new wait in the queue (fair_policy.py): its start on the prefill-token clock, stamped

@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from radixengine.managers.generate_output import GenerateOutput, LogprobTriple, MetaInfo
 from radixengine.managers.io_struct import BatchStrOut, GenerateReqInput
 from radixengine.sampling.sampling_params import SamplingParams
 
@@ -23,22 +24,24 @@ class LogprobState:
     token, and per position a list of those for the most likely tokens (None where there is no
     distribution: the first prompt token)."""
 
-    input_token_logprobs: list[tuple] = field(default_factory=list)
-    output_token_logprobs: list[tuple] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple] | None] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple] | None] = field(default_factory=list)
+    input_token_logprobs: list[LogprobTriple] = field(default_factory=list)
+    output_token_logprobs: list[LogprobTriple] = field(default_factory=list)
+    input_top_logprobs: list[list[LogprobTriple] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[LogprobTriple] | None] = field(default_factory=list)
 
-    def meta_info(self, top_logprobs_num: int, copy: bool) -> dict:
+    def add_to(self, meta: MetaInfo, top_logprobs_num: int, copy: bool) -> None:
+        """Its meta_info fields, into `meta`."""
         c = list if copy else (lambda x: x)
-        meta = {
-            "input_token_logprobs": c(self.input_token_logprobs),
-            "output_token_logprobs": c(self.output_token_logprobs),
-            "output_token_logprobs_length": len(self.output_token_logprobs),
-        }
+        meta.update(
+            {
+                "input_token_logprobs": c(self.input_token_logprobs),
+                "output_token_logprobs": c(self.output_token_logprobs),
+                "output_token_logprobs_length": len(self.output_token_logprobs),
+            }
+        )
         if top_logprobs_num > 0:
             meta["input_top_logprobs"] = c(self.input_top_logprobs)
             meta["output_top_logprobs"] = c(self.output_top_logprobs)
-        return meta
 
     def convert_logprob_style(
         self, recv: BatchStrOut, i: int, new_ids: list[int], decode: DecodeTokens | None
@@ -60,13 +63,13 @@ class LogprobState:
             )
 
 
-def _triples(values: list, ids: list[int], decode: DecodeTokens | None) -> list[tuple]:
+def _triples(values: list, ids: list[int], decode: DecodeTokens | None) -> list[LogprobTriple]:
     if decode is None:
         return [(v, t, None) for v, t in zip(values, ids)]
     return list(zip(values, ids, decode(ids)))
 
 
-def _top_triples(values: list, ids: list, decode: DecodeTokens | None) -> list[list[tuple] | None]:
+def _top_triples(values: list, ids: list, decode: DecodeTokens | None) -> list[list[LogprobTriple] | None]:
     return [None if v is None else _triples(v, t, decode) for v, t in zip(values, ids)]
 
 
@@ -104,10 +107,10 @@ class ReqState:
             self.text += recv.output_strs[i]
         return len(new_ids)
 
-    def make_output(self, recv: BatchStrOut, i: int, now: float) -> dict:
+    def make_output(self, recv: BatchStrOut, i: int, now: float) -> GenerateOutput:
         """The request's output so far (copies while it streams: later steps extend the state)."""
         reason = recv.finished_reasons[i]
-        meta = {
+        meta: MetaInfo = {
             "id": recv.rids[i],
             "prompt_tokens": recv.prompt_tokens[i],
             "completion_tokens": len(self.output_ids),
@@ -116,8 +119,10 @@ class ReqState:
             "e2e_latency": now - self.created_time,
         }
         finished = reason is not None
+        if recv.spec_verify_ct:
+            meta["spec_verify_ct"] = recv.spec_verify_ct[i]
         if self.logprobs is not None:
-            meta.update(self.logprobs.meta_info(self.obj.top_logprobs_num, copy=not finished))
+            self.logprobs.add_to(meta, self.obj.top_logprobs_num, copy=not finished)
         text = self.text if finished else self.visible_text()
         ids = self.output_ids if finished else list(self.output_ids)
         return {"text": text, "output_ids": ids, "meta_info": meta}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from http import HTTPStatus
 
+from radixengine.managers.generate_output import GenerateOutput
+
 # The `type` of an error body, by HTTP status: the openai client's exception names where it has
 # one for the status, else the status phrase (`405` -> `MethodNotAllowedError`).
 ERROR_TYPES = {
@@ -51,7 +53,7 @@ class EngineDeadError(RuntimeError):
     """A child process of the engine died; the engine cannot serve any more requests."""
 
 
-def is_abort(out: dict) -> bool:
+def is_abort(out: GenerateOutput) -> bool:
     reason = out["meta_info"].get("finish_reason")
     return bool(reason) and reason.get("type") == "abort"
 
@@ -59,13 +61,13 @@ def is_abort(out: dict) -> bool:
 ABORT_REQUESTED_STATUS = 499  # /abort_request, or the client gone (Req.to_abort_status_code)
 
 
-def is_requested_abort(out: dict) -> bool:
+def is_requested_abort(out: GenerateOutput) -> bool:
     """An abort someone asked for (not a refusal): SGLang's native API answers it as a normal
     output whose finish_reason is the abort."""
     return is_abort(out) and out["meta_info"]["finish_reason"].get("status_code") == ABORT_REQUESTED_STATUS
 
 
-def abort_to_error(out: dict) -> RequestError:
+def abort_to_error(out: GenerateOutput) -> RequestError:
     reason = out["meta_info"]["finish_reason"]
     return RequestError(
         reason.get("message", "request aborted"),

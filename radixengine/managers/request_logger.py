@@ -8,6 +8,8 @@ import dataclasses
 import logging
 from typing import Any
 
+from radixengine.managers.generate_output import GenerateOutput
+
 logger = logging.getLogger(__name__)
 
 _UNCUT = 1 << 30
@@ -29,7 +31,7 @@ class RequestLogger:
         if self.enabled:
             logger.info("Receive: obj=%s", truncated(obj, self.max_length, self.skip))
 
-    def log_finished(self, obj: Any, out: dict) -> None:
+    def log_finished(self, obj: Any, out: GenerateOutput) -> None:
         if self.enabled:
             logger.info(
                 "Finish: obj=%s, out=%s",

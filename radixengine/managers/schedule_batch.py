@@ -20,6 +20,8 @@ from itertools import chain
 
 import torch
 
+from radixengine.managers.batch_slots import BatchSlots
+from radixengine.managers.batch_slots import int64_tensor as _int64
 from radixengine.managers.req import Req, TimeStats
 from radixengine.managers.retraction_policy import retraction_order
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
@@ -28,6 +30,7 @@ from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from radixengine.sampling.output_token_counts import OutputTokenCounts
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
+from radixengine.speculative.spec_tree import DraftTrees
 
 __all__ = ["Req", "ScheduleBatch", "TimeStats"]
 
@@ -35,8 +38,11 @@ __all__ = ["Req", "ScheduleBatch", "TimeStats"]
 # Batch ------------------------------------------------------------------------------------------
 
 
-def _int64(values, device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+@dataclass(frozen=True)
+class RetractResult:
+    retracted: list[Req]  # released, back to the waiting queue
+    new_token_ratio: float  # the estimate the retraction implies
+    aborted: list[Req]  # the last request, when even it could not get its next slot
 
 
 @dataclass
@@ -72,6 +78,8 @@ class ScheduleBatch:
     num_decoding_reqs: int = 0
     # The requests' output token counts (as of the tokens in output_ids), when one has a penalty.
     output_token_counts: OutputTokenCounts | None = None
+    # TARGET_VERIFY: the draft tree of each request (node 0: its last token).
+    spec_trees: DraftTrees | None = None
     _sampling_base: SamplingBatchInfo | None = field(default=None, repr=False)
 
     @classmethod
@@ -93,56 +101,26 @@ class ScheduleBatch:
         running batch build new lists and tensors, so the copy keeps what was launched."""
         return dataclasses.replace(self, reqs=list(self.reqs))
 
-    # Memory ------------------------------------------------------------------------------------
-
-    def _evict_for(self, num_tokens: int) -> None:
-        shortfall = num_tokens - self.token_to_kv_pool_allocator.available_size()
-        if shortfall > 0:
-            self.tree_cache.evict(shortfall)
-
-    def _alloc_failed(self, what: str, num_tokens: int) -> RuntimeError:
-        avail = self.token_to_kv_pool_allocator.available_size()
-        evictable = self.tree_cache.evictable_size()
-        return RuntimeError(
-            f"Out of memory allocating {num_tokens} KV slots for {what} "
-            f"(available {avail}, evictable {evictable}). Try a smaller batch."
+    @property
+    def _slots(self) -> BatchSlots:
+        return BatchSlots(
+            self.req_to_token_pool,
+            self.token_to_kv_pool_allocator,
+            self.tree_cache,
+            self.page_size,
+            self.device,
         )
 
-    def _alloc_req_rows(self) -> list[int]:
-        rows: list[int | None] = [r.req_pool_idx for r in self.reqs]  # a chunked req keeps its row
-        need = sum(1 for x in rows if x is None)
-        fresh = self.req_to_token_pool.alloc(need) if need else []
-        if fresh is None:
-            raise RuntimeError(
-                f"No free request rows for {need} requests (available "
-                f"{self.req_to_token_pool.available_size()}); lower --max-running-requests."
-            )
-        it = iter(fresh)
-        return [x if x is not None else next(it) for x in rows]
+    def _evict_for(self, num_tokens: int) -> None:
+        self._slots.evict_for(num_tokens)
 
-    def _alloc_extend_slots(self, prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
-        n = self.extend_num_tokens
-        allocator = self.token_to_kv_pool_allocator
-        if self.page_size == 1:
-            self._evict_for(n)
-            out = allocator.alloc(n)
-        else:
-            self._evict_for(n + len(self.reqs) * self.page_size)
-            last_loc = _int64(
-                [int(r.prefix_indices[-1]) if p > 0 else -1 for r, p in zip(self.reqs, prefix_lens)],
-                self.device,
-            )
-            out = allocator.alloc_extend(
-                _int64(prefix_lens, self.device),
-                _int64(seq_lens, self.device),
-                last_loc,
-                n,
-                prefix_lens_cpu=_int64(prefix_lens),
-                seq_lens_cpu=_int64(seq_lens),
-            )
-        if out is None:
-            raise self._alloc_failed("prefill", n)
-        return out
+    def _alloc_failed(self, what: str, num_tokens: int) -> RuntimeError:
+        return self._slots.alloc_failed(what, num_tokens)
+
+    def _alloc_extend_slots(
+        self, prefix_lens: list[int], seq_lens: list[int], last_loc: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self._slots.alloc_extend(self.reqs, prefix_lens, seq_lens, self.extend_num_tokens, last_loc)
 
     # Prefill -----------------------------------------------------------------------------------
 
@@ -156,7 +134,7 @@ class ScheduleBatch:
         self.extend_num_tokens = sum(extend_lens)
         input_ids = list(chain.from_iterable(r.fill_ids[p:] for r, p in zip(reqs, prefix_lens)))
 
-        rows = self._alloc_req_rows()
+        rows = self._slots.alloc_rows(self.reqs)
         out_cache_loc = self._alloc_extend_slots(prefix_lens, seq_lens)
         self._write_req_to_token(rows, prefix_lens, seq_lens, out_cache_loc)
 
@@ -274,6 +252,68 @@ class ScheduleBatch:
         self.seq_lens = self.seq_lens + 1
         self.seq_lens_cpu = self.seq_lens_cpu + 1
 
+    # Speculative verify ------------------------------------------------------------------------
+
+    def verify_slots_needed(self, num_nodes: list[int]) -> int:
+        """KV slots a verify step of `num_nodes` tokens per request allocates (whole pages)."""
+        prefix = self.seq_lens_cpu
+        seq = prefix + _int64(num_nodes)
+        if self.page_size == 1:
+            return int((seq - prefix).sum())
+        page = self.page_size
+        return int(((seq + page - 1) // page - (prefix + page - 1) // page).sum()) * page
+
+    def check_verify_mem(self, trees: DraftTrees) -> bool:
+        num_tokens = self.verify_slots_needed(trees.num_nodes_cpu)
+        self._evict_for(num_tokens)
+        return self.token_to_kv_pool_allocator.available_size() >= num_tokens
+
+    def prepare_for_verify(self, trees: DraftTrees) -> None:
+        """A verify step (speculative decoding): each request extends its KV by its draft tree,
+        node 0 being its last sampled token, and every node's logits are verified."""
+        self.forward_mode = ForwardMode.TARGET_VERIFY
+        self.num_decoding_reqs = 0
+        self.input_logprob_indices = self.input_logprob_token_ids = self.input_logprob_counts = None
+        prefix = self.seq_lens_cpu  # the tokens with KV: all but the last sampled one
+        seq = prefix + _int64(trees.num_nodes_cpu)
+        self.prefix_lens, self.extend_lens = prefix.tolist(), list(trees.num_nodes_cpu)
+        self.extend_num_tokens = sum(self.extend_lens)
+        last_loc = None
+        if self.page_size > 1:
+            rows, before = self.req_pool_indices, self.seq_lens - 1
+            last_loc = self.req_to_token_pool.req_to_token[rows, before.clamp(min=0)].to(torch.int64)
+        out = self._alloc_extend_slots(self.prefix_lens, seq.tolist(), last_loc)
+        pt = 0
+        for row, pre, n in zip(self.req_pool_indices.tolist(), self.prefix_lens, self.extend_lens):
+            self.req_to_token_pool.write((row, slice(pre, pre + n)), out[pt : pt + n])
+            pt += n
+        self.input_ids = trees.tokens[trees.valid()].to(self.device)
+        self.output_ids = None
+        self.out_cache_loc = out
+        self.spec_trees = trees
+        self.seq_lens_cpu = seq
+        self.seq_lens = seq.to(self.device)
+
+    def free_verify_tail(self, index: int, kv_keep: int) -> None:
+        """Free the slots a verify step gave request `index` past its first `kv_keep` tokens
+        (the rejected drafts, and the accepted ones past a stop): whole pages only, the page
+        holding position `kv_keep - 1` stays the request's."""
+        end = int(self.seq_lens_cpu[index])
+        start = -(-kv_keep // self.page_size) * self.page_size
+        if start < end:
+            row = self.reqs[index].req_pool_idx
+            self.token_to_kv_pool_allocator.free(
+                self.req_to_token_pool.req_to_token[row, start:end].to(torch.int64)
+            )
+
+    def finish_verify(self, kv_lens: list[int], last_ids: list[int]) -> None:
+        """After a verify step: each request's KV length and its last sampled token (the next
+        step's input)."""
+        self.seq_lens_cpu = _int64(kv_lens)
+        self.seq_lens = self.seq_lens_cpu.to(self.device)
+        self.output_ids = _int64(last_ids, self.device)
+        self.spec_trees = None
+
     # Composition -------------------------------------------------------------------------------
 
     def filter_batch(
@@ -355,11 +395,10 @@ class ScheduleBatch:
         retract_decode_steps: int,
         retraction_policy: str = "length",
         low_priority_values_first: bool = False,
-    ) -> tuple[list[Req], float, list[Req]]:
+    ) -> RetractResult:
         """Retract requests until the next decode step fits, in --retraction-policy's order
         (managers/retraction_policy.py). At least one request stays; if even it cannot get its
-        next slot, it is aborted. Returns the retracted requests, the new new_token_ratio and the
-        aborted."""
+        next slot, it is aborted."""
         order = retraction_order(self.reqs, retraction_policy, low_priority_values_first)
         retracted: list[Req] = []
         while len(order) > 1 and (not retracted or not self.check_decode_mem(_int64(order))):
@@ -379,7 +418,7 @@ class ScheduleBatch:
             )
             aborted.append(req)
         self.filter_batch(keep_indices=sorted(order))
-        return retracted, self._ratio_after_retract(retract_decode_steps), aborted
+        return RetractResult(retracted, self._ratio_after_retract(retract_decode_steps), aborted)
 
     def _ratio_after_retract(self, retract_decode_steps: int) -> float:
         """How much of the remaining requests' max_new_tokens to reserve from now on."""
@@ -392,6 +431,8 @@ class ScheduleBatch:
     def _sampling_info(self) -> SamplingBatchInfo:
         # Tokens each request sampled before this step (a partial chunk samples nothing useful).
         steps = (self.seq_lens_cpu - self.origin_lens_cpu).clamp_(min=0)
+        if self.spec_trees is not None:  # the root's step: the drafts are its later ones
+            steps = steps - (_int64(self.spec_trees.num_nodes_cpu) - 1)
         if self._sampling_base is None:
             self._sampling_base = SamplingBatchInfo.from_sampling_params(
                 [r.sampling_params for r in self.reqs],
@@ -413,7 +454,7 @@ class ScheduleBatch:
         return dataclasses.replace(info, output_token_counts=counts, output_token_counts_out=out)
 
     def get_model_worker_batch(self) -> ModelWorkerBatch:
-        is_extend = self.forward_mode.is_extend()
+        is_extend = self.forward_mode.has_extend_layout()
         top_logprobs_nums = None
         if self.return_logprob:
             nums = [r.top_logprobs_num for r in self.reqs]
@@ -432,4 +473,5 @@ class ScheduleBatch:
             top_logprobs_nums=top_logprobs_nums,
             input_logprob_indices=self.input_logprob_indices if is_extend else None,
             input_logprob_token_ids=self.input_logprob_token_ids if is_extend else None,
+            spec_trees=self.spec_trees,
         )

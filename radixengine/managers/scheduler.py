@@ -1,11 +1,12 @@
-"""Scheduler: continuous batching over the radix cache.
+"""Scheduler: continuous batching over the radix cache — the event loop and the wiring of its
+components (managers/scheduler_components/).
 
-One step: recv (`recv_requests` → `process_input_requests`: validate, build `Req`, queue; in
-scheduler_intake.py) → `get_next_batch_to_run` (prefill first; else the running decode batch,
-after `update_running_batch`, which may retract; in scheduler_admission.py) → `run_batch` (the
-worker client: ScheduleBatch → ModelWorkerBatch → forward → sample; in worker_client.py) →
-`process_batch_result` (append tokens, check stop conditions, cache or free KV) and one
-`BatchTokenIDOut` for the step (scheduler_output_processor.py).
+One step: intake (`recv_requests` → `RequestIntake.process_input_requests`: validate, build
+`Req`, queue) → `get_next_batch_to_run` returns a `StepPlan` (a prefill batch from
+`PrefillAdmission`; else the running decode batch after `RunningBatchUpdater`, which may
+retract) that `run_step` applies → `run_batch` (the worker client: ScheduleBatch →
+ModelWorkerBatch → forward → sample) → `BatchResultProcessor` (append tokens, check stop
+conditions, cache or free KV) → `OutputStreamer` (one `BatchTokenIDOut` for the step).
 """
 
 from __future__ import annotations
@@ -13,60 +14,70 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixengine.managers.fair_policy import FairPolicy
 from radixengine.managers.grammar_manager import GrammarManager
+from radixengine.managers.io_struct import FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReqOutput
 from radixengine.managers.overlap_utils import StepTimer, write_chrome_trace
 from radixengine.managers.req import Tokenizer
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.schedule_policy import SchedulePolicy, has_prefix_tree
-from radixengine.managers.scheduler_admission import SchedulerAdmissionMixin
-from radixengine.managers.scheduler_intake import SchedulerIntakeMixin
+from radixengine.managers.scheduler_components.batch_result_processor import (
+    BatchResultProcessor,
+    ResultContext,
+)
+from radixengine.managers.scheduler_components.metrics_reporter import MemoryView, MetricsReporter, QueueView
+from radixengine.managers.scheduler_components.new_token_ratio import NewTokenRatioTracker
+from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
+from radixengine.managers.scheduler_components.prefill_admission import (
+    AdmissionConfig,
+    AdmissionPeers,
+    AdmissionPools,
+    PrefillAdmission,
+)
+from radixengine.managers.scheduler_components.request_intake import QueueConfig, RequestIntake, RequestLimits
+from radixengine.managers.scheduler_components.running_batch_updater import (
+    RetractionConfig,
+    RunningBatchUpdater,
+)
+from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
+from radixengine.managers.scheduler_components.speculative_drafter import make_drafter
+from radixengine.managers.scheduler_components.step_plan import StepPlan
 from radixengine.managers.scheduler_io import InProcessIO, SchedulerIO, SchedulerIOClosed
-from radixengine.managers.scheduler_metrics import SchedulerMetricsMixin, SchedulerStats
-from radixengine.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
-from radixengine.managers.worker_client import OverlapResult, TpModelWorkerClient, make_worker_client
+from radixengine.managers.served_model import tokenizer_eos_ids
+from radixengine.managers.worker_client import (
+    ModelWorker,
+    OverlapResult,
+    TpModelWorkerClient,
+    make_worker_client,
+)
 from radixengine.mem_cache.accounting import TokenAccountingError, check_token_accounting
-from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.chunk_cache import ChunkCache
-from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.mem_cache.radix_cache import RadixCache
-from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
 from radixengine.server_args import ServerArgs
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.tp_worker import GenerationBatchResult, WorkerInfo
+    from radixengine.model_executor.tp_worker import GenerationBatchResult
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
-class ModelWorker(Protocol):
-    """What the scheduler uses of TpModelWorker."""
-
-    def get_worker_info(self) -> WorkerInfo: ...
-
-    def get_memory_pool(self) -> tuple[ReqToTokenPool, BaseTokenToKVPoolAllocator]: ...
-
-    def forward_batch_generation(
-        self, model_worker_batch: ModelWorkerBatch, delay_sample: bool = False
-    ) -> GenerationBatchResult: ...
-
-
-class Scheduler(
-    SchedulerIntakeMixin, SchedulerAdmissionMixin, SchedulerOutputProcessorMixin, SchedulerMetricsMixin
-):
+class Scheduler:
     def __init__(
         self,
         server_args: ServerArgs,
         tp_worker: ModelWorker | None = None,
         tokenizer: Tokenizer | None = None,
         io: SchedulerIO | None = None,
+        eos_token_ids: frozenset[int] | None = None,
     ) -> None:
+        """`eos_token_ids`: the stop ids (default: the worker's and the tokenizer's)."""
         self.server_args = server_args
         if tp_worker is None:
             from radixengine.model_executor.tp_worker import TpModelWorker
@@ -76,55 +87,149 @@ class Scheduler(
         self.tokenizer = tokenizer
         self.io: SchedulerIO = io if io is not None else InProcessIO()
         self.page_size = server_args.page_size
-        self._init_config(server_args)
-        self._init_worker_info()
-        self._init_memory_and_cache()
-        self.grammar_manager = GrammarManager(
-            server_args.grammar_backend,
-            not server_args.constrained_json_disable_any_whitespace,
-            tokenizer,
-            self.vocab_size,
-            self.eos_token_ids,
-            wait_for_compile=server_args.tp_size > 1,
-        )
-        self.policy = SchedulePolicy(
-            server_args.schedule_policy,
-            self.tree_cache,
-            enable_priority_scheduling=self.enable_priority_scheduling,
-            schedule_low_priority_values_first=self.schedule_low_priority_values_first,
-            lpm_fallback_queue_len=server_args.lpm_fallback_queue_len,
-            enable_in_batch_prefix_caching=self.enable_in_batch_prefix_caching,
-            fair=FairPolicy(server_args.lpm_aging_tokens_per_pass, server_args.dlpm_quantum_tokens),
-        )
-        self.init_admission()
-        self.init_metrics()
+        self._init_worker_info(eos_token_ids)
+        self.req_to_token_pool, self.token_to_kv_pool_allocator = tp_worker.get_memory_pool()
+        self.tree_cache = self._new_tree_cache()
+        self.timer = StepTimer(trace=server_args.trace_file is not None)
+        self._init_components(server_args)
         self._init_loop_state(server_args)
 
-    def _init_config(self, args: ServerArgs) -> None:
-        self.enable_priority_scheduling = self.try_preemption = args.enable_priority_scheduling
-        self.schedule_low_priority_values_first = args.schedule_low_priority_values_first
-        self.priority_scheduling_preemption_threshold = args.priority_scheduling_preemption_threshold
-        self.max_queued_requests = args.max_queued_requests
-        self.retract_decode_steps = args.retract_decode_steps
-        self.retraction_policy = args.retraction_policy
-        self.soft_priority_preemption = args.soft_priority_preemption
-        self.enable_mixed_chunk = args.enable_mixed_chunk
-        self.stream_interval = args.stream_interval
-        self.decode_log_interval = args.decode_log_interval
-        self.chunked_prefill_size = args.effective_chunked_prefill_size
-        self.max_prefill_tokens = args.max_prefill_tokens
-        self.init_new_token_ratio = args.init_ratio
-        self.min_new_token_ratio = args.min_ratio
-        self.new_token_ratio_decay = args.ratio_decay
-        self.new_token_ratio = self.init_new_token_ratio
+    def _init_worker_info(self, eos_token_ids: frozenset[int] | None) -> None:
+        info = self.tp_worker.get_worker_info()
+        self.max_total_num_tokens: int = info.max_total_num_tokens
+        self.max_running_requests: int = info.max_running_requests
+        self.max_req_len: int = info.max_req_len
+        self.max_req_input_len: int = info.max_req_input_len
+        self.context_len: int = info.context_len
+        self.vocab_size: int = info.vocab_size
+        if eos_token_ids is None:
+            eos_token_ids = frozenset(info.eos_token_ids) | tokenizer_eos_ids(self.tokenizer)
+        self.eos_token_ids = eos_token_ids
+        self.device = torch.device(info.device)
+        if info.page_size != self.page_size:
+            raise ValueError(
+                f"--page-size {self.page_size} differs from the worker's pools ({info.page_size})"
+            )
+
+    def _new_tree_cache(self) -> BasePrefixCache:
+        pools = (self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        if self.server_args.disable_radix_cache:
+            return ChunkCache(*pools)
+        return RadixCache(
+            *pools,
+            eviction_policy=self.server_args.radix_eviction_policy,
+            evict_leaf_tails=self.server_args.soft_priority_preemption,
+        )
+
+    def _init_components(self, args: ServerArgs) -> None:
+        self.stats = SchedulerStats()
+        self.ratio = NewTokenRatioTracker(args.init_ratio, args.min_ratio, args.ratio_decay)
+        self.streamer = OutputStreamer(self.io, args.stream_interval, args.speculative_algorithm is not None)
+        self.grammar_manager = self._new_grammar_manager(args)
+        self.intake = self._new_intake(args)
+        memory = MemoryView(self.token_to_kv_pool_allocator, self.tree_cache, self.max_total_num_tokens)
+        graph_runner = getattr(getattr(self.tp_worker, "model_runner", None), "cuda_graph_runner", None)
+        self.metrics = MetricsReporter(
+            self.stats, memory, self.device, graph_runner, args.decode_log_interval
+        )
+        self.admission = self._new_admission(args)
+        self.drafter = make_drafter(args)
+        retraction = RetractionConfig(
+            args.retract_decode_steps, args.retraction_policy, args.schedule_low_priority_values_first
+        )
+        self.decode_updater = RunningBatchUpdater(
+            retraction,
+            self.ratio,
+            self.stats,
+            self.intake,
+            self.streamer,
+            self.admission.note_departures,
+            self.drafter,
+        )
+        self.result_processor = self._new_result_processor()
+
+    def _new_intake(self, args: ServerArgs) -> RequestIntake:
+        return RequestIntake(
+            RequestLimits(self.vocab_size, self.max_req_input_len, self.max_req_len),
+            QueueConfig(
+                args.enable_priority_scheduling,
+                args.schedule_low_priority_values_first,
+                args.max_queued_requests,
+            ),
+            self.grammar_manager,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.streamer,
+            self._active_reqs,
+        )
+
+    def _new_result_processor(self) -> BatchResultProcessor:
+        pools = (self.tree_cache, self.token_to_kv_pool_allocator, self.page_size)
+        ctx = ResultContext(*pools, self.vocab_size, self.eos_token_ids, self.tokenizer)
+        return BatchResultProcessor(
+            ctx,
+            self.timer,
+            self.stats,
+            self.streamer,
+            lambda batch: self.metrics.log_decode_stats(batch, len(self.intake.waiting_queue)),
+            self.drafter,
+        )
+
+    def _new_grammar_manager(self, args: ServerArgs) -> GrammarManager:
+        return GrammarManager(
+            args.grammar_backend,
+            not args.constrained_json_disable_any_whitespace,
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            wait_for_compile=args.tp_size > 1,
+        )
+
+    def _new_admission(self, args: ServerArgs) -> PrefillAdmission:
+        in_batch_prefix_caching = not args.disable_in_batch_prefix_caching and has_prefix_tree(
+            self.tree_cache
+        )
+        self.policy = SchedulePolicy(
+            args.schedule_policy,
+            self.tree_cache,
+            enable_priority_scheduling=args.enable_priority_scheduling,
+            schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+            lpm_fallback_queue_len=args.lpm_fallback_queue_len,
+            enable_in_batch_prefix_caching=in_batch_prefix_caching,
+            fair=FairPolicy(args.lpm_aging_tokens_per_pass, args.dlpm_quantum_tokens),
+        )
+        config = AdmissionConfig(
+            page_size=self.page_size,
+            max_running_requests=self.max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.effective_chunked_prefill_size,
+            enable_mixed_chunk=args.enable_mixed_chunk,
+            try_preemption=args.enable_priority_scheduling,
+            priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
+            schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+            retract_decode_steps=args.retract_decode_steps,
+            soft_priority_preemption=args.soft_priority_preemption,
+            enable_in_batch_prefix_caching=in_batch_prefix_caching,
+            eos_token_ids=self.eos_token_ids,
+        )
+        pools = AdmissionPools(self.tree_cache, self.token_to_kv_pool_allocator, self.req_to_token_pool)
+        peers = AdmissionPeers(
+            self.intake,
+            self.policy,
+            self.ratio,
+            self.stats,
+            self.metrics,
+            self.streamer,
+            self._new_batch,
+            self._inflight_prefill_reqs,
+        )
+        return PrefillAdmission(config, pools, peers)
 
     def _init_loop_state(self, args: ServerArgs) -> None:
+        self.running_batch: ScheduleBatch = self._new_batch([])
         self.cur_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
-        self._pending_outputs: list[Req] = []
-        self._deferred_requests: list[object] = []
         self._shutdown = False
-        self.timer = StepTimer(trace=args.trace_file is not None)
         self.step_ct = 0  # event-loop steps run (the watchdog's progress counter)
         self._trace_written_at = time.perf_counter()
         # Launched batches whose results are not processed yet (at most two, under overlap).
@@ -134,42 +239,13 @@ class Scheduler(
             self.tp_worker,
             self.timer,
             self.device,
-            overlap=not args.disable_overlap_schedule,
+            # Speculative decoding runs the normal step order (its next step needs the accepted lengths).
+            overlap=not args.disable_overlap_schedule and self.drafter is None,
             cpu_forward_stream=args.cpu_forward_stream,
             num_rows=self.req_to_token_pool.size,
             trace=args.trace_file is not None,
         )
         self.enable_overlap = isinstance(self.model_worker, TpModelWorkerClient)
-
-    def _init_worker_info(self) -> None:
-        info = self.tp_worker.get_worker_info()
-        self.max_total_num_tokens: int = info.max_total_num_tokens
-        self.max_running_requests: int = info.max_running_requests
-        self.max_req_len: int = info.max_req_len
-        self.max_req_input_len: int = info.max_req_input_len
-        self.context_len: int = info.context_len
-        self.vocab_size: int = info.vocab_size
-        self.eos_token_ids = frozenset(info.eos_token_ids) | _tokenizer_eos(self.tokenizer)
-        self.device = torch.device(info.device)
-        if info.page_size != self.page_size:
-            raise ValueError(
-                f"--page-size {self.page_size} differs from the worker's pools ({info.page_size})"
-            )
-
-    def _init_memory_and_cache(self) -> None:
-        self.req_to_token_pool, self.token_to_kv_pool_allocator = self.tp_worker.get_memory_pool()
-        pools = (self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
-        if self.server_args.disable_radix_cache:
-            self.tree_cache = ChunkCache(*pools)
-        else:
-            self.tree_cache = RadixCache(
-                *pools,
-                eviction_policy=self.server_args.radix_eviction_policy,
-                evict_leaf_tails=self.server_args.soft_priority_preemption,
-            )
-        self.enable_in_batch_prefix_caching = (
-            not self.server_args.disable_in_batch_prefix_caching and has_prefix_tree(self.tree_cache)
-        )
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch.init_new(
@@ -183,22 +259,75 @@ class Scheduler(
             eos_token_ids=self.eos_token_ids,
         )
 
-    # One step ---------------------------------------------------------------------------------
+    @property
+    def waiting_queue(self) -> list[Req]:
+        return self.intake.waiting_queue
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.admission.chunked_req
+
+    @property
+    def batch_is_full(self) -> bool:
+        return self.admission.batch_is_full(self.running_batch)
+
+    @property
+    def new_token_ratio(self) -> float:
+        return self.ratio.value
+
+    def recv_requests(self, block: bool = False) -> list[object]:
+        """The scheduler's one receive point."""
+        return self.io.recv(block)
+
+    def process_input_requests(self, msgs: list[object]) -> None:
+        self.intake.process_input_requests(msgs)
+
+    def get_next_batch_to_run(self) -> StepPlan:
+        """This step's plan: a prefill batch if admission makes one, else the running batch's
+        decode step. Batches change on the way (filtered, merged, retracted); the running batch
+        the step leaves is in the plan, for `apply_step_plan`."""
+        if len(self.grammar_manager):
+            nothing_else = (
+                self.running_batch.is_empty() and self.chunked_req is None and not self.result_queue
+            )
+            self.intake.move_ready_grammar_requests(nothing_else)
+        self.admission.end_chunk_round(self.last_batch)
+        running = self.running_batch
+        if self.last_batch is not None and self.last_batch.forward_mode.is_extend():
+            running = self.admission.merge_last_prefill(self.last_batch, running)
+        plan = self.admission.get_new_batch_prefill(running)
+        if plan.batch is not None or plan.running_batch.is_empty():
+            return plan
+        running = self.decode_updater.update_running_batch(plan.running_batch)
+        return StepPlan(None if running.is_empty() else running, running)
+
+    def apply_step_plan(self, plan: StepPlan) -> ScheduleBatch | None:
+        """The one place the running batch changes; returns the batch to run."""
+        self.running_batch = plan.running_batch
+        self.cur_batch = plan.batch
+        return plan.batch
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | OverlapResult:
-        self.stats.num_forward_steps += 1
+        self.stats.add_forward_step()
         return self.model_worker.run_batch(batch)
 
+    def process_batch_result(
+        self, batch: ScheduleBatch, result: GenerationBatchResult | OverlapResult
+    ) -> None:
+        self.result_processor.process_batch_result(batch, result)
+
     def run_step(self) -> ScheduleBatch | None:
-        """One step of the event loop after input: schedule, run, process, stream."""
-        if self.enable_overlap:
-            return self.run_step_overlap()
+        """One step after input, in the order the scheduler was built for."""
+        return self.run_step_overlap() if self.enable_overlap else self.run_step_normal()
+
+    def run_step_normal(self) -> ScheduleBatch | None:
+        """Schedule, run, process, stream."""
         with self.timer.phase("schedule"):
-            batch = self.get_next_batch_to_run()
-        self.cur_batch = batch
+            batch = self.apply_step_plan(self.get_next_batch_to_run())
         if batch is not None:
             with self.timer.phase("launch"):
                 result = self.run_batch(batch)
+                self.model_worker.launch_sample_if_needed(result)
             with self.timer.phase("process"):
                 self.process_batch_result(batch, result)
         else:
@@ -210,8 +339,7 @@ class Scheduler(
     def run_step_overlap(self) -> ScheduleBatch | None:
         """Launch batch N, then process batch N-1 while the device computes N."""
         with self.timer.phase("schedule"):
-            batch = self.get_next_batch_to_run()
-        self.cur_batch = batch
+            batch = self.apply_step_plan(self.get_next_batch_to_run())
         if batch is not None:
             with self.timer.phase("launch"):
                 result = self.run_batch(batch)
@@ -230,11 +358,32 @@ class Scheduler(
 
     def _end_step(self) -> None:
         self.step_ct += 1
-        self.stream_output()
+        self.streamer.stream_output()
         self._answer_deferred_requests()
         self.timer.end_step()
         if self.server_args.trace_file and time.perf_counter() - self._trace_written_at > 5.0:
             self.write_trace()
+
+    def _active_reqs(self) -> list[Req]:
+        """Requests admitted and not yet released (with repeats)."""
+        reqs = list(self.running_batch.reqs)
+        for batch in (self.last_batch, self.cur_batch):
+            if batch is not None:
+                reqs.extend(batch.reqs)
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        return reqs
+
+    def _inflight_prefill_reqs(self) -> list[Req]:
+        """Requests of launched prefill batches whose results are not processed yet (their
+        prefixes are not in the tree yet). None in the normal loop."""
+        return [
+            r
+            for batch, _ in self.result_queue
+            if batch.forward_mode.is_extend()
+            for i, r in enumerate(batch.reqs)
+            if not batch.is_decoding_req(i)
+        ]
 
     def is_idle(self) -> bool:
         """Nothing queued, running, or in a batch whose requests go on."""
@@ -257,24 +406,58 @@ class Scheduler(
             if self.server_args.test_mode:
                 raise
             logger.error("%s", e)
-        self.new_token_ratio = self.init_new_token_ratio
-        self._reset_decode_stats()
+        self.ratio.reset()
+        self.metrics.reset_decode_stats()
 
-    # Loops -------------------------------------------------------------------------------------
+    def get_internal_state(self) -> dict:
+        return self.metrics.internal_state(
+            QueueView(self._active_reqs(), self.waiting_queue),
+            len(self.grammar_manager),
+            self.ratio.value,
+            self.tp_worker.num_shared_prefix_forwards(),
+        )
+
+    def flush_cache(self) -> bool:
+        return self._flush_cache()[0]
+
+    def _flush_cache(self) -> tuple[bool, str]:
+        if not self.is_idle():
+            running = sum(1 for r in set(self._active_reqs()) if not r.finished())
+            message = f"Cache not flushed: {running} running and {len(self.waiting_queue)} waiting requests."
+            logger.warning(message)
+            return False, message
+        self.tree_cache.reset()
+        self.grammar_manager.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+        self.apply_step_plan(StepPlan(None, self._new_batch([])))
+        self.last_batch = None
+        self.ratio.reset()
+        return True, "Cache flushed."
+
+    def _answer_deferred_requests(self) -> None:
+        for msg in self.intake.take_deferred():
+            if isinstance(msg, FlushCacheReqInput):
+                ok, message = self._flush_cache()
+                self.io.send(FlushCacheReqOutput(success=ok, message=message))
+            else:
+                self.io.send(GetInternalStateReqOutput(state=self.get_internal_state()))
 
     def event_loop_normal(self) -> None:
-        """Run until the I/O closes or `shutdown()` is called."""
-        self._event_loop(overlap=False)
+        """Run normal steps until the I/O closes or `shutdown()` is called."""
+        self._event_loop(self.run_step_normal)
 
     def event_loop_overlap(self) -> None:
         """The overlap loop: the device computes batch N while the CPU processes batch N-1 and
-        schedules batch N+1 (see `run_step_overlap`). The step order is fixed when the
-        scheduler is built (`enable_overlap`), so both entry points run the same loop."""
-        self._event_loop(overlap=True)
+        schedules batch N+1 (see `run_step_overlap`)."""
+        if not self.enable_overlap:
+            raise RuntimeError(
+                "event_loop_overlap: this scheduler runs its forward inline "
+                "(--disable-overlap-schedule, or a CPU forward stream that runs inline)"
+            )
+        self._event_loop(self.run_step_overlap)
 
-    def _event_loop(self, overlap: bool) -> None:
-        if overlap and self.server_args.disable_overlap_schedule:
-            raise RuntimeError("event_loop_overlap with --disable-overlap-schedule")
+    def _event_loop(self, step) -> None:
         try:
             while not self._shutdown:
                 try:
@@ -282,7 +465,7 @@ class Scheduler(
                         self.process_input_requests(self.recv_requests(block=self.is_idle()))
                 except SchedulerIOClosed:
                     return
-                self.run_step()
+                step()
         finally:
             if self.server_args.trace_file:
                 self.write_trace()
@@ -314,9 +497,3 @@ class Scheduler(
             if batch is None and self.is_idle() and not getattr(self.io, "inbox", None):
                 return step
         raise RuntimeError(f"scheduler not idle after {max_steps} steps: {self.get_internal_state()}")
-
-
-def _tokenizer_eos(tokenizer: Tokenizer | None) -> frozenset[int]:
-    """The tokenizer's own EOS id (SGLang adds it to the model's EOS set)."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return frozenset() if eos is None else frozenset({eos})

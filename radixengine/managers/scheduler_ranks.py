@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from radixengine.distributed import broadcast_pyobj, init_distributed
+from radixengine.managers.scheduler_exit import TP_RANK_EXIT_BASE
 from radixengine.utils.network import get_free_port
 
 logger = logging.getLogger(__name__)
-
-TP_RANK_EXIT_BASE = 64  # exit code of a process whose TP rank r died: 64 + r
 
 
 class TpLeaderIO:
@@ -174,17 +173,6 @@ def start_tp_ranks(server_args, on_death: Callable[[str, int], None] = exit_for_
     return monitor
 
 
-def describe_scheduler_exit(exitcode: int | None, pid: int | None) -> str | None:
-    """The tokenizer manager's message for a scheduler that exited because a TP rank died."""
-    if exitcode is None or not TP_RANK_EXIT_BASE < exitcode < TP_RANK_EXIT_BASE + 128:
-        return None
-    rank = exitcode - TP_RANK_EXIT_BASE
-    return (
-        f"TP rank {rank} died, so the scheduler process (rank 0, pid {pid}) exited; the engine is down "
-        "(the scheduler's log names the rank's exit code)"
-    )
-
-
 def run_tp_node(server_args) -> None:
     """`--node-rank` > 0: run this node's ranks until one exits (then exit naming it)."""
     from radixengine.model_loader import resolve_model_path
@@ -215,7 +203,7 @@ def run_tp_node(server_args) -> None:
 
 def _run_rank(status_fd: int) -> None:
     """A rank other than 0: its arguments come pickled on stdin."""
-    from radixengine.managers.scheduler_process import build_scheduler, run_event_loop
+    from radixengine.managers.scheduler_runtime import build_scheduler, run_event_loop
     from radixengine.utils.process import watch_parent
 
     server_args, rank, layout = pickle.loads(sys.stdin.buffer.read())

@@ -170,3 +170,9 @@ def _model_name(model_path: str | None) -> str:
     if not model_path:
         return "SmolLM2-135M-Instruct"
     return model_path.rstrip("/")
+
+
+def tokenizer_eos_ids(tokenizer: object | None) -> frozenset[int]:
+    """The tokenizer's own EOS id (SGLang adds it to the model's EOS set)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset() if eos is None else frozenset({eos})

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from radixengine.managers.generate_output import GenerateOutput
 from radixengine.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -38,8 +39,7 @@ from radixengine.managers.request_errors import (
 )
 from radixengine.managers.request_logger import RequestLogger
 from radixengine.managers.request_validator import RequestLimits, RequestValidator
-from radixengine.managers.scheduler_process import WATCHDOG_EXIT_CODE
-from radixengine.managers.scheduler_ranks import describe_scheduler_exit
+from radixengine.managers.scheduler_exit import WATCHDOG_EXIT_CODE, describe_scheduler_exit
 from radixengine.managers.served_model import ServedModel, load_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,9 @@ WATCHDOG_INTERVAL = 0.2
 SHUTTING_DOWN_MESSAGE = "the server is shutting down"
 
 
-async def collect(tm: TokenizerManager, obj: GenerateReqInput, keep_requested_abort: bool = False) -> dict:
+async def collect(
+    tm: TokenizerManager, obj: GenerateReqInput, keep_requested_abort: bool = False
+) -> GenerateOutput:
     """The request's final output; a RequestError if it was refused or aborted (with
     `keep_requested_abort`, an abort someone asked for is the output, as SGLang's /generate has it)."""
     out = None
@@ -138,7 +140,7 @@ class TokenizerManager:
 
     # Requests ----------------------------------------------------------------------------------
 
-    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[GenerateOutput]:
         """Yield the request's outputs: one per step when streaming, else the final one. Each
         output holds the text and output ids *so far* and `meta_info`; aborted requests end with
         `meta_info.finish_reason.type == "abort"` (see `is_abort`)."""
@@ -273,7 +275,7 @@ class TokenizerManager:
                 self.request_logger.log_finished(state.obj, out)
             state.event.set()
 
-    def _observe_finished(self, state: ReqState, out: dict, now: float) -> None:
+    def _observe_finished(self, state: ReqState, out: GenerateOutput, now: float) -> None:
         if self.metrics is not None and state.obj.log_metrics:
             self.metrics.observe_finished(out["meta_info"], state.created_time, now)
 

@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from radixengine.layers.forward_logprobs import ForwardLogprobs, tensor_to_host
 from radixengine.managers.overlap_utils import FutureMap, StepTimer
 from radixengine.managers.schedule_batch import ScheduleBatch
+from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
 from radixengine.utils.streams import (
     CpuStream,
@@ -31,17 +34,23 @@ from radixengine.utils.streams import (
 )
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.tp_worker import GenerationBatchResult
+    from radixengine.model_executor.tp_worker import GenerationBatchResult, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
 
 class ModelWorker(Protocol):
-    """What the clients use of TpModelWorker."""
+    """What the scheduler and its clients use of TpModelWorker."""
+
+    def get_worker_info(self) -> WorkerInfo: ...
+
+    def get_memory_pool(self) -> tuple[ReqToTokenPool, BaseTokenToKVPoolAllocator]: ...
 
     def forward_batch_generation(
         self, model_worker_batch: ModelWorkerBatch, delay_sample: bool = False
     ) -> GenerationBatchResult: ...
+
+    def num_shared_prefix_forwards(self) -> int: ...
 
 
 class WorkerClient(Protocol):
@@ -104,30 +113,13 @@ class InlineWorkerClient(_WorkerClientBase):
         pass
 
 
-# GenerationBatchResult's fields copied to the host when present.
-_OPTIONAL_RESULTS = (
-    "next_token_logprobs",
-    "invalid_rows",
-    "next_token_top_logprobs_val",
-    "next_token_top_logprobs_idx",
-    "input_token_logprobs",
-    "input_top_logprobs_val",
-    "input_top_logprobs_idx",
-)
-
-
 @dataclass
 class OverlapResult:
     """A launched batch's result: filled on the forward stream; read after `copy_done`."""
 
     next_token_ids: torch.Tensor | None = None
-    next_token_logprobs: torch.Tensor | None = None
     invalid_rows: torch.Tensor | None = None
-    next_token_top_logprobs_val: torch.Tensor | None = None
-    next_token_top_logprobs_idx: torch.Tensor | None = None
-    input_token_logprobs: torch.Tensor | None = None
-    input_top_logprobs_val: torch.Tensor | None = None
-    input_top_logprobs_idx: torch.Tensor | None = None
+    logprobs: ForwardLogprobs[torch.Tensor] | None = None
     copy_done: Event | None = None
     # A batch with a grammar, until its sample is launched: (the batch, its ModelWorkerBatch),
     # and the forward's result, whose delay_sample_func samples it.
@@ -220,11 +212,11 @@ class TpModelWorkerClient(_WorkerClientBase):
         self, out: GenerationBatchResult, req_pool_indices: torch.Tensor, result: OverlapResult
     ) -> None:
         self.future_map.store_to_map(req_pool_indices, out.next_token_ids)
-        result.next_token_ids = _to_host(out.next_token_ids)
-        for name in _OPTIONAL_RESULTS:
-            value = getattr(out, name)
-            if value is not None:
-                setattr(result, name, _to_host(value))
+        result.next_token_ids = tensor_to_host(out.next_token_ids)
+        if out.invalid_rows is not None:
+            result.invalid_rows = tensor_to_host(out.invalid_rows)
+        if out.logprobs is not None:
+            result.logprobs = out.logprobs.to_host()
 
 
 def make_worker_client(
@@ -256,11 +248,3 @@ def make_worker_client(
     elif trace and isinstance(stream, CudaStream):
         stream.enable_timing()
     return TpModelWorkerClient(worker, timer, device, stream, num_rows)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host

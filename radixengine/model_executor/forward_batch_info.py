@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from radixengine.speculative.spec_tree import DraftTrees
+
 if TYPE_CHECKING:
     from radixengine.layers.attention.base_attn_backend import AttentionBackend
     from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -20,10 +22,20 @@ class ForwardMode(IntEnum):
     DECODE = auto()  # one new token per request
     MIXED = auto()  # a prefill batch with the running requests' decode step (one token each) appended
     IDLE = auto()  # nothing to run
+    # Speculative decoding: an extend of each request's last token and its draft tokens, with the
+    # logits of every one of them (verified against the drafts instead of sampled once).
+    TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
-        """EXTEND or MIXED: a decode request in a MIXED batch is an extend of one token."""
+        """EXTEND or MIXED (a prefill): a decode request in a MIXED batch is an extend of one token."""
         return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def has_extend_layout(self) -> bool:
+        """The forward runs as a ragged extend over cached prefixes: a prefill or a verify."""
+        return self.is_extend() or self.is_target_verify()
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_mixed(self) -> bool:
         return self == ForwardMode.MIXED
@@ -66,6 +78,8 @@ class ModelWorkerBatch:
     # them (request by request) and the prompt token each row predicts; None otherwise.
     input_logprob_indices: torch.Tensor | None = None
     input_logprob_token_ids: torch.Tensor | None = None
+    # TARGET_VERIFY: each request's draft tree (node 0 its last token), padded to one width.
+    spec_trees: DraftTrees | None = None
 
     @property
     def batch_size(self) -> int:
@@ -129,7 +143,7 @@ class ForwardBatch:
         if batch.input_logprob_indices is not None:
             fb.input_logprob_indices = batch.input_logprob_indices.to(device)
             fb.input_logprob_token_ids = batch.input_logprob_token_ids.to(device)
-        if fb.forward_mode.is_extend():
+        if fb.forward_mode.has_extend_layout():
             fb._init_extend(batch.extend_prefix_lens, batch.extend_seq_lens, device)
         return fb
 
@@ -149,7 +163,10 @@ class ForwardBatch:
         self.extend_prefix_lens_cpu = list(prefix_lens)
 
     def last_token_indices(self) -> torch.Tensor:
-        """Rows of the hidden states whose logits are wanted: each request's last token."""
+        """Rows of the hidden states whose logits are wanted: each request's last token (every
+        token of a verify)."""
+        if self.forward_mode.is_target_verify():
+            return torch.arange(self.extend_num_tokens, device=self.input_ids.device)
         if self.forward_mode.is_extend():
             return self.extend_last_loc
         return torch.arange(self.batch_size, device=self.input_ids.device)

@@ -235,7 +235,7 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(forward_batch)
-        if forward_batch.forward_mode.is_extend():
+        if forward_batch.forward_mode.has_extend_layout():
             return self.forward_extend(forward_batch)
         return self.forward_idle(forward_batch)
 
@@ -257,8 +257,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Next token ids (int64 `[bs]`); on request sets `logits_output.next_token_logprobs` and
-        the top `max(top_logprobs_nums)` logprobs of every row."""
+        """Next token ids (int64 `[bs]`); on request sets the chosen tokens' logprobs in
+        `logits_output.logprobs` and the top `max(top_logprobs_nums)` logprobs of every row."""
         logits = logits_output.next_token_logits
         top_num = max(forward_batch.top_logprobs_nums or [0])
         if forward_batch.sampling_info is None:  # no sampling parameters: greedy
@@ -271,10 +271,10 @@ class ModelRunner:
                 logits, forward_batch.sampling_info, forward_batch.return_logprob, top_num
             )
             forward_batch.sampling_info.cumulate_output_tokens(next_ids)
-        logits_output.next_token_logprobs = logprobs
+        out = logits_output.logprobs
+        out.next_token_logprobs = logprobs
         if top is not None:
-            logits_output.next_token_top_logprobs_val = top.val
-            logits_output.next_token_top_logprobs_idx = top.idx
+            out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx = top.val, top.idx
         return next_ids
 
 

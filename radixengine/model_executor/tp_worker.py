@@ -9,10 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+from radixengine.layers.forward_logprobs import ForwardLogprobs
+from radixengine.layers.logits_processor import LogitsProcessorOutput
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
 from radixengine.model_executor.runtime_support import check_runtime_support
 from radixengine.server_args import ServerArgs
+from radixengine.speculative.spec_tree import DraftTrees
+from radixengine.speculative.spec_verify import VerifyResult, cumulate_accepted, verify_tree
 
 # Tests only (as SGLang's SGLANG_TEST_STUCK_* variables): every forward first sleeps this many
 # seconds, a forward that hangs, for the --watchdog-timeout test.
@@ -22,16 +26,13 @@ TEST_FORWARD_STALL_ENV = "RADIXENGINE_TEST_FORWARD_STALL_S"
 @dataclass
 class GenerationBatchResult:
     next_token_ids: torch.Tensor | None  # int64 [bs], on the model's device; None until sampled
-    next_token_logprobs: torch.Tensor | None = None  # float32 [bs] when the batch asked for them
     invalid_rows: torch.Tensor | None = None  # bool [bs]: nothing to sample (NaN logits); None if none
-    # The logprob results a request asked for besides the chosen tokens' (see LogitsProcessorOutput):
-    # top logprobs [bs, k] and prompt logprobs [rows] / [rows, k]; None when nobody asked.
-    next_token_top_logprobs_val: torch.Tensor | None = None
-    next_token_top_logprobs_idx: torch.Tensor | None = None
-    input_token_logprobs: torch.Tensor | None = None
-    input_top_logprobs_val: torch.Tensor | None = None
-    input_top_logprobs_idx: torch.Tensor | None = None
+    # The logprob results the requests asked for (see LogitsProcessorOutput); None when none did.
+    logprobs: ForwardLogprobs[torch.Tensor] | None = None
     delay_sample_func: Callable[[], GenerationBatchResult] | None = None
+    # TARGET_VERIFY: the accepted drafts and the bonus token of each request (next_token_ids is
+    # then its output_ids, [bs, n], -1 after the bonus).
+    verify: VerifyResult | None = None
 
 
 @dataclass
@@ -93,18 +94,15 @@ class TpModelWorker:
             time.sleep(self.test_forward_stall_s)
         forward_batch = ForwardBatch.init_new(model_worker_batch, self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
+        if model_worker_batch.spec_trees is not None:
+            return self._verify(logits_output, forward_batch, model_worker_batch.spec_trees)
         result = GenerationBatchResult(next_token_ids=None)
 
         def sample() -> GenerationBatchResult:
             result.next_token_ids = self.model_runner.sample(logits_output, forward_batch)
-            out = logits_output
-            result.next_token_logprobs = out.next_token_logprobs
-            result.invalid_rows = out.invalid_rows
-            result.next_token_top_logprobs_val = out.next_token_top_logprobs_val
-            result.next_token_top_logprobs_idx = out.next_token_top_logprobs_idx
-            result.input_token_logprobs = out.input_token_logprobs
-            result.input_top_logprobs_val = out.input_top_logprobs_val
-            result.input_top_logprobs_idx = out.input_top_logprobs_idx
+            result.invalid_rows = logits_output.invalid_rows
+            if forward_batch.return_logprob:
+                result.logprobs = logits_output.logprobs
             result.delay_sample_func = None
             return result
 
@@ -112,3 +110,20 @@ class TpModelWorker:
             result.delay_sample_func = sample
             return result
         return sample()
+
+    @torch.no_grad()
+    def _verify(
+        self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch, trees: DraftTrees
+    ) -> GenerationBatchResult:
+        """A verify forward's logits (one row per draft node) against the drafts: the accepted
+        tokens and the bonus token of each request, as the sampler would have drawn them."""
+        logits = logits_output.next_token_logits
+        padded = logits.new_zeros((trees.batch_size, trees.width, logits.shape[-1]))
+        padded[trees.valid()] = logits
+        info = forward_batch.sampling_info
+        top = max(forward_batch.top_logprobs_nums or [0])
+        verify = verify_tree(padded, trees, info, forward_batch.return_logprob, top)
+        cumulate_accepted(info.output_token_counts_out, verify)
+        return GenerationBatchResult(
+            next_token_ids=verify.output_ids, invalid_rows=verify.invalid_rows, verify=verify
+        )

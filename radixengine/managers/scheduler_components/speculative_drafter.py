@@ -1,0 +1,117 @@
+"""The drafter of speculative decoding (NGRAM): before a decode step, each running request's
+draft from its own n-gram index (prompt + output); the batch then runs a verify step instead.
+
+When speculation pays (the rule, deterministic: it depends on the tokens, never on timings):
+- A verify forward reads the weights once for all its tokens, so on a CPU at small batch it costs
+  about one decode step; its cost grows with its tokens. The drafts share a budget of
+  `max_verify_tokens` a step: a request drafts at most `budget // batch size` tokens (up to
+  `--speculative-num-draft-tokens`); when that leaves fewer than 2 (its last token and one draft)
+  the batch decodes plainly.
+- Each request keeps the mean of the tokens its verify steps gave it (an EMA). Below
+  `MIN_TOKENS_PER_VERIFY` its drafts are mostly rejected (random text): it stops drafting for
+  `BACKOFF_STEPS` steps, twice as long after each further miss (up to `MAX_BACKOFF_STEPS`), then
+  drafts once to probe (a hit resumes drafting, a miss pauses again).
+- A batch with a grammar, or whose requests draft nothing, decodes plainly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixengine.managers.schedule_batch import Req, ScheduleBatch
+from radixengine.speculative.ngram_index import NgramDraft, NgramIndex, NgramParams, SharedNgramIndex
+from radixengine.speculative.spec_args import SpeculativeArgs, ngram_params
+from radixengine.speculative.spec_tree import DraftTrees
+
+MIN_TOKENS_PER_VERIFY = 1.3
+EMA_DECAY = 0.7
+INITIAL_TOKENS_PER_VERIFY = 1.6  # a new request: two misses in a row pause it
+BACKOFF_STEPS = 8
+MAX_BACKOFF_STEPS = 64
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    params: NgramParams
+    max_verify_tokens: int  # draft tokens (roots included) one verify step may hold
+
+
+@dataclass
+class RequestSpecState:
+    """One request's drafting state: its n-gram index and how its drafts have fared."""
+
+    index: NgramIndex
+    tokens_per_verify: float = INITIAL_TOKENS_PER_VERIFY
+    skip_steps: int = 0  # decode steps left without drafting
+    backoff: int = BACKOFF_STEPS
+
+
+class SpeculativeDrafter:
+    def __init__(self, config: DrafterConfig) -> None:
+        self.config = config
+        capacity = config.params.capacity
+        self.shared = SharedNgramIndex(capacity) if capacity > 0 else None
+
+    def draft(self, batch: ScheduleBatch) -> DraftTrees | None:
+        """The batch's draft trees, or None when it should decode plainly."""
+        if batch.has_grammar:
+            return None
+        limit = min(self.config.params.num_draft_tokens, self.config.max_verify_tokens // batch.batch_size())
+        if limit < 2:
+            return None
+        drafts = [self._draft_one(req, limit) for req in batch.reqs]
+        width = max(d.num_nodes for d in drafts)
+        if width == 1:
+            return None
+        return DraftTrees.from_drafts([(d.tokens, d.parents) for d in drafts], width, batch.device)
+
+    def on_verified(self, req: Req, tokens: int) -> None:
+        """A verify step gave `req` `tokens` tokens for its draft."""
+        state = req.spec_state
+        if state is None:
+            return
+        state.tokens_per_verify = EMA_DECAY * state.tokens_per_verify + (1 - EMA_DECAY) * tokens
+        if state.tokens_per_verify >= MIN_TOKENS_PER_VERIFY:
+            state.backoff = BACKOFF_STEPS
+            return
+        state.skip_steps = state.backoff
+        state.backoff = min(2 * state.backoff, MAX_BACKOFF_STEPS)
+        state.tokens_per_verify = (
+            MIN_TOKENS_PER_VERIFY  # after the pause one draft probes: a miss pauses again
+        )
+
+    def on_finished(self, req: Req) -> None:
+        """A finished request's tokens join the shared index of recent requests."""
+        if self.shared is not None:
+            self.shared.insert(req.origin_input_ids + req.output_ids)
+        req.spec_state = None
+
+    def _draft_one(self, req: Req, limit: int) -> NgramDraft:
+        state = self._state_of(req)
+        if state.skip_steps > 0:
+            state.skip_steps -= 1
+            return NgramDraft(np.array([req.output_ids[-1]], dtype=np.int64), np.array([-1], dtype=np.int64))
+        return _trim(state.index.draft(self.shared), limit)
+
+    def _state_of(self, req: Req) -> RequestSpecState:
+        tokens = req.origin_input_ids + req.output_ids
+        state = req.spec_state
+        if state is None:
+            state = req.spec_state = RequestSpecState(NgramIndex(self.config.params, tokens))
+        elif len(state.index) < len(tokens):
+            state.index.append(tokens[len(state.index) :])
+        return state
+
+
+def make_drafter(args: SpeculativeArgs) -> SpeculativeDrafter | None:
+    if args.speculative_algorithm != "NGRAM":
+        return None
+    return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
+
+
+def _trim(draft: NgramDraft, limit: int) -> NgramDraft:
+    """The first `limit` nodes (parents come before their children, so they stay a tree)."""
+    if draft.num_nodes <= limit:
+        return draft
+    return NgramDraft(np.asarray(draft.tokens[:limit]), np.asarray(draft.parents[:limit]))

@@ -1,0 +1,227 @@
+"""Speculative decoding (NGRAM) in the scheduler: greedy output equals transformers' whatever the
+drafts (the n-gram drafter's own, perfect ones, corrupted ones), across policies, radix on/off,
+page sizes, chunked prefill and forced retraction; stops and max_new_tokens inside an accepted run
+cut the output exactly; seeded sampling emits the very tokens it does without speculation;
+logprobs of every accepted token; the rejected drafts' KV freed (the token accounting after every
+test); the budget rule that turns speculation off for large batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sched_utils import (
+    assert_matches_oracle,
+    assert_no_leak,
+    gen_req,
+    make_scheduler,
+    oracle_greedy,
+    random_prompts,
+    run_to_completion,
+)
+from test_scheduler_equivalence import SYSTEM_A, run_in_waves, workload
+
+from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter, _trim
+from radixengine.server_args import ServerArgs
+from radixengine.speculative.ngram_index import NgramDraft
+
+SPEC = dict(speculative_algorithm="NGRAM")
+
+
+class ScriptedIndex:
+    """Drafts the next tokens of a known continuation, optionally with one token corrupted."""
+
+    def __init__(self, req, continuations: dict[tuple, list[int]], corrupt: bool, width: int = 8) -> None:
+        self.req, self.continuations, self.corrupt, self.width = req, continuations, corrupt, width
+
+    def draft(self, shared=None) -> NgramDraft:
+        req = self.req
+        done = len(req.output_ids)
+        full = self.continuations[tuple(req.origin_input_ids)]
+        tokens = [req.output_ids[-1], *full[done : done + self.width - 1]]
+        if self.corrupt and len(tokens) > 2:
+            j = int(np.random.default_rng(done).integers(1, len(tokens)))
+            tokens[j] = (tokens[j] + 1) % 200 + 2
+        return NgramDraft(np.array(tokens, dtype=np.int64), np.arange(-1, len(tokens) - 1))
+
+
+def script_drafts(monkeypatch, continuations: dict[tuple, list[int]], corrupt: bool = False) -> None:
+    """Every request drafts from its known continuation (the budget still trims the drafts)."""
+
+    def draft_one(self, req, limit):
+        return _trim(ScriptedIndex(req, continuations, corrupt).draft(), limit)
+
+    monkeypatch.setattr(SpeculativeDrafter, "_draft_one", draft_one)
+
+
+def oracle_continuations(prompts: list[list[int]], n: int) -> dict[tuple, list[int]]:
+    return {tuple(p): oracle_greedy(p, n, ignore_eos=True) for p in prompts}
+
+
+@pytest.mark.parametrize(
+    "policy,page,chunk,radix",
+    [("fcfs", 1, -1, True), ("lpm", 16, 32, True), ("dfs-weight", 1, 16, False), ("lpm", 16, -1, False)],
+)
+def test_ngram_greedy_equals_transformers_across_the_matrix(policy, page, chunk, radix):
+    sched = make_scheduler(
+        schedule_policy=policy,
+        page_size=page,
+        chunked_prefill_size=chunk,
+        disable_radix_cache=not radix,
+        **SPEC,
+    )
+    reqs = workload("s")
+    results = run_in_waves(sched, reqs)
+    assert_matches_oracle(reqs, results)
+    assert sched.stats.num_spec_verify_reqs > 0
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("corrupt", [False, True], ids=["perfect", "corrupted"])
+def test_scripted_drafts_stay_exact(monkeypatch, page, corrupt):
+    prompts = random_prompts(600, 4, 10, 30)
+    script_drafts(monkeypatch, oracle_continuations(prompts, 90), corrupt)
+    sched = make_scheduler(page_size=page, **SPEC)
+    reqs = [gen_req(f"r{i}", p, 50 + 7 * i, ignore_eos=True) for i, p in enumerate(prompts)]
+    results = run_to_completion(sched, reqs)
+    assert_matches_oracle(reqs, results)
+    accept = sched.stats.avg_spec_accept_length
+    assert (2.0 < accept < 6.0) if corrupt else accept > 7.0
+    assert sched.stats.num_forward_steps < (40 if corrupt else 20)  # 50..71 tokens each
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_retraction_under_speculation_stays_exact(page):
+    sched = make_scheduler(
+        page_size=page,
+        max_total_tokens=256,
+        chunked_prefill_size=64,
+        init_new_token_ratio=0.05,  # an optimistic estimate: admits more than decode can hold
+        **SPEC,
+    )
+    prompts = random_prompts(11, 8, 20, 50, shared=[SYSTEM_A[:24]])
+    reqs = [gen_req(f"rt{i}", p, max_new_tokens=32) for i, p in enumerate(prompts)]
+    results = run_in_waves(sched, reqs, first=8, steps_between=0)
+    assert sched.stats.num_retracted_reqs > 0, "the pool was meant to force retraction"
+    assert sched.stats.num_spec_verify_reqs > 0
+    assert_matches_oracle(reqs, results)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_stops_and_max_new_tokens_inside_an_accepted_run(monkeypatch, page):
+    """Drafts that run past a stop token, past max_new_tokens, and over a stop token that
+    min_new_tokens masks: the output is cut exactly where plain decoding stops."""
+    prompts = random_prompts(602, 3, 12, 12)
+    conts = oracle_continuations(prompts, 40)
+    script_drafts(monkeypatch, conts)
+    no_eos = frozenset()  # only the stop token ids stop these
+    stop_tok = conts[tuple(prompts[0])][9]
+    min_stop = conts[tuple(prompts[2])][1]
+    reqs = [
+        gen_req("stop", prompts[0], 30, stop_token_ids=[stop_tok]),
+        gen_req("len", prompts[1], 11),  # ends in the middle of a run of 8
+        gen_req("min", prompts[2], 30, stop_token_ids=[min_stop], min_new_tokens=5),
+    ]
+    spec = run_to_completion(make_scheduler(page_size=page, eos_token_ids=no_eos, **SPEC), reqs)
+    plain = run_to_completion(make_scheduler(page_size=page, eos_token_ids=no_eos), reqs)
+    cont = conts[tuple(prompts[0])]
+    assert spec["stop"].output_ids == cont[: cont.index(stop_tok) + 1]
+    assert spec["stop"].finished_reason == {"type": "stop", "matched": stop_tok}
+    assert spec["len"].output_ids == conts[tuple(prompts[1])][:11]
+    assert spec["len"].finished_reason["type"] == "length"
+    assert len(spec["min"].output_ids) >= 5
+    for rid in plain:
+        assert (spec[rid].output_ids, spec[rid].finished_reason) == (
+            plain[rid].output_ids,
+            plain[rid].finished_reason,
+        )
+
+
+def _sampled(sched, reqs):
+    return {rid: r.output_ids for rid, r in run_to_completion(sched, reqs).items()}
+
+
+def test_seeded_sampling_emits_the_same_tokens_with_speculation(monkeypatch):
+    """A seeded request draws node j's uniform from (seed, step + depth), the one plain decoding
+    draws at that step: its tokens do not change, whatever the drafts."""
+    prompts = random_prompts(603, 3, 8, 16)
+    params = dict(temperature=0.9, top_p=0.95, top_k=50, sampling_seed=7, ignore_eos=True)
+    reqs = [gen_req(f"s{i}", p, 40, **params) for i, p in enumerate(prompts)]
+    plain = _sampled(make_scheduler(), reqs)
+    script_drafts(monkeypatch, {tuple(p): plain[f"s{i}"] for i, p in enumerate(prompts)}, corrupt=True)
+    sched = make_scheduler(**SPEC)
+    assert _sampled(sched, reqs) == plain
+    assert sched.stats.avg_spec_accept_length > 2.0
+
+
+def test_logprobs_of_every_accepted_token(monkeypatch):
+    prompts = random_prompts(604, 2, 8, 16)
+    script_drafts(monkeypatch, oracle_continuations(prompts, 30))
+    reqs = [gen_req(f"l{i}", p, 20, ignore_eos=True) for i, p in enumerate(prompts)]
+    for r in reqs:
+        r.return_logprob, r.top_logprobs_num, r.logprob_start_len = True, 3, 0
+
+    def logprobs(sched):
+        sched.io.put(*reqs)
+        sched.run_until_idle()
+        out = {}
+        for msg in sched.io.take_outputs():
+            for i, rid in enumerate(msg.rids):
+                lp, top = msg.output_token_logprobs[i], msg.output_top_logprobs_val[i]
+                out.setdefault(rid, ([], []))
+                out[rid][0].extend(lp)
+                out[rid][1].extend(top)
+        assert_no_leak(sched)
+        return out
+
+    plain, spec = logprobs(make_scheduler()), logprobs(make_scheduler(**SPEC))
+    for rid in plain:
+        assert len(spec[rid][0]) == len(plain[rid][0]) == 20
+        np.testing.assert_allclose(spec[rid][0], plain[rid][0], atol=2e-4)
+        np.testing.assert_allclose(np.array(spec[rid][1]), np.array(plain[rid][1]), atol=2e-4)
+
+
+def test_large_batches_decode_plainly():
+    """The verify budget (64 tokens a step by default) leaves a batch of 40 fewer than 2 a
+    request: it decodes plainly, and its outputs are the plain ones."""
+    prompts = random_prompts(605, 40, 4, 12)
+    reqs = [gen_req(f"b{i}", p, 6) for i, p in enumerate(prompts)]
+    sched = make_scheduler(**SPEC)
+    results = run_to_completion(sched, reqs)
+    assert_matches_oracle(reqs, results)
+    steps_at_40 = sched.stats.num_spec_verify_reqs
+    assert steps_at_40 < 40 * 5  # only once requests have left the batch
+
+
+def test_requests_whose_drafts_fail_stop_drafting_for_a_while():
+    """Random text (the tiny model's outputs never repeat its prompt): after a verify step gives
+    too few tokens a request pauses, longer after each miss, so most of its steps are plain."""
+    prompts = random_prompts(606, 2, 30, 30)
+    reqs = [gen_req(f"a{i}", p, 120, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched = make_scheduler(**SPEC)
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+    assert 0 < sched.stats.num_spec_verify_reqs < 2 * 120 // 8
+
+
+def test_speculation_runs_the_normal_step_order():
+    sched = make_scheduler(overlap=True, **SPEC)
+    assert not sched.enable_overlap
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(speculative_algorithm="EAGLE"), "must be one of NGRAM, STANDALONE"),
+        (dict(speculative_algorithm="STANDALONE"), "not supported yet"),
+        (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="x"), "NGRAM takes no draft model"),
+        (dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=3), "tree drafts"),
+        (
+            dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1),
+            "num_draft_tokens must be >= 2",
+        ),
+        (dict(speculative_algorithm="NGRAM", speculative_max_verify_tokens=1), "max-verify-tokens"),
+        (dict(speculative_algorithm="NGRAM", tp_size=2), "tp-size"),
+    ],
+)
+def test_unusable_speculative_configurations_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)
