@@ -77,9 +77,7 @@ class SpeculativeDrafter:
             return
         state.skip_steps = state.backoff
         state.backoff = min(2 * state.backoff, MAX_BACKOFF_STEPS)
-        state.tokens_per_verify = (
-            MIN_TOKENS_PER_VERIFY  # after the pause one draft probes: a miss pauses again
-        )
+        state.tokens_per_verify = MIN_TOKENS_PER_VERIFY  # after the pause one draft probes: a miss pauses again
 
     def on_finished(self, req: Req) -> None:
         """A finished request's tokens join the shared index of recent requests."""
