@@ -6,11 +6,13 @@ import argparse
 import dataclasses
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.mem_cache.evict_policy import RADIX_EVICTION_POLICIES
 from radixengine.parser.reasoning_parser import REASONING_PARSERS
+from radixengine.server_args_help import SERVER_ARGS_HELP
 from radixengine.speculative.spec_args import SPECULATIVE_ALGORITHMS, validate_speculative_args
 from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
@@ -35,7 +37,7 @@ class ServerArgs:
     # Model
     model_path: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
     tokenizer_path: str | None = None
-    revision: str | None = None  # see _HELP
+    revision: str | None = None  # see SERVER_ARGS_HELP
     served_model_name: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
@@ -43,14 +45,14 @@ class ServerArgs:
     context_length: int | None = None
     random_seed: int | None = None  # None: a random seed, drawn in __post_init__ (as SGLang)
     attention_backend: str = "auto"
-    disable_shared_prefix_attention: bool = False  # see _HELP
-    shared_prefix_attention_min_len: int = 64  # see _HELP
-    quantization: str = "auto"  # see _HELP
-    chat_template: str | None = None  # see _HELP
-    sampling_defaults: str = "model"  # see _HELP
-    tool_call_parser: str | None = None  # see _HELP
-    reasoning_parser: str | None = None  # see _HELP
-    grammar_backend: str = "xgrammar"  # see _HELP
+    disable_shared_prefix_attention: bool = False  # see SERVER_ARGS_HELP
+    shared_prefix_attention_min_len: int = 64  # see SERVER_ARGS_HELP
+    quantization: str = "auto"  # see SERVER_ARGS_HELP
+    chat_template: str | None = None  # see SERVER_ARGS_HELP
+    sampling_defaults: str = "model"  # see SERVER_ARGS_HELP
+    tool_call_parser: str | None = None  # see SERVER_ARGS_HELP
+    reasoning_parser: str | None = None  # see SERVER_ARGS_HELP
+    grammar_backend: str = "xgrammar"  # see SERVER_ARGS_HELP
     constrained_json_disable_any_whitespace: bool = False
 
     # HTTP
@@ -72,12 +74,12 @@ class ServerArgs:
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85  # CUDA only
     page_size: int = 1
-    kv_cache_dtype: str = "auto"  # see _HELP
+    kv_cache_dtype: str = "auto"  # see SERVER_ARGS_HELP
     max_running_requests: int | None = None
     max_queued_requests: int | None = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # None: device default; -1 disables
-    enable_mixed_chunk: bool = False  # see _HELP
+    enable_mixed_chunk: bool = False  # see SERVER_ARGS_HELP
     disable_radix_cache: bool = False
 
     # Scheduling
@@ -93,8 +95,8 @@ class ServerArgs:
     new_token_ratio_decay_steps: int = 600
     retract_decode_steps: int = 20
     disable_overlap_schedule: bool = False
-    stream_interval: int = 1  # see _HELP
-    cpu_forward_stream: str = "auto"  # see _HELP
+    stream_interval: int = 1  # see SERVER_ARGS_HELP
+    cpu_forward_stream: str = "auto"  # see SERVER_ARGS_HELP
     # Fair and cache-aware scheduling (managers/fair_policy.py, mem_cache/evict_policy.py)
     lpm_aging_tokens_per_pass: int = 0
     dlpm_quantum_tokens: int = 2048
@@ -112,13 +114,13 @@ class ServerArgs:
     test_mode: bool = False  # the idle self-check raises instead of logging
     watchdog_timeout: float = 300.0
 
-    # Tensor parallelism (SGLang's flags; see _HELP and README "Tensor parallel")
+    # Tensor parallelism (SGLang's flags; see SERVER_ARGS_HELP and README "Tensor parallel")
     tp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
 
-    # Speculative decoding (SGLang's flags; see _HELP and docs/api.md "Speculative decoding")
+    # Speculative decoding (SGLang's flags; see SERVER_ARGS_HELP and docs/api.md "Speculative decoding")
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_num_steps: int | None = None
@@ -141,108 +143,12 @@ class ServerArgs:
         self.validate()
 
     def validate(self) -> None:
-        _check_choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
-        _check_choice("--dtype", self.dtype, DTYPES)
-        _check_choice("--device", self.device, DEVICES)
-        _check_choice("--load-format", self.load_format, LOAD_FORMATS)
-        _check_choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("--cpu-forward-stream", self.cpu_forward_stream, CPU_FORWARD_STREAMS)
-        _check_choice("--quantization", self.quantization, QUANTIZATIONS)
-        _check_choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _check_choice("--sampling-defaults", self.sampling_defaults, SAMPLING_DEFAULTS)
-        if self.tool_call_parser is not None:
-            _check_choice("--tool-call-parser", self.tool_call_parser, TOOL_CALL_PARSER_NAMES)
-        if self.reasoning_parser is not None:
-            _check_choice("--reasoning-parser", self.reasoning_parser, REASONING_PARSER_NAMES)
-        _check_choice("--grammar-backend", self.grammar_backend, GRAMMAR_BACKENDS)
-        if self.chat_template is not None and not (
-            os.path.isfile(self.chat_template) or "{{" in self.chat_template or "{%" in self.chat_template
-        ):
-            raise ValueError(f"--chat-template {self.chat_template!r} is neither a file nor a Jinja template")
-        if self.kv_cache_dtype != "auto" and self.device != "cpu":
-            raise ValueError(
-                f"--kv-cache-dtype {self.kv_cache_dtype} runs on a CPU only; use auto (the model's dtype) "
-                f"on {self.device}"
-            )
-        _check_positive("--page-size", self.page_size)
-        _check_positive("--shared-prefix-attention-min-len", self.shared_prefix_attention_min_len)
-        _check_positive("--max-prefill-tokens", self.max_prefill_tokens)
-        _check_positive("--max-total-tokens", self.max_total_tokens, optional=True)
-        _check_positive("--max-running-requests", self.max_running_requests, optional=True)
-        _check_positive("--max-queued-requests", self.max_queued_requests, optional=True)
-        _check_positive("--context-length", self.context_length, optional=True)
-        _check_positive("--lpm-fallback-queue-len", self.lpm_fallback_queue_len)
-        _check_positive("--new-token-ratio-decay-steps", self.new_token_ratio_decay_steps)
-        _check_positive("--num-threads", self.num_threads, optional=True)
-        _check_positive("--cuda-graph-max-bs", self.cuda_graph_max_bs)
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1:
-            _check_positive("--chunked-prefill-size", self.chunked_prefill_size)
-            if self.chunked_prefill_size % self.page_size:
-                raise ValueError(
-                    f"--chunked-prefill-size ({self.chunked_prefill_size}) must be a multiple of "
-                    f"--page-size ({self.page_size})"
-                )
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
-        if not 0.0 < self.init_new_token_ratio <= 1.0:
-            raise ValueError(f"--init-new-token-ratio must be in (0, 1], got {self.init_new_token_ratio}")
-        if not 0.0 <= self.min_new_token_ratio_factor <= 1.0:
-            raise ValueError(
-                f"--min-new-token-ratio-factor must be in [0, 1], got {self.min_new_token_ratio_factor}"
-            )
-        if self.schedule_conservativeness <= 0:
-            raise ValueError(f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}")
-        _check_positive("--stream-interval", self.stream_interval)
-        _check_positive("--decode-log-interval", self.decode_log_interval)
-        _check_choice("--log-requests-level", self.log_requests_level, LOG_REQUESTS_LEVELS)
-        if not self.watchdog_timeout > 0:
-            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout}")
-        if self.retract_decode_steps < 0:
-            raise ValueError(f"--retract-decode-steps must be >= 0, got {self.retract_decode_steps}")
-        for flag in ("response_store_max_count", "response_store_max_bytes", "batch_max_running",
-                     "max_batch_file_bytes", "max_batch_lines"):  # fmt: skip
-            _check_positive("--" + flag.replace("_", "-"), getattr(self, flag))
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        self._validate_fair_scheduling()
-        self._validate_tensor_parallel()
+        """Refuse the first broken rule of SERVER_ARGS_RULES (in its order) with its message, then
+        the speculative decoding flags' (speculative/spec_args.py)."""
+        for rule in SERVER_ARGS_RULES:
+            if rule.broken(self):
+                raise ValueError(rule.message(self))
         validate_speculative_args(self)
-
-    def _validate_fair_scheduling(self) -> None:
-        aging = self.lpm_aging_tokens_per_pass
-        if not isinstance(aging, int) or isinstance(aging, bool) or aging < 0:
-            raise ValueError(f"--lpm-aging-tokens-per-pass must be an integer >= 0, got {aging!r}")
-        if aging and self.schedule_policy != "lpm":
-            raise ValueError(
-                f"--lpm-aging-tokens-per-pass ages --schedule-policy lpm only; got --schedule-policy "
-                f"{self.schedule_policy}"
-            )
-        _check_positive("--dlpm-quantum-tokens", self.dlpm_quantum_tokens)
-        _check_choice("--retraction-policy", self.retraction_policy, RETRACTION_POLICIES)
-        if self.retraction_policy == "priority" and not self.enable_priority_scheduling:
-            raise ValueError("--retraction-policy priority requires --enable-priority-scheduling")
-        _check_choice("--radix-eviction-policy", self.radix_eviction_policy, RADIX_EVICTION_POLICIES)
-        if self.radix_eviction_policy == "priority" and self.schedule_low_priority_values_first:
-            raise ValueError(
-                "--radix-eviction-policy priority evicts lower priority values first, the opposite of "
-                "--schedule-low-priority-values-first"
-            )
-
-    def _validate_tensor_parallel(self) -> None:
-        _check_positive("--tp-size", self.tp_size)
-        _check_positive("--nnodes", self.nnodes)
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if self.nnodes > 1 and self.dist_init_addr is None:
-            raise ValueError(
-                "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"
-            )
-        if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
 
     # Derived values --------------------------------------------------------------------------
 
@@ -280,15 +186,17 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=default, help=_HELP.get(f.name))
+                parser.add_argument(
+                    flag, action="store_true", default=default, help=SERVER_ARGS_HELP.get(f.name)
+                )
                 continue
             kind = _cli_type(f.type)
             kwargs: dict = {"type": kind, "default": default}
             choices = _CHOICES.get(f.name)
             if choices:
                 kwargs["choices"] = choices
-            if f.name in _HELP:
-                kwargs["help"] = _HELP[f.name]
+            if f.name in SERVER_ARGS_HELP:
+                kwargs["help"] = SERVER_ARGS_HELP[f.name]
             parser.add_argument(flag, **kwargs)
 
     @classmethod
@@ -325,265 +233,6 @@ _CHOICES = {
     "radix_eviction_policy": RADIX_EVICTION_POLICIES,
 }
 
-_HELP = {
-    "speculative_algorithm": (
-        "Speculative decoding. NGRAM drafts each request's next tokens from its own prompt and output (what "
-        "followed earlier occurrences of its last tokens); STANDALONE from a smaller draft model of the same "
-        "tokenizer (--speculative-draft-model-path). The drafts are verified in one forward: greedy output is "
-        "unchanged, sampling keeps the model's distribution. Runs the normal step order."
-    ),
-    "speculative_num_draft_tokens": (
-        "Tokens verified per request per step, its last token included (NGRAM default 8; STANDALONE: "
-        "--speculative-num-steps + 1)."
-    ),
-    "speculative_num_steps": "Tokens the draft model proposes per step (STANDALONE; default 3).",
-    "speculative_draft_model_path": "The draft model for STANDALONE: a folder or GGUF of the same tokenizer.",
-    "speculative_ngram_min_match_window_size": "Shortest suffix of the context an n-gram draft matches.",
-    "speculative_ngram_max_match_window_size": "Longest suffix of the context an n-gram draft matches.",
-    "speculative_ngram_min_bfs_breadth": "Draft-tree breadth at the deepest level (1: a chain).",
-    "speculative_ngram_max_bfs_breadth": "Draft-tree breadth at the root (only 1, chains, for now).",
-    "speculative_ngram_branch_length": "Longest branch of an n-gram draft.",
-    "speculative_ngram_capacity": "Tokens of recent finished requests kept to draft from (0: none).",
-    "speculative_max_verify_tokens": (
-        "Draft tokens (last tokens included) one verify step may hold: each request drafts at most this "
-        "divided by the batch size, and a batch too large for 2 a request decodes plainly."
-    ),
-    "tool_call_parser": (
-        "How /v1/chat/completions reads tool calls in the model's text into `tool_calls` (SGLang's "
-        "names): llama3 (Llama 3.x, <|python_tag|> / JSON), qwen25 or qwen (Qwen2.5 / Qwen3, "
-        "<tool_call>...</tool_call>), pythonic ([f(x=1)]). Without it, tool_choice auto leaves the text "
-        "as it is; tool_choice required or a named function always works: a grammar forces a JSON "
-        "array of calls (or the parser's own format where it has a structural tag)."
-    ),
-    "reasoning_parser": (
-        "Split a reasoning model's <think>...</think> block into `reasoning_content` on "
-        "/v1/chat/completions (SGLang's names): qwen3 (thinking unless chat_template_kwargs "
-        "enable_thinking is false), qwen3-thinking and deepseek-r1 (always thinking, the opening "
-        "<think> optional)."
-    ),
-    "grammar_backend": (
-        "The backend of constrained decoding (response_format json_object / json_schema, and the "
-        "json_schema, regex, ebnf and structural_tag sampling parameters): xgrammar (default), "
-        "llguidance, or none (such requests get a 400)."
-    ),
-    "constrained_json_disable_any_whitespace": (
-        "JSON grammars allow no whitespace beyond single spaces (compact JSON): a small model cannot "
-        "then loop on newlines inside a JSON object."
-    ),
-    "chat_template": (
-        "The chat template for /v1/chat/completions: a file holding a Jinja template, or the template "
-        "itself. Default: the tokenizer's own."
-    ),
-    "sampling_defaults": (
-        "Where the chat API's defaults for temperature, top_p, top_k, min_p and repetition_penalty come "
-        "from when a request leaves them unset. model (default): the model's generation_config.json, "
-        "where it sets them; openai: the OpenAI / SGLang defaults (temperature 1, top_p 1, ...)."
-    ),
-    "model_path": (
-        "A Hugging Face model folder (config.json + safetensors or PyTorch .bin weights, AWQ / GPTQ "
-        "included), a .gguf file, or a Hugging Face repo id found in the local Hugging Face cache "
-        "(HF_HUB_CACHE, else HF_HOME/hub; never downloaded): org/name, org/name/file.gguf or "
-        "org/name:Q4_K_M (the repo's .gguf of that type). Default: the bundled SmolLM2-135M-Instruct GGUF."
-    ),
-    "tokenizer_path": (
-        "The tokenizer's folder, .gguf file or cached repo id (as --model-path). Default: --model-path."
-    ),
-    "revision": (
-        "The version of a repo id in the Hugging Face cache: a branch, a tag or a commit hash. Applies to "
-        "--model-path, and to --tokenizer-path when that is unset or the same repo. Default: main."
-    ),
-    "served_model_name": (
-        "The model name /v1/models reports and the metrics' model_name label carry. Default: --model-path. "
-        "Requests may name any model (a single-model server)."
-    ),
-    "load_format": (
-        "auto: safetensors (else PyTorch .bin) for a folder, gguf for a .gguf file; dummy: random weights "
-        "of the config's shapes (benchmarks)."
-    ),
-    "dtype": (
-        "dtype of the weights and activations. auto: bfloat16 on CUDA and on a CPU that multiplies bf16 "
-        "natively, else float32."
-    ),
-    "device": (
-        "Where the model runs. auto (default): cuda when torch.cuda.is_available(), else cpu. A device "
-        "this machine does not have is refused at start."
-    ),
-    "context_length": "Maximum tokens of one request (prompt + output). Default: the model config's.",
-    "random_seed": (
-        "Seed of Python's random, NumPy and torch (CPU and CUDA) in the engine's processes, as SGLang: "
-        "it fixes the draws of unseeded sampling. Default: a random seed chosen at start (shown by "
-        "/get_server_info)."
-    ),
-    "attention_backend": (
-        "auto: triton on CUDA; native_cpu (the built C++ kernels), else torch_native on a CPU. A backend "
-        "that is not installed or cannot run on --device is refused at start with the reason; flashinfer "
-        "(SGLang's name) is not implemented yet and is refused."
-    ),
-    "disable_shared_prefix_attention": (
-        "Decode attention reads every request's whole KV, also where requests of the batch share a "
-        "cached prefix. By default a prefix shared by two or more requests of a decode batch (the same "
-        "KV slots, as a radix-cache hit gives) is computed once for all their queries and merged with "
-        "each request's own part by log-sum-exp (cascade attention; exact). native_cpu and "
-        "torch_native backends; not for sliding-window layers."
-    ),
-    "shared_prefix_attention_min_len": (
-        "Shortest shared prefix (tokens) given its own pass in shared-prefix attention; shorter ones "
-        "are read per request. Default 64."
-    ),
-    "host": "Address the HTTP server listens on. Default: 127.0.0.1.",
-    "port": "Port the HTTP server listens on. Default: 30000.",
-    "api_key": (
-        "Require `Authorization: Bearer KEY` on every route but /health and /metrics (as SGLang). "
-        "Default: no key."
-    ),
-    "log_level": "Logging level of the server and its processes.",
-    "response_store_max_count": (
-        "How many stored /v1/responses answers are kept (for GET and previous_response_id); past it, "
-        "the oldest are dropped. Default: 1000."
-    ),
-    "response_store_max_bytes": "The same bound in bytes of JSON (default 64 MiB).",
-    "batch_dir": (
-        "Folder of /v1/files and /v1/batches (uploads, results, batch state); a restarted server resumes "
-        "its unfinished batches from it. Default: ~/.cache/radixengine/batches."
-    ),
-    "batch_max_running": (
-        "How many lines of /v1/batches are in the engine at once (at the lowest priority); the rest wait "
-        "in the batch. Default: 16."
-    ),
-    "max_batch_file_bytes": "Largest /v1/files upload, in bytes (default 200 MiB, as OpenAI).",
-    "max_batch_lines": "Most request lines in one batch input file (default 50000, as OpenAI).",
-    "log_requests": (
-        "Log every request when it arrives (`Receive: obj=...`) and when it finishes (`Finish: obj=..., "
-        "out=...`: input, output and meta_info), at info level; how much is set by --log-requests-level."
-    ),
-    "log_requests_level": (
-        "0: metadata only (no text, ids or sampling parameters); 1: metadata and sampling parameters; 2 "
-        "(default): also the input and output, strings and lists cut to 2048; 3: everything, uncut."
-    ),
-    "max_total_tokens": "Size of the KV cache pool in tokens. Default: from the memory available.",
-    "mem_fraction_static": "CUDA: fraction of the GPU memory for the weights and the KV pool.",
-    "page_size": "Tokens per KV cache page (the radix cache matches whole pages).",
-    "max_running_requests": "Most requests in the running batch. Default: from the pool size.",
-    "max_queued_requests": "Most requests waiting; a request past it gets 503. Default: no limit.",
-    "max_prefill_tokens": "Most prompt tokens one prefill batch computes.",
-    "chunked_prefill_size": (
-        "Prefill a long prompt in chunks of this many tokens. Default: 8192 on CUDA, 2048 on a CPU; -1: no "
-        "chunking."
-    ),
-    "disable_radix_cache": "Do not reuse the KV of shared prompt prefixes (no radix cache).",
-    "schedule_policy": (
-        "Order of the waiting queue: fcfs (arrival), lpm (longest cached prefix first), dfs-weight, lof "
-        "(longest output first), random, hrrn (highest response ratio: wait in computed prefill tokens "
-        "over uncached length), shortest-prefill-first (fewest uncached tokens), dlpm (per-tenant "
-        "deficit counters over lpm: each tenant, the request's routing_key, gets an equal share of "
-        "prefill tokens, cache hits first within it)."
-    ),
-    "lpm_aging_tokens_per_pass": (
-        "lpm with aging: a waiting request's prefix score grows by this many tokens per scheduling pass, "
-        "so no request waits more than about context-length / N passes. 0 (default): plain lpm."
-    ),
-    "dlpm_quantum_tokens": (
-        "dlpm: tokens each waiting tenant is credited per round (a request is charged its uncached prompt "
-        "tokens and its max_new_tokens when admitted, whatever the chunk size). Smaller: finer fairness; larger: a tenant's bursts stay in credit."
-    ),
-    "retraction_policy": (
-        "Which running requests are retracted first when decode runs out of KV memory: length (fewest "
-        "decoded tokens, then longest prompt) or priority (least important first; needs "
-        "--enable-priority-scheduling)."
-    ),
-    "soft_priority_preemption": (
-        "With --enable-priority-scheduling: a preempted request's computed KV goes to the radix cache "
-        "(evictable, newest last) instead of being freed, and evictions take only the pages they need "
-        "from a cached prefix's end, so on its return it recomputes only what was evicted meanwhile. "
-        "Preemption still happens only when the free and evictable tokens do not fit the important request."
-    ),
-    "radix_eviction_policy": (
-        "Which cached prefixes are evicted first: lru, lfu (fewest requests), slru (prefixes one request "
-        "used before those two or more requests used, LRU within each) or priority (prefixes of low-priority "
-        "requests first, a prefix keeping its highest user's priority)."
-    ),
-    "schedule_conservativeness": (
-        "Scales how many future tokens the scheduler reserves for running requests: > 1 admits fewer new "
-        "requests (fewer retractions), < 1 more."
-    ),
-    "lpm_fallback_queue_len": "lpm / dfs-weight fall back to fcfs when the queue is longer than this.",
-    "disable_in_batch_prefix_caching": (
-        "Admit requests that share a prefix with one being prefilled in the same round (each computes it) "
-        "instead of holding them one round to hit the cache."
-    ),
-    "enable_priority_scheduling": "Order and preempt by the request's `priority`.",
-    "schedule_low_priority_values_first": "With priority scheduling: a lower value is more important.",
-    "priority_scheduling_preemption_threshold": (
-        "A waiting request preempts a running one only when its priority is better by more than this."
-    ),
-    "init_new_token_ratio": (
-        "Initial fraction of each running request's remaining max_new_tokens reserved when admitting."
-    ),
-    "min_new_token_ratio_factor": "The reserved fraction decays to init ratio x this factor.",
-    "new_token_ratio_decay_steps": "Decode steps over which the reserved fraction decays to its minimum.",
-    "retract_decode_steps": "Decode steps of room a retraction frees for each remaining request.",
-    "disable_overlap_schedule": (
-        "Run schedule, forward and result processing in order, instead of processing batch N-1 while "
-        "batch N computes."
-    ),
-    "num_threads": "CPU: intra-op threads of the forward. Default: all cores.",
-    "disable_cuda_graph": "CUDA: run decode without CUDA graphs.",
-    "cuda_graph_max_bs": "CUDA: largest decode batch captured in a CUDA graph.",
-    "trace_file": "Write a Chrome trace (chrome://tracing) of the scheduler's phases to this file.",
-    "enable_metrics": (
-        "Serve Prometheus metrics on /metrics, with SGLang's names and labels (sglang:num_running_reqs, "
-        "sglang:gen_throughput, sglang:time_to_first_token_seconds, ...), so SGLang's Grafana dashboard "
-        "reads them. Off by default, as in SGLang: /metrics then answers 404."
-    ),
-    "decode_log_interval": (
-        "Log a `Decode batch, #running-req: ..., gen throughput (token/s): ...` line every N decode "
-        "steps (SGLang's default 40); a `Prefill batch, ...` line is logged for every prefill batch."
-    ),
-    "test_mode": "Tests: the idle token-accounting check raises instead of logging.",
-    "tp_size": (
-        "Tensor parallelism: split the model over N ranks (processes), each holding its slice of every "
-        "layer and of the KV cache; torch.distributed with gloo on a CPU, NCCL on CUDA (one GPU a rank)."
-    ),
-    "nnodes": "Tensor parallel over several machines: how many (each runs --tp-size / --nnodes ranks).",
-    "node_rank": "This machine's index among --nnodes (0 serves HTTP; the others run their ranks only).",
-    "dist_init_addr": (
-        "HOST:PORT where the ranks meet (torch.distributed's TCP store on node 0); needed with --nnodes > 1. "
-        "Default: a free port on 127.0.0.1."
-    ),
-    "watchdog_timeout": (
-        "Seconds one scheduler step (a forward batch) may take. Past it the scheduler process logs the "
-        "timeout and exits, the pending requests fail with that message and the server exits (as SGLang)."
-    ),
-    "stream_interval": (
-        "Stream a request's tokens every N tokens (the first one at once, and the rest when it "
-        "finishes): fewer messages through the detokenizer and the HTTP front end per step."
-    ),
-    "enable_mixed_chunk": (
-        "Run a prefill chunk and the running requests' decode step in one forward, under one token "
-        "budget, so decode does not stall while a long prompt is prefilled (not with logprobs)."
-    ),
-    "kv_cache_dtype": (
-        "dtype the KV cache stores K and V in. auto (default): the model's dtype, results as exact as the "
-        "model's. bfloat16 / float16 with a float32 model: half the cache's bytes (twice the tokens, about "
-        "half the memory traffic of decode attention), math still in float32; K/V rounded to 16 bits, so "
-        "logits move slightly (float16 keeps 3 more mantissa bits than bfloat16). CPU only."
-    ),
-    "quantization": (
-        "gguf: for a GGUF model, the linears also keep their GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-        "Q4_K, Q5_K, Q6_K; a linear in another type keeps float weights only) and small batches "
-        "(decode) read those instead of the float32 weights: the same values, 4-6x fewer bytes (CPU, "
-        "float32, native kernels built; an error where that does not hold). none: float weights only. "
-        "auto (default): gguf wherever it applies."
-    ),
-    "cpu_forward_stream": (
-        "CPU only, with the overlap schedule: where the forward runs. thread: on a worker thread beside "
-        "the scheduler thread (batch N computes while N-1 is processed and N+1 scheduled); inline: on the "
-        "scheduler thread, in the normal step order; auto (default): thread only when the intra-op threads "
-        "(--num-threads) leave a core free, else inline (a worker thread competing with the forward's "
-        "threads for the cores makes decode slower)."
-    ),
-}
-
 
 def _auto_device() -> str:
     import torch
@@ -600,13 +249,178 @@ def _cli_type(annotation: str):
     return str
 
 
-def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}")
+@dataclass(frozen=True)
+class Rule:
+    """A refusal of ServerArgs: when `broken(args)`, a ValueError of `message(args)`."""
+
+    broken: Callable[[ServerArgs], bool]
+    message: Callable[[ServerArgs], str]
 
 
-def _check_positive(flag: str, value: int | None, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _choice(name: str, choices: tuple, optional: bool = False) -> Rule:
+    """`--name` is one of `choices` (or None, when `optional`)."""
+    return Rule(
+        lambda a: not (optional and getattr(a, name) is None) and getattr(a, name) not in choices,
+        lambda a: f"{_flag(name)} must be one of {', '.join(map(str, choices))}; got {getattr(a, name)!r}",
+    )
+
+
+def _positive(name: str, optional: bool = False, applies: Callable[[ServerArgs], bool] | None = None) -> Rule:
+    """`--name` is a positive integer (or None, when `optional`), where `applies` (default: always)."""
+    return Rule(
+        lambda a: (
+            (applies is None or applies(a))
+            and not (optional and getattr(a, name) is None)
+            and not _is_positive_int(getattr(a, name))
+        ),
+        lambda a: f"{_flag(name)} must be a positive integer, got {getattr(a, name)!r}",
+    )
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _chunked(a: ServerArgs) -> bool:
+    return a.chunked_prefill_size is not None and a.chunked_prefill_size != -1
+
+
+def _is_template(text: str) -> bool:
+    return os.path.isfile(text) or "{{" in text or "{%" in text
+
+
+def _is_host_port(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+# Checked in this order; the first broken one is the refusal.
+SERVER_ARGS_RULES: tuple[Rule, ...] = (
+    _choice("schedule_policy", SCHEDULE_POLICIES),
+    _choice("dtype", DTYPES),
+    _choice("device", DEVICES),
+    _choice("load_format", LOAD_FORMATS),
+    _choice("attention_backend", ATTENTION_BACKENDS),
+    _choice("cpu_forward_stream", CPU_FORWARD_STREAMS),
+    _choice("quantization", QUANTIZATIONS),
+    _choice("kv_cache_dtype", KV_CACHE_DTYPES),
+    _choice("sampling_defaults", SAMPLING_DEFAULTS),
+    _choice("tool_call_parser", TOOL_CALL_PARSER_NAMES, optional=True),
+    _choice("reasoning_parser", REASONING_PARSER_NAMES, optional=True),
+    _choice("grammar_backend", GRAMMAR_BACKENDS),
+    Rule(
+        lambda a: a.chat_template is not None and not _is_template(a.chat_template),
+        lambda a: f"--chat-template {a.chat_template!r} is neither a file nor a Jinja template",
+    ),
+    Rule(
+        lambda a: a.kv_cache_dtype != "auto" and a.device != "cpu",
+        lambda a: (
+            f"--kv-cache-dtype {a.kv_cache_dtype} runs on a CPU only; use auto (the model's dtype) on {a.device}"
+        ),
+    ),
+    _positive("page_size"),
+    _positive("shared_prefix_attention_min_len"),
+    _positive("max_prefill_tokens"),
+    _positive("max_total_tokens", optional=True),
+    _positive("max_running_requests", optional=True),
+    _positive("max_queued_requests", optional=True),
+    _positive("context_length", optional=True),
+    _positive("lpm_fallback_queue_len"),
+    _positive("new_token_ratio_decay_steps"),
+    _positive("num_threads", optional=True),
+    _positive("cuda_graph_max_bs"),
+    _positive("chunked_prefill_size", applies=_chunked),
+    Rule(
+        lambda a: _chunked(a) and a.chunked_prefill_size % a.page_size != 0,
+        lambda a: (
+            f"--chunked-prefill-size ({a.chunked_prefill_size}) must be a multiple of "
+            f"--page-size ({a.page_size})"
+        ),
+    ),
+    Rule(
+        lambda a: not 0.0 < a.mem_fraction_static < 1.0,
+        lambda a: f"--mem-fraction-static must be in (0, 1), got {a.mem_fraction_static}",
+    ),
+    Rule(
+        lambda a: not 0.0 < a.init_new_token_ratio <= 1.0,
+        lambda a: f"--init-new-token-ratio must be in (0, 1], got {a.init_new_token_ratio}",
+    ),
+    Rule(
+        lambda a: not 0.0 <= a.min_new_token_ratio_factor <= 1.0,
+        lambda a: f"--min-new-token-ratio-factor must be in [0, 1], got {a.min_new_token_ratio_factor}",
+    ),
+    Rule(
+        lambda a: a.schedule_conservativeness <= 0,
+        lambda a: f"--schedule-conservativeness must be > 0, got {a.schedule_conservativeness}",
+    ),
+    _positive("stream_interval"),
+    _positive("decode_log_interval"),
+    _choice("log_requests_level", LOG_REQUESTS_LEVELS),
+    Rule(
+        lambda a: not a.watchdog_timeout > 0,
+        lambda a: f"--watchdog-timeout must be > 0 seconds, got {a.watchdog_timeout}",
+    ),
+    Rule(
+        lambda a: a.retract_decode_steps < 0,
+        lambda a: f"--retract-decode-steps must be >= 0, got {a.retract_decode_steps}",
+    ),
+    _positive("response_store_max_count"),
+    _positive("response_store_max_bytes"),
+    _positive("batch_max_running"),
+    _positive("max_batch_file_bytes"),
+    _positive("max_batch_lines"),
+    Rule(lambda a: not 0 < a.port < 65536, lambda a: f"--port must be in 1..65535, got {a.port}"),
+    # Fair and cache-aware scheduling
+    Rule(
+        lambda a: (
+            not isinstance(a.lpm_aging_tokens_per_pass, int)
+            or isinstance(a.lpm_aging_tokens_per_pass, bool)
+            or a.lpm_aging_tokens_per_pass < 0
+        ),
+        lambda a: f"--lpm-aging-tokens-per-pass must be an integer >= 0, got {a.lpm_aging_tokens_per_pass!r}",
+    ),
+    Rule(
+        lambda a: bool(a.lpm_aging_tokens_per_pass) and a.schedule_policy != "lpm",
+        lambda a: (
+            f"--lpm-aging-tokens-per-pass ages --schedule-policy lpm only; got --schedule-policy "
+            f"{a.schedule_policy}"
+        ),
+    ),
+    _positive("dlpm_quantum_tokens"),
+    _choice("retraction_policy", RETRACTION_POLICIES),
+    Rule(
+        lambda a: a.retraction_policy == "priority" and not a.enable_priority_scheduling,
+        lambda a: "--retraction-policy priority requires --enable-priority-scheduling",
+    ),
+    _choice("radix_eviction_policy", RADIX_EVICTION_POLICIES),
+    Rule(
+        lambda a: a.radix_eviction_policy == "priority" and a.schedule_low_priority_values_first,
+        lambda a: (
+            "--radix-eviction-policy priority evicts lower priority values first, the opposite of "
+            "--schedule-low-priority-values-first"
+        ),
+    ),
+    # Tensor parallelism
+    _positive("tp_size"),
+    _positive("nnodes"),
+    Rule(
+        lambda a: a.tp_size % a.nnodes != 0,
+        lambda a: f"--tp-size {a.tp_size} must be a multiple of --nnodes {a.nnodes}",
+    ),
+    Rule(
+        lambda a: not 0 <= a.node_rank < a.nnodes,
+        lambda a: f"--node-rank must be in [0, {a.nnodes}), got {a.node_rank}",
+    ),
+    Rule(
+        lambda a: a.nnodes > 1 and a.dist_init_addr is None,
+        lambda a: "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)",
+    ),
+    Rule(
+        lambda a: a.dist_init_addr is not None and not _is_host_port(a.dist_init_addr),
+        lambda a: f"--dist-init-addr must be HOST:PORT, got {a.dist_init_addr!r}",
+    ),
+)

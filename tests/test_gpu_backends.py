@@ -130,7 +130,7 @@ def test_cuda_graph_replays_and_keeps_other_requests_cache(tiny):
 
 
 def test_auto_backend_on_cuda_is_triton(tiny):
-    from radixengine.layers.attention import resolve_attention_backend
+    from radixengine.layers.attention.attention_registry import resolve_attention_backend
 
     assert resolve_attention_backend("auto", "cuda") == "triton"
     assert resolve_attention_backend("auto", "cpu") == "torch_native"

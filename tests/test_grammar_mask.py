@@ -10,13 +10,12 @@ import pytest
 import torch
 from test_engine_utils import build_tokenizer
 
+from radixengine.constrained.backend_factory import create_grammar_backend, validate_grammar
 from radixengine.constrained.base_grammar_backend import (
     BaseGrammarObject,
     InvalidGrammarObject,
     allocate_vocab_mask,
     apply_vocab_mask,
-    create_grammar_backend,
-    validate_grammar,
 )
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixengine.entrypoints.openai_serving import constraint_params

@@ -6,8 +6,9 @@ The layers, from the bottom (`LAYERS`); a module imports its own layer and those
 0. `utils` and `mem_cache`: import nothing of radixengine but themselves.
 1. `constrained`, `function_call`, `parser`: grammars and parsers, on their own.
 2. `sampling`: the sampling parameters and the batch's sampling state (grammars included).
-3. `layers`, `models`, `model_loader`: the model and its parts. They name `ForwardBatch` in
-   annotations only (`if TYPE_CHECKING:`): the batch is the data handed down to them.
+3. `layers`, `models`, `model_loader`, `speculative`: the model and its parts, and the drafts and
+   their verification. They name the batch through the Protocols of `layers/forward_batch_view.py`
+   (`ForwardBatchView`), never `ForwardBatch`.
 4. `model_executor` and `server_args`: the worker. `ModelRunner` and `TpModelWorker` read a dozen
    flags of `ServerArgs` (as SGLang's do), so `server_args` sits here: nothing below
    `model_executor` imports it (a layer that needs a flag's value gets the value).
@@ -29,14 +30,12 @@ LAYERS = (
     {"distributed"},
     {"constrained", "function_call", "parser"},
     {"sampling"},
-    {"layers", "models", "model_loader"},
-    {"model_executor", "server_args"},
+    {"layers", "models", "model_loader", "speculative"},
+    {"model_executor", "server_args", "server_args_help"},
     {"managers"},
     {"engine", "entrypoints", "launch_server", "__init__"},
 )
 LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
-# What a lower layer may name in annotations only: the data handed down to it.
-TYPING_ONLY_DOWNWARD_DATA = {"radixengine.model_executor.forward_batch_info"}
 # DESIGN.md's "Layout": the file each named class lives in (and nowhere else). Two departures,
 # for managers/'s 500-line cap: Req has its own file (req.py; schedule_batch.py re-exports it) and
 # PrefillAdder too (prefill_adder.py); docs/architecture.md draws the layout as it is.
@@ -129,9 +128,7 @@ def test_every_module_has_a_layer():
 
 def downward(source: str, imp: Import) -> bool:
     """Whether a module of layer `source` may make the import `imp`."""
-    if LEVEL[imp.top] <= LEVEL[source]:
-        return True
-    return imp.typing_only and imp.module in TYPING_ONLY_DOWNWARD_DATA and LEVEL[source] == LEVEL["layers"]
+    return LEVEL[imp.top] <= LEVEL[source]
 
 
 def test_imports_run_downward():
@@ -191,12 +188,13 @@ def test_the_walk_sees_typing_only_and_nested_imports(tmp_path):
     ]
 
 
-def test_only_layers_and_models_name_the_batch_and_only_for_typing():
+def test_layers_and_models_do_not_name_the_batch_even_for_typing():
+    """They read the batch through `ForwardBatchView`: `ForwardBatch` is the worker's."""
     batch = "radixengine.model_executor.forward_batch_info"
-    assert downward("models", Import(batch, typing_only=True))
-    assert not downward("models", Import(batch, typing_only=False))
-    assert not downward("utils", Import(batch, typing_only=True))
+    assert not downward("models", Import(batch, typing_only=True))
+    assert not downward("layers", Import(batch, typing_only=True))
     assert not downward("layers", Import("radixengine.model_executor.model_runner", typing_only=True))
+    assert downward("layers", Import("radixengine.layers.forward_batch_view", typing_only=True))
 
 
 def test_distributed_imports_only_utils():

@@ -7,7 +7,10 @@ import pytest
 import torch
 from model_utils import ModelDriver, make_runner, save_tiny_model
 
-from radixengine.layers.attention import create_attention_backend, resolve_attention_backend
+from radixengine.layers.attention.attention_registry import (
+    create_attention_backend,
+    resolve_attention_backend,
+)
 from radixengine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixengine.model_executor import model_runner as model_runner_module
 from radixengine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch

@@ -17,6 +17,7 @@ import pytest
 from test_engine_utils import build_tiny_model, launch_test_server, stop_test_server
 
 from radixengine.entrypoints import openai_serving as oai
+from radixengine.entrypoints import openai_streams
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest
 from radixengine.parser.reasoning_parser import ReasoningParser
 from radixengine.server_args import ServerArgs
@@ -90,7 +91,7 @@ def stream_deltas(tm, body: dict, text: str, step: int) -> list[dict]:
             yield 0, out
 
     async def run():
-        return [c async for c in oai.chat_stream(tm, req, outs())]
+        return [c async for c in openai_streams.chat_stream(tm, req, outs())]
 
     chunks = asyncio.run(run())
     return [c["choices"][0] for c in chunks]

@@ -139,6 +139,12 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, tm: TokenizerManager) -> None:
         super().__init__(config)
         self.tm = tm
+        self.child_died = False
+        tm.on_dead = self._on_child_dead
+
+    def _on_child_dead(self, _: str) -> None:
+        self.child_died = True
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame) -> None:
         # A signal to the whole process group ends the children too: that is this shutdown, not a crash.
@@ -169,40 +175,36 @@ def launch_server(server_args) -> None:
     except (OSError, ValueError, RuntimeError) as e:
         logger.debug("start-up failed", exc_info=True)
         raise ServerStartError(str(e)) from e
-    app = create_app(tm, server_args)
+    server = _make_server(tm, server_args)
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the handler
+    # it found: make that one a no-op, so that the child processes are ended below and we exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        asyncio.run(_serve(server, server_args))
+    finally:
+        shutdown_subprocesses(tm)
+    if server.child_died or not server.started:
+        raise SystemExit(1)
+
+
+def _make_server(tm: TokenizerManager, server_args) -> _Server:
     config = uvicorn.Config(
-        app,
+        create_app(tm, server_args),
         host=server_args.host,
         port=server_args.port,
         log_level=server_args.log_level,
         timeout_keep_alive=5,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = _Server(config, tm)
-    exit_code = 0
+    return _Server(config, tm)
 
-    def on_dead(_: str) -> None:
-        nonlocal exit_code
-        exit_code = 1
-        server.should_exit = True
 
-    tm.on_dead = on_dead
-    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal to the handler
-    # it found: make that one a no-op, so that the child processes are ended below and we exit 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-
-    async def serve() -> None:
-        task = asyncio.ensure_future(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            logger.info(READY_MESSAGE.format(host=server_args.host, port=server_args.port))
-        await task
-
-    try:
-        asyncio.run(serve())
-    finally:
-        shutdown_subprocesses(tm)
-    if exit_code or not server.started:
-        raise SystemExit(exit_code or 1)
+async def _serve(server: _Server, server_args) -> None:
+    """Serve until uvicorn stops; the ready message once it listens."""
+    task = asyncio.ensure_future(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        logger.info(READY_MESSAGE.format(host=server_args.host, port=server_args.port))
+    await task

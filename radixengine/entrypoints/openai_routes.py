@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixengine.entrypoints import openai_serving as oai
+from radixengine.entrypoints import openai_streams
 from radixengine.entrypoints.http_errors import error_response
 from radixengine.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -38,7 +39,7 @@ async def _completions(request: Request, req: CompletionRequest) -> Response:
     return await serve_requests(
         request,
         objs,
-        lambda merged: oai.completion_stream(tm, req, merged, prompts),
+        lambda merged: openai_streams.completion_stream(tm, req, merged, prompts),
         lambda outs: oai.completion_response(tm, req, outs, prompts),
     )
 
@@ -59,7 +60,7 @@ async def _chat_completions(request: Request, req: ChatCompletionRequest) -> Res
     return await serve_requests(
         request,
         objs,
-        lambda merged: oai.chat_stream(tm, req, merged),
+        lambda merged: openai_streams.chat_stream(tm, req, merged),
         lambda outs: oai.chat_response(tm, req, outs),
     )
 

@@ -1,12 +1,11 @@
 """The OpenAI-compatible routes' logic: request → GenerateReqInput(s) (one per prompt and choice),
-outputs → OpenAI response objects and stream chunks."""
+outputs → OpenAI response objects (the stream chunks: openai_streams.py)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
-from radixengine.entrypoints.chat_output_parser import ChatOutputParser, StreamParser
+from radixengine.entrypoints.chat_output_parser import ChatOutputParser
 from radixengine.entrypoints.chat_tools import (
     CONSTRAINT_FIELDS,
     add_tool_params,
@@ -24,7 +23,7 @@ from radixengine.entrypoints.openai_protocol import (
     now,
 )
 from radixengine.managers.io_struct import GenerateReqInput
-from radixengine.managers.request_errors import RequestError, abort_to_error, is_abort
+from radixengine.managers.request_errors import RequestError
 from radixengine.managers.tokenizer_manager import TokenizerManager
 from radixengine.sampling.sampling_params import MAX_N
 
@@ -312,7 +311,7 @@ def chat_logprobs(token_logprobs: list, top_logprobs: list, top: int) -> dict:
     return {"content": content}
 
 
-def _logprobs_of(out: dict, prefix: str) -> tuple[list, list]:
+def logprobs_of(out: dict, prefix: str) -> tuple[list, list]:
     meta = out["meta_info"]
     return meta.get(f"{prefix}_token_logprobs") or [], meta.get(f"{prefix}_top_logprobs") or []
 
@@ -333,9 +332,9 @@ def completion_response(
         reason, matched = finish_reason_of(out)
         lp = None
         if req.logprobs is not None:
-            tokens, tops = _logprobs_of(out, "output")
+            tokens, tops = logprobs_of(out, "output")
             if req.echo:
-                in_tokens, in_tops = _logprobs_of(out, "input")
+                in_tokens, in_tops = logprobs_of(out, "input")
                 tokens, tops = in_tokens + tokens, in_tops + tops
             lp = completion_logprobs(tokens, tops, req.logprobs, 0)
         choices.append(
@@ -376,7 +375,7 @@ def chat_response(tm: TokenizerManager, req: ChatCompletionRequest, outs: list[d
         reason, matched = finish_reason_of(out)
         lp = None
         if req.logprobs:
-            lp = chat_logprobs(*_logprobs_of(out, "output"), req.top_logprobs or 0)
+            lp = chat_logprobs(*logprobs_of(out, "output"), req.top_logprobs or 0)
         message = chat_message(parsing, out["text"])
         if message.get("tool_calls") and reason == "stop":
             reason, matched = "tool_calls", None
@@ -391,113 +390,3 @@ def chat_response(tm: TokenizerManager, req: ChatCompletionRequest, outs: list[d
         "choices": choices,
         "usage": usage_of(outs, req.n),
     }
-
-
-class _Deltas:
-    """Per choice: how much text and how many ids were already sent."""
-
-    def __init__(self) -> None:
-        self.text_len: dict[int, int] = {}
-        self.ids_len: dict[int, int] = {}
-
-    def take(self, i: int, out: dict) -> tuple[str, list[int], tuple[list, list]]:
-        """The choice's new text, ids, and its new tokens' logprobs and top logprobs."""
-        t0, k0 = self.text_len.get(i, 0), self.ids_len.get(i, 0)
-        text, ids = out["text"], out["output_ids"]
-        self.text_len[i], self.ids_len[i] = max(t0, len(text)), len(ids)
-        tokens, tops = _logprobs_of(out, "output")
-        return text[t0:], ids[k0:], (tokens[k0 : len(ids)], tops[k0 : len(ids)])
-
-
-async def completion_stream(
-    tm: TokenizerManager, req: CompletionRequest, outs: AsyncIterator[tuple[int, dict]], prompts: list
-) -> AsyncIterator[dict]:
-    """Chunks of every choice as they come; with `echo`, a choice's first chunk starts with its
-    prompt (SGLang's rule). A chunk's `text_offset`s count from the start of all the choice's
-    text, as the whole answer's do (`offsets`: per choice, where its next token starts)."""
-    rid, created, deltas, finals, started = make_id("cmpl"), now(), _Deltas(), {}, set()
-    offsets: dict[int, int] = {}
-    async for i, out in outs:
-        if is_abort(out):
-            raise abort_to_error(out)
-        text, ids, lps = deltas.take(i, out)
-        reason, matched = finish_reason_of(out)
-        if not text and not ids and reason is None:
-            continue
-        first = i not in started
-        lp = None
-        if req.logprobs is not None:
-            tokens, tops = lps
-            if first and req.echo:
-                in_tokens, in_tops = _logprobs_of(out, "input")
-                tokens, tops = in_tokens + tokens, in_tops + tops
-            lp = completion_logprobs(tokens, tops, req.logprobs, offsets.get(i, 0))
-            offsets[i] = offsets.get(i, 0) + sum(len(t) for t in lp["tokens"])
-        if first:
-            started.add(i)
-            text = echo_text(tm, prompts[i // req.n]) + text if req.echo else text
-        choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
-        yield {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": req.model,
-            "choices": [choice],
-        }
-        if reason is not None:
-            finals[i] = out
-    if req.stream_options and req.stream_options.include_usage:
-        ordered = [finals[i] for i in sorted(finals)]
-        yield {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": req.model,
-            "choices": [],
-            "usage": usage_of(ordered, req.n),
-        }
-
-
-async def chat_stream(
-    tm: TokenizerManager, req: ChatCompletionRequest, outs: AsyncIterator[tuple[int, dict]]
-) -> AsyncIterator[dict]:
-    """Per step and choice: its new text as deltas (with the parsers: `reasoning_content`,
-    `content` and `tool_calls` pieces, SGLang's shapes), the step's logprobs on the first, the
-    finish reason (`tool_calls` once a call was streamed) on the last."""
-    rid, created, deltas, finals, started = make_id("chatcmpl"), now(), _Deltas(), {}, set()
-    parsing = output_parser(tm, req)
-    streams: dict[int, StreamParser] = {}
-
-    def chunk(choices: list[dict], **extra) -> dict:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                "choices": choices, **extra}  # fmt: skip
-
-    async for i, out in outs:
-        if is_abort(out):
-            raise abort_to_error(out)
-        if i not in started:
-            started.add(i)
-            streams[i] = parsing.new_stream()
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])  # fmt: skip
-        text, ids, lps = deltas.take(i, out)
-        reason, matched = finish_reason_of(out)
-        if not text and not ids and reason is None:
-            continue
-        lp = chat_logprobs(*lps, req.top_logprobs or 0) if req.logprobs else None
-        if parsing.active:
-            pieces = streams[i].step(text, reason is not None)
-            if reason is None and not pieces and lp is None:
-                continue  # held back by a parser
-        else:
-            pieces = [{"content": text}] if text else []
-        if reason == "stop" and streams[i].has_tool_calls:
-            reason, matched = "tool_calls", None
-        for k, delta in enumerate(pieces or [{}]):
-            choice = {"index": i, "delta": delta, "logprobs": lp if k == 0 else None, "finish_reason": None}
-            if k == max(len(pieces), 1) - 1 and reason is not None:
-                choice.update(finish_reason=reason, matched_stop=matched)
-                finals[i] = out
-            yield chunk([choice])
-    if req.stream_options and req.stream_options.include_usage:
-        yield chunk([], usage=usage_of([finals[i] for i in sorted(finals)], req.n))

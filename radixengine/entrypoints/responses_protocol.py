@@ -122,44 +122,67 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
 
 def _add_item(messages: list[dict], item: dict, param: str) -> None:
     kind = item.get("type", "message" if "role" in item else None)
-    last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
-    if kind == "message":
-        message = _message(item, param)
-        if (
-            message["role"] == "assistant"
-            and last is not None
-            and not last["content"]
-            and not last.get("tool_calls")
-        ):
-            last["content"] = message["content"]  # the answer after its reasoning item
-        else:
-            messages.append(message)
-    elif kind == "function_call":
-        call = {
-            "id": _string(item, "call_id", param),
-            "type": "function",
-            "function": {
-                "name": _string(item, "name", param),
-                "arguments": _string(item, "arguments", param),
-            },
-        }
-        if last is None:
-            last = {"role": "assistant", "content": ""}
-            messages.append(last)
-        last.setdefault("tool_calls", []).append(call)
-    elif kind == "function_call_output":
-        output = item.get("output")
-        content = output if isinstance(output, str) else _parts_text(output, f"{param}.output")
-        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": content})
-    elif kind == "reasoning":
-        texts = [p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict)]
-        messages.append({"role": "assistant", "content": "", "reasoning_content": "".join(texts)})
-    else:
+    add = _ITEM_ADDERS.get(kind)
+    if add is None:
         raise RequestError(
             f"{param}.type {kind!r} is not supported: input items are messages, function_call, "
             "function_call_output and reasoning",
             param=f"{param}.type",
         )
+    add(messages, item, param)
+
+
+def _last_assistant(messages: list[dict]) -> dict | None:
+    return messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+
+
+def _add_message(messages: list[dict], item: dict, param: str) -> None:
+    message = _message(item, param)
+    last = _last_assistant(messages)
+    if (
+        message["role"] == "assistant"
+        and last is not None
+        and not last["content"]
+        and not last.get("tool_calls")
+    ):
+        last["content"] = message["content"]  # the answer after its reasoning item
+    else:
+        messages.append(message)
+
+
+def _add_function_call(messages: list[dict], item: dict, param: str) -> None:
+    call = {
+        "id": _string(item, "call_id", param),
+        "type": "function",
+        "function": {
+            "name": _string(item, "name", param),
+            "arguments": _string(item, "arguments", param),
+        },
+    }
+    last = _last_assistant(messages)
+    if last is None:
+        last = {"role": "assistant", "content": ""}
+        messages.append(last)
+    last.setdefault("tool_calls", []).append(call)
+
+
+def _add_function_call_output(messages: list[dict], item: dict, param: str) -> None:
+    output = item.get("output")
+    content = output if isinstance(output, str) else _parts_text(output, f"{param}.output")
+    messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": content})
+
+
+def _add_reasoning(messages: list[dict], item: dict, param: str) -> None:
+    texts = [p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict)]
+    messages.append({"role": "assistant", "content": "", "reasoning_content": "".join(texts)})
+
+
+_ITEM_ADDERS = {
+    "message": _add_message,
+    "function_call": _add_function_call,
+    "function_call_output": _add_function_call_output,
+    "reasoning": _add_reasoning,
+}
 
 
 def _message(item: dict, param: str) -> dict:

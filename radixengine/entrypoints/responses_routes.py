@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixengine.entrypoints import openai_serving as oai
+from radixengine.entrypoints import openai_streams
 from radixengine.entrypoints.http_errors import error_response
 from radixengine.entrypoints.openai_protocol import ChatCompletionRequest
 from radixengine.entrypoints.request_fields import parse_json, parse_model
@@ -86,7 +87,7 @@ async def _create(request: Request, req: ResponsesRequest) -> Response:
         return _start_background(tm, store, chat_req, objs, base, conversation)
     if req.stream:
         events = ResponseEvents(base, _token_counter(tm))
-        chunks = oai.chat_stream(tm, chat_req, merged_stream(tm, objs))
+        chunks = openai_streams.chat_stream(tm, chat_req, merged_stream(tm, objs))
         stream = _keeping(store, req, conversation, response_events(events, chunks))
         return await sse_response(request, stream, objs, RESPONSES_SSE)
     outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)

@@ -94,12 +94,7 @@ class BaseFormatDetector(ABC):
         self._buffer += new_text
         current_text = self._buffer
         if not (self.has_tool_call(current_text) or self._at_separator(current_text)):
-            if self._ends_with_partial_token(self._buffer, self.bot_token):
-                return StreamingParseResult()  # maybe the start of a call: hold it
-            normal_text, self._buffer = self._buffer, ""
-            if self.eot_token:
-                normal_text = normal_text.replace(self.eot_token, "")
-            return StreamingParseResult(normal_text=normal_text)
+            return self._plain_text()
 
         if self._tool_indices is None:
             self._tool_indices = tool_names(tools)
@@ -110,6 +105,19 @@ class BaseFormatDetector(ABC):
             result = BaseFormatDetector.parse_streaming_increment(self, "", tools)
             result.normal_text = current_text[:pos] + result.normal_text
             return result
+        return self._stream_current_call(current_text, tools)
+
+    def _plain_text(self) -> StreamingParseResult:
+        """No call in the buffer: it is all text for the user, unless its end may start a call."""
+        if self._ends_with_partial_token(self._buffer, self.bot_token):
+            return StreamingParseResult()  # maybe the start of a call: hold it
+        normal_text, self._buffer = self._buffer, ""
+        if self.eot_token:
+            normal_text = normal_text.replace(self.eot_token, "")
+        return StreamingParseResult(normal_text=normal_text)
+
+    def _stream_current_call(self, current_text: str, tools: list) -> StreamingParseResult:
+        """The next piece of the call being read: its name once, then its arguments as they come."""
         try:
             read = self._read_current_call(current_text)
         except (MalformedJSON, json.JSONDecodeError):

@@ -14,8 +14,8 @@ from radixengine.layers.forward_logprobs import ForwardLogprobs
 from radixengine.layers.linear import block_linear
 
 if TYPE_CHECKING:
+    from radixengine.layers.forward_batch_view import ForwardBatchView
     from radixengine.layers.vocab_embedding import VocabEmbedding
-    from radixengine.model_executor.forward_batch_info import ForwardBatch
 
 # Prompt positions whose full-vocabulary logits are held at once while taking input logprobs.
 INPUT_LOGPROB_CHUNK_ROWS = 1024
@@ -44,7 +44,7 @@ class LogitsProcessor(nn.Module):
         self.final_logit_softcapping = final_logit_softcapping or None
 
     def forward(
-        self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatch
+        self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatchView
     ) -> LogitsProcessorOutput:
         states = hidden_states
         if forward_batch.forward_mode.has_extend_layout():
@@ -59,7 +59,7 @@ class LogitsProcessor(nn.Module):
         self,
         hidden_states: torch.Tensor,
         lm_head: VocabEmbedding,
-        forward_batch: ForwardBatch,
+        forward_batch: ForwardBatchView,
         top: int,
         out: LogitsProcessorOutput,
     ) -> None:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.forward_batch_info import ForwardBatch
+    from radixengine.layers.forward_batch_view import ForwardBatchView
 
 
 def sliding_window_size(config, layer_id: int) -> int:
@@ -57,7 +57,7 @@ class RadixAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        forward_batch: ForwardBatch,
+        forward_batch: ForwardBatchView,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """q `[T, H, D]`, k and v `[T, Hkv, D]` -> `[T, H * D]`."""

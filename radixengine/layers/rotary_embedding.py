@@ -14,7 +14,7 @@ from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.native_small_ops import runs_native
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.forward_batch_info import ForwardBatch
+    from radixengine.layers.forward_batch_view import ForwardBatchView
 
 # A config attribute: per rotary frequency, the number its inverse frequency is divided by
 # (llama.cpp's `rope_freqs` tensor; the GGUF loader copies it there). Its scaling type:
@@ -46,7 +46,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _scaled_inv_freq(_base_inv_freq(base, self.rotary_dim), scaling)
         return _cos_sin(inv_freq, self.max_position_embeddings)
 
-    def cache_positions(self, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def cache_positions(self, positions: torch.Tensor, forward_batch: ForwardBatchView) -> torch.Tensor:
         """The rows of `cos_sin_cache` the tokens at `positions` read (the positions themselves)."""
         return positions
 
@@ -103,7 +103,7 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         ]
         return torch.cat(caches)
 
-    def cache_positions(self, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def cache_positions(self, positions: torch.Tensor, forward_batch: ForwardBatchView) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():
             seq_lens = positions + 1
         else:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from radixengine.constrained.base_grammar_backend import InvalidGrammarObject, create_grammar_backend
+from radixengine.constrained.backend_factory import create_grammar_backend
+from radixengine.constrained.base_grammar_backend import InvalidGrammarObject
 from radixengine.managers.req import Req, Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from radixengine.constrained.base_grammar_backend import validate_grammar
+from radixengine.constrained.backend_factory import validate_grammar
 from radixengine.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from radixengine.managers.request_errors import RequestError
 from radixengine.managers.served_model import max_chars_per_token

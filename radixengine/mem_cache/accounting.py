@@ -3,14 +3,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+    from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
+    from radixengine.mem_cache.memory_pool import ReqToTokenPool
 
 
 class TokenAccountingError(AssertionError):
     """KV slots or req_to_token rows leaked (or were counted twice)."""
 
 
-def token_accounting_message(allocator: Any, tree_cache: Any, req_to_token_pool: Any = None) -> str | None:
+def token_accounting_message(
+    allocator: BaseTokenToKVPoolAllocator,
+    tree_cache: BasePrefixCache | None,
+    req_to_token_pool: ReqToTokenPool | None = None,
+) -> str | None:
     """What is wrong with the accounting, or None when it holds. `tree_cache` and
     `req_to_token_pool` may be None."""
     available = allocator.available_size()
@@ -33,14 +42,18 @@ def token_accounting_message(allocator: Any, tree_cache: Any, req_to_token_pool:
     return "; ".join(problems) if problems else None
 
 
-def check_token_accounting(allocator: Any, tree_cache: Any, req_to_token_pool: Any = None) -> None:
+def check_token_accounting(
+    allocator: BaseTokenToKVPoolAllocator,
+    tree_cache: BasePrefixCache | None,
+    req_to_token_pool: ReqToTokenPool | None = None,
+) -> None:
     """Raise TokenAccountingError naming the difference unless the invariant holds."""
     message = token_accounting_message(allocator, tree_cache, req_to_token_pool)
     if message is not None:
         raise TokenAccountingError(f"token accounting broken: {message}")
 
 
-def _used_rows(req_to_token_pool: Any) -> list[int]:
+def _used_rows(req_to_token_pool: ReqToTokenPool) -> list[int]:
     if hasattr(req_to_token_pool, "used_rows"):
         return req_to_token_pool.used_rows()
     free = set(req_to_token_pool.free_slots)

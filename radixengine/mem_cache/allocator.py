@@ -3,11 +3,9 @@ PagedTokenToKVPoolAllocator (whole pages; requests continue their last partial p
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from radixengine.mem_cache.memory_pool import check_count
+from radixengine.mem_cache.memory_pool import MHATokenToKVPool, check_count
 
 IndexLike = torch.Tensor | list[int]
 
@@ -32,7 +30,7 @@ class BaseTokenToKVPoolAllocator:
         page_size: int,
         dtype: torch.dtype,
         device: str | torch.device,
-        kvcache: Any = None,
+        kvcache: MHATokenToKVPool | None = None,
         *,
         need_sort: bool = False,
         check_frees: bool = True,
@@ -57,7 +55,7 @@ class BaseTokenToKVPoolAllocator:
         self.is_not_in_free_group = True
         self.free_group: list[torch.Tensor] = []
 
-    def get_kvcache(self) -> Any:
+    def get_kvcache(self) -> MHATokenToKVPool | None:
         return self._kvcache
 
     def available_size(self) -> int:
@@ -143,7 +141,7 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         size: int,
         dtype: torch.dtype,
         device: str | torch.device,
-        kvcache: Any = None,
+        kvcache: MHATokenToKVPool | None = None,
         *,
         need_sort: bool = False,
         check_frees: bool = True,

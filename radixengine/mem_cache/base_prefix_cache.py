@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from radixengine.mem_cache.memory_pool import ReqToTokenPool
+
+
+class CacheNode(Protocol):
+    """The handle of a cached prefix: the node that ends it (RadixCache's `TreeNode`). A request
+    holds it (`last_node`) and the cache keeps it locked (`inc_lock_ref`) while the request uses
+    the prefix's KV slots; `lock_ref` counts the locks."""
+
+    lock_ref: int
 
 
 class CacheReq(Protocol):
@@ -19,19 +27,20 @@ class CacheReq(Protocol):
     fill_ids: list[int]
     req_pool_idx: int
     prefix_indices: torch.Tensor
-    last_node: Any
+    last_node: CacheNode | None  # None: no tree (ChunkCache), or nothing matched yet
     hit_counted_len: int  # its tokens whose tree nodes counted it as a hit (lfu, slru), kept by the tree
 
 
 class MatchResult(NamedTuple):
     """`device_indices`: int64 KV slots of the cached prefix, one per token.
-    `last_node`: the node that ends the prefix; lock it before using the indices."""
+    `last_node`: the node that ends the prefix (None for a cache without a tree); lock it before
+    using the indices."""
 
     device_indices: torch.Tensor
-    last_node: Any
+    last_node: CacheNode | None
 
 
-def as_token_key(key: Any) -> tuple[int, ...]:
+def as_token_key(key: object) -> tuple[int, ...]:
     """Check that `key` is a list or tuple of int token ids and return it as a tuple."""
     if isinstance(key, tuple):
         tokens = key
@@ -50,7 +59,7 @@ def as_token_key(key: Any) -> tuple[int, ...]:
     return tokens
 
 
-def _token_id(token: Any) -> int:
+def _token_id(token: object) -> int:
     if isinstance(token, (float, str, bytes)) or not hasattr(token, "__index__"):
         raise TypeError(f"key must hold int token ids, found {type(token).__name__} {token!r}")
     return token.__index__()
@@ -103,12 +112,12 @@ class BasePrefixCache(ABC):
         that many; returns how many were freed (whole nodes, so it may be more)."""
 
     @abstractmethod
-    def inc_lock_ref(self, node: Any) -> int:
+    def inc_lock_ref(self, node: CacheNode | None) -> int:
         """Protect the path from `node` to the root from eviction; returns the change in
         `evictable_size()`."""
 
     @abstractmethod
-    def dec_lock_ref(self, node: Any) -> int:
+    def dec_lock_ref(self, node: CacheNode | None) -> int:
         """Undo one `inc_lock_ref(node)`; raises if the node is not locked. Returns the change in
         `evictable_size()`."""
 

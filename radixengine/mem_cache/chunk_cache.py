@@ -7,12 +7,13 @@ them in `req.prefix_indices` (so the next chunk reuses them) and `cache_finished
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from radixengine.mem_cache.base_prefix_cache import (
     BasePrefixCache,
+    CacheNode,
     CacheReq,
     MatchResult,
     as_token_key,
@@ -57,10 +58,10 @@ class ChunkCache(BasePrefixCache):
         check_count("num_tokens", num_tokens)
         return 0
 
-    def inc_lock_ref(self, node: Any) -> int:
+    def inc_lock_ref(self, node: CacheNode | None) -> int:
         return 0
 
-    def dec_lock_ref(self, node: Any) -> int:
+    def dec_lock_ref(self, node: CacheNode | None) -> int:
         return 0
 
     def evictable_size(self) -> int:

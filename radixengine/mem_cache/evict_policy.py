@@ -7,19 +7,31 @@ what lets RadixCache keep one lazy heap: a stale entry pops early and is pushed 
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 RADIX_EVICTION_POLICIES = ("lru", "lfu", "slru", "priority")
 
 
+# A node's sort key: the smallest is evicted first.
+EvictionKey = int | tuple[int, ...]
+
+
+class EvictionStats(Protocol):
+    """What the strategies read of a tree node (RadixCache's TreeNode)."""
+
+    last_access_time: int
+    hit_count: int
+    priority: int
+
+
 class EvictionStrategy(Protocol):
-    def get_priority(self, node: Any) -> int | tuple[int, ...]: ...
+    def get_priority(self, node: EvictionStats) -> EvictionKey: ...
 
 
 class LRUStrategy:
     """Least recently used first."""
 
-    def get_priority(self, node: Any) -> int:
+    def get_priority(self, node: EvictionStats) -> int:
         return node.last_access_time
 
 
@@ -27,7 +39,7 @@ class LFUStrategy:
     """Fewest requests that inserted through the node first; the least recently used among
     equals."""
 
-    def get_priority(self, node: Any) -> tuple[int, int]:
+    def get_priority(self, node: EvictionStats) -> tuple[int, int]:
         return (node.hit_count, node.last_access_time)
 
 
@@ -38,7 +50,7 @@ class SLRUStrategy:
     def __init__(self, protected_threshold: int = 2) -> None:
         self.protected_threshold = protected_threshold
 
-    def get_priority(self, node: Any) -> tuple[int, int]:
+    def get_priority(self, node: EvictionStats) -> tuple[int, int]:
         return (int(node.hit_count >= self.protected_threshold), node.last_access_time)
 
 
@@ -46,7 +58,7 @@ class PriorityStrategy:
     """Prefixes of low-priority requests first (a node keeps the highest priority of the requests
     that inserted it); LRU among equals."""
 
-    def get_priority(self, node: Any) -> tuple[int, int]:
+    def get_priority(self, node: EvictionStats) -> tuple[int, int]:
         return (node.priority, node.last_access_time)
 
 

@@ -5,12 +5,21 @@ from __future__ import annotations
 import math
 import mmap
 import operator
-from typing import Any
+from typing import Protocol
 
 import torch
 
+# What `req_to_token[...]` takes: a row, a (rows, columns) pair of ints, slices or index tensors.
+PoolIndex = int | slice | torch.Tensor | tuple[int | slice | torch.Tensor, int | slice | torch.Tensor]
 
-def check_count(name: str, value: Any, minimum: int = 0) -> int:
+
+class HasLayerId(Protocol):
+    """A layer object (RadixAttention) in place of its `layer_id`."""
+
+    layer_id: int
+
+
+def check_count(name: str, value: object, minimum: int = 0) -> int:
     """`value` as an int >= `minimum`, or ValueError naming `name`."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an int, got bool")
@@ -33,7 +42,7 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros((self.size, self.max_context_len), dtype=torch.int32, device=device)
         self.clear()
 
-    def write(self, indices: Any, values: torch.Tensor | int) -> None:
+    def write(self, indices: PoolIndex, values: torch.Tensor | int) -> None:
         self.req_to_token[indices] = values
 
     def available_size(self) -> int:
@@ -58,7 +67,7 @@ class ReqToTokenPool:
             self._is_free[row] = True
         self.free_slots.extend(rows)
 
-    def _check_row(self, row: Any) -> int:
+    def _check_row(self, row: object) -> int:
         if isinstance(row, bool) or not hasattr(row, "__index__") or not 0 <= row.__index__() < self.size:
             raise ValueError(f"req_to_token_pool.free: row {row!r} is not in [0, {self.size})")
         if self._is_free[row.__index__()]:
@@ -113,7 +122,7 @@ class MHATokenToKVPool:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def set_kv_buffer(
-        self, layer_id: Any, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+        self, layer_id: int | HasLayerId, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     ) -> None:
         """Write K and V (`[n, head_num, head_dim]` or `[n, head_num * head_dim]`) at slots `loc`.
         `layer_id` may also be a layer object with a `layer_id` attribute."""

@@ -16,7 +16,7 @@ import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -28,7 +28,7 @@ from radixengine.mem_cache.base_prefix_cache import (
     finished_kv_len,
     req_kv_indices,
 )
-from radixengine.mem_cache.evict_policy import get_eviction_strategy
+from radixengine.mem_cache.evict_policy import EvictionKey, get_eviction_strategy
 from radixengine.mem_cache.memory_pool import check_count
 
 if TYPE_CHECKING:
@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from radixengine.mem_cache.memory_pool import ReqToTokenPool
 
 _node_ids = itertools.count()
+
+# A child's key in its parent: its first token (page_size 1) or its first page.
+ChildKey = int | tuple[int, ...]
 
 # Matching compares this many tokens per slice before looking for the first difference.
 _SCAN_BLOCK = 64
@@ -46,7 +49,7 @@ class TreeNode:
     key: tuple[int, ...] = ()
     value: torch.Tensor | None = None
     parent: TreeNode | None = None
-    children: dict[Any, TreeNode] = field(default_factory=dict)
+    children: dict[ChildKey, TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     # A logical clock (one tick per match/insert): the LRU order of SGLang's wall-clock times,
     # without ties.
@@ -105,7 +108,7 @@ class RadixCache(BasePrefixCache):
         # Unlocked leaves, and a heap of (eviction key, id, node) over them whose entries may be
         # stale: evict() skips or refreshes those.
         self._evictable_leaves: set[TreeNode] = set()
-        self._leaf_heap: list[tuple[Any, int, TreeNode]] = []
+        self._leaf_heap: list[tuple[EvictionKey, int, TreeNode]] = []
 
     # ---- lookups ----
 
@@ -396,7 +399,7 @@ class RadixCache(BasePrefixCache):
 
     # ---- helpers ----
 
-    def _child_key(self, key: tuple[int, ...], start: int) -> Any:
+    def _child_key(self, key: tuple[int, ...], start: int) -> ChildKey:
         if self.page_size == 1:
             return key[start]
         return key[start : start + self.page_size]

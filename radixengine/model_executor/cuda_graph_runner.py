@@ -11,17 +11,26 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 from radixengine.layers.logits_processor import LogitsProcessorOutput
-from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ForwardResources
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.model_runner import ModelRunner
+    from radixengine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+
+class GraphModelRunner(ForwardResources, Protocol):
+    """What the graphs take of the `ModelRunner` that owns them."""
+
+    server_args: ServerArgs
+    max_running_requests: int
+    model: nn.Module
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -31,7 +40,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
-def cuda_graph_supported(model_runner: ModelRunner) -> bool:
+def cuda_graph_supported(model_runner: GraphModelRunner) -> bool:
     args = model_runner.server_args
     return (
         model_runner.device.type == "cuda"
@@ -41,7 +50,7 @@ def cuda_graph_supported(model_runner: ModelRunner) -> bool:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: ModelRunner) -> None:
+    def __init__(self, model_runner: GraphModelRunner) -> None:
         self.model_runner = model_runner
         max_bs = min(model_runner.server_args.cuda_graph_max_bs, model_runner.max_running_requests)
         self.capture_bs = capture_batch_sizes(max_bs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -13,7 +13,7 @@ from radixengine.speculative.spec_tree import DraftTrees
 
 if TYPE_CHECKING:
     from radixengine.layers.attention.base_attn_backend import AttentionBackend
-    from radixengine.model_executor.model_runner import ModelRunner
+    from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -45,6 +45,15 @@ class ForwardMode(IntEnum):
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
+
+
+class ForwardResources(Protocol):
+    """What a forward takes of the model runner that runs it (`ModelRunner` provides it)."""
+
+    device: torch.device
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
+    attn_backend: AttentionBackend
 
 
 @dataclass
@@ -111,7 +120,7 @@ class ForwardBatch:
     input_logprob_token_ids: torch.Tensor | None = None  # int64 [rows]
 
     @classmethod
-    def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner) -> ForwardBatch:
+    def init_new(cls, batch: ModelWorkerBatch, model_runner: ForwardResources) -> ForwardBatch:
         device = model_runner.device
         seq_lens = batch.seq_lens.to(device)
         fb = cls(

@@ -8,7 +8,7 @@ import psutil
 import torch
 
 from radixengine.distributed import get_tp_group, tensor_model_parallel_all_reduce_min
-from radixengine.layers.attention import create_attention_backend
+from radixengine.layers.attention.attention_registry import create_attention_backend
 from radixengine.layers.linear import head_ranges
 from radixengine.layers.logits_processor import LogitsProcessorOutput
 from radixengine.layers.sampler import Sampler, logprobs_of

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from radixengine.layers.attention import attention_backend_unavailable
+from radixengine.layers.attention.attention_registry import attention_backend_unavailable
 from radixengine.server_args import ServerArgs
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -94,34 +95,69 @@ def load_gguf_block_weights(model: nn.Module, model_config: ModelConfig) -> int:
     module keeps them only if every shard is in a type the block kernel runs, else it computes
     with its dequantized float weights (one log line names those tensors and their types).
     Returns the modules kept."""
-    import gguf
-
     from radixengine.layers.gguf_quant_ops import FORMATS
-    from radixengine.layers.linear import BlockShardError
 
-    no_kernel: dict[str, list[str]] = {}  # type name -> GGUF tensors
-    unsplit: list[str] = []  # GGUF tensors whose rank slice would cut blocks (tensor parallel)
-    fallback_modules: set[str] = set()
+    loads = _BlockLoads()
     tensors = gguf_block_weights_iterator(model_config.model_path, model_config.hf_config, frozenset(FORMATS))
     for name, gguf_name, qtype, rows in tensors:
         tied = getattr(model, "tie_word_embeddings", False)
         if name == ("lm_head.weight" if tied else "model.embed_tokens.weight"):
             continue  # the embedding's blocks serve only as a tied LM head
+        loads.attach(model, name, gguf_name, qtype, rows)
+    kept = _keep_whole_blocks(model, loads.fallback_modules)
+    loads.log()
+    logger.info("GGUF block weights for %d modules (batches of at most %d rows)", kept, GGUF_BLOCK_MAX_TOKENS)
+    return kept
+
+
+@dataclass
+class _BlockLoads:
+    """What attaching the blocks left out: the modules that compute with float weights instead,
+    and why (for the log)."""
+
+    no_kernel: dict[str, list[str]] = field(default_factory=dict)  # type name -> GGUF tensors
+    unsplit: list[str] = field(default_factory=list)  # GGUF tensors a rank slice would cut blocks of
+    fallback_modules: set[str] = field(default_factory=set)
+
+    def attach(self, model: nn.Module, name: str, gguf_name: str, qtype: int, rows) -> None:
+        """Hand one tensor's blocks (`rows`; None: a type without a kernel) to its module."""
+        import gguf
+
+        from radixengine.layers.linear import BlockShardError
+
         param_name, shard_id = model._param_for(name)
         module_name = param_name.rsplit(".", 1)[0]
         module = model.get_submodule(module_name)
         if not hasattr(module, "block_weight_loader"):
-            continue
+            return
         if rows is None:
             if qtype != gguf.GGMLQuantizationType.F32:
-                no_kernel.setdefault(gguf.GGMLQuantizationType(qtype).name, []).append(gguf_name)
-            fallback_modules.add(module_name)
-            continue
+                self.no_kernel.setdefault(gguf.GGMLQuantizationType(qtype).name, []).append(gguf_name)
+            self.fallback_modules.add(module_name)
+            return
         try:
             module.block_weight_loader(rows, qtype, GGUF_BLOCK_MAX_TOKENS, shard_id)
         except BlockShardError as e:
-            unsplit.append(f"{gguf_name} ({e})")
-            fallback_modules.add(module_name)
+            self.unsplit.append(f"{gguf_name} ({e})")
+            self.fallback_modules.add(module_name)
+
+    def log(self) -> None:
+        if self.no_kernel:
+            logger.info(
+                "GGUF tensors in types without a block kernel use dequantized float32 weights: %s",
+                "; ".join(f"{t}: {_names(names)}" for t, names in sorted(self.no_kernel.items())),
+            )
+        if self.unsplit:
+            logger.warning(
+                "GGUF tensors that cannot be split over the TP ranks in whole blocks use dequantized "
+                "float32 weights: %s",
+                _names(self.unsplit),
+            )
+
+
+def _keep_whole_blocks(model: nn.Module, fallback_modules: set[str]) -> int:
+    """Drop the blocks of the modules that fall back, or whose blocks do not cover every output
+    row; returns how many modules keep theirs."""
     kept = 0
     for module_name, module in model.named_modules():
         block = getattr(module, "block_weight", None)
@@ -131,18 +167,6 @@ def load_gguf_block_weights(model: nn.Module, model_config: ModelConfig) -> int:
             module.block_weight = None
         else:
             kept += 1
-    if no_kernel:
-        logger.info(
-            "GGUF tensors in types without a block kernel use dequantized float32 weights: %s",
-            "; ".join(f"{t}: {_names(names)}" for t, names in sorted(no_kernel.items())),
-        )
-    if unsplit:
-        logger.warning(
-            "GGUF tensors that cannot be split over the TP ranks in whole blocks use dequantized "
-            "float32 weights: %s",
-            _names(unsplit),
-        )
-    logger.info("GGUF block weights for %d modules (batches of at most %d rows)", kept, GGUF_BLOCK_MAX_TOKENS)
     return kept
 
 

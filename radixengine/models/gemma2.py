@@ -17,7 +17,7 @@ from radixengine.layers.vocab_embedding import VocabEmbedding
 from radixengine.models.llama import LlamaAttention, LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.forward_batch_info import ForwardBatch
+    from radixengine.layers.forward_batch_view import ForwardBatchView
 
 
 class Gemma2MLP(nn.Module):
@@ -57,7 +57,7 @@ class Gemma2DecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        forward_batch: ForwardBatch,
+        forward_batch: ForwardBatchView,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -85,7 +85,7 @@ class Gemma2Model(nn.Module):
         self.embed_scale = float(config.hidden_size) ** 0.5
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatchView
     ) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids)
         # The scale rounded to the model's dtype first, as HF does.

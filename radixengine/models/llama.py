@@ -17,7 +17,7 @@ from radixengine.layers.rotary_embedding import RotaryEmbedding, get_rope, parti
 from radixengine.layers.vocab_embedding import LMHead, VocabEmbedding
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.forward_batch_info import ForwardBatch
+    from radixengine.layers.forward_batch_view import ForwardBatchView
 
 
 class LlamaMLP(nn.Module):
@@ -74,7 +74,7 @@ class LlamaAttention(nn.Module):
         return bool(getattr(config, "attention_bias", False))
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatchView
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = self.split_qk_v(qkv)
@@ -106,7 +106,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        forward_batch: ForwardBatch,
+        forward_batch: ForwardBatchView,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -129,7 +129,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatchView
     ) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatchView
     ) -> LogitsProcessorOutput:
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)

@@ -11,12 +11,12 @@ import torch
 from radixengine.models.llama import LlamaForCausalLM, LlamaModel
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.forward_batch_info import ForwardBatch
+    from radixengine.layers.forward_batch_view import ForwardBatchView
 
 
 class Phi3Model(LlamaModel):
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatchView
     ) -> torch.Tensor:
         # Every layer shares one rotary embedding; with longrope it picks its cache rows per request.
         rope = self.layers[0].self_attn.rotary_emb

@@ -71,15 +71,6 @@ class SamplingBatchInfo:
         if len(params) != len(steps):
             raise ValueError(f"{len(params)} sampling params but {len(steps)} steps")
         ks = [_resolve_top_k(p.top_k, vocab_size) for p in params]
-        greedy = [p.is_greedy for p in params]
-        sampled = [i for i, g in enumerate(greedy) if not g]
-        full = vocab_size if vocab_size is not None else -1
-        need_top_k = any(ks[i] != full for i in sampled)
-        seeded = [i for i, p in enumerate(params) if p.sampling_seed is not None]
-        seeds = None
-        if seeded:
-            seeds = [0 if p.sampling_seed is None else p.sampling_seed % _SEED_MOD for p in params]
-            seeds = torch.tensor(seeds, dtype=torch.int64, device=device)
         return cls(
             temperatures=torch.tensor(
                 [[p.temperature] for p in params], dtype=torch.float32, device=device
@@ -87,18 +78,10 @@ class SamplingBatchInfo:
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
             min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            seeds=seeds,
             steps=torch.tensor(steps, dtype=torch.int64, device=device),
-            is_all_greedy=not sampled,
-            need_top_p_sampling=any(params[i].top_p < 1.0 for i in sampled),
-            need_top_k_sampling=need_top_k,
-            need_min_p_sampling=any(params[i].min_p > 0.0 for i in sampled),
-            has_seed=bool(seeded),
             vocab_size=vocab_size,
-            has_greedy=bool(sampled) and len(sampled) < len(params),
-            max_top_k=_max_top_k([ks[i] for i in sampled], full) if need_top_k else None,
-            seeded_rows=torch.tensor(seeded, dtype=torch.int64, device=device) if seeded else None,
-            all_seeded=len(seeded) == len(params) > 0,
+            **_sampling_flags(params, ks, vocab_size),
+            **_seeds(params, device),
             **_min_new_tokens_pairs(params, eos_token_ids, device),
             **_penalties(params, device),
             **_logit_bias_triples(params, device),
@@ -218,6 +201,35 @@ def _min_new_tokens_pairs(
 
 def _int64(values: list[int], device: torch.device | str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _sampling_flags(params: list[SamplingParams], ks: list[int], vocab_size: int | None) -> dict:
+    """Which sampling steps some sampled (not greedy) row needs, and the largest top-k among them."""
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    full = vocab_size if vocab_size is not None else -1
+    need_top_k = any(ks[i] != full for i in sampled)
+    return {
+        "is_all_greedy": not sampled,
+        "need_top_p_sampling": any(params[i].top_p < 1.0 for i in sampled),
+        "need_top_k_sampling": need_top_k,
+        "need_min_p_sampling": any(params[i].min_p > 0.0 for i in sampled),
+        "has_greedy": bool(sampled) and len(sampled) < len(params),
+        "max_top_k": _max_top_k([ks[i] for i in sampled], full) if need_top_k else None,
+    }
+
+
+def _seeds(params: list[SamplingParams], device: torch.device | str) -> dict:
+    """The rows' seeds (0 for an unseeded row; None when no row is seeded) and the seeded rows."""
+    seeded = [i for i, p in enumerate(params) if p.sampling_seed is not None]
+    if not seeded:
+        return {"seeds": None, "has_seed": False, "seeded_rows": None, "all_seeded": False}
+    seeds = [0 if p.sampling_seed is None else p.sampling_seed % _SEED_MOD for p in params]
+    return {
+        "seeds": torch.tensor(seeds, dtype=torch.int64, device=device),
+        "has_seed": True,
+        "seeded_rows": torch.tensor(seeded, dtype=torch.int64, device=device),
+        "all_seeded": len(seeded) == len(params),
+    }
 
 
 def _resolve_top_k(top_k: int, vocab_size: int | None) -> int:

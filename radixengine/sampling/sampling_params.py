@@ -84,53 +84,74 @@ class SamplingParams:
         return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     def verify(self, vocab_size: int | None = None) -> None:
-        _int("max_new_tokens", self.max_new_tokens, minimum=0)
-        _int("min_new_tokens", self.min_new_tokens, minimum=0)
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})"
-            )
-        _number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        _number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _int("top_k", self.top_k)
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        _number("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            _number(name, getattr(self, name))
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        _number("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(
-                f"repetition_penalty must be in (0, 2] (1 = no penalty), got {self.repetition_penalty}"
-            )
+        """Raise ValueError naming the first parameter that is out of range or of the wrong type."""
+        _verify_lengths(self)
+        _verify_sampling(self)
+        _verify_penalties(self)
         _verify_logit_bias(self.logit_bias, vocab_size)
-        _int("n", self.n, minimum=1)
-        if self.n > MAX_N:
-            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
-        if self.sampling_seed is not None:
-            _int("sampling_seed", self.sampling_seed, minimum=0)
-        if self.stop is not None:
-            stops = [self.stop] if isinstance(self.stop, str) else self.stop
-            if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-                raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-            ):
-                raise ValueError("stop_token_ids must be a list of non-negative integers")
+        _verify_n_and_seed(self)
+        _verify_stops(self)
         _verify_stop_regex(self.stop_regex)
         _verify_grammar_fields(self)
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+
+def _verify_lengths(params: SamplingParams) -> None:
+    _int("max_new_tokens", params.max_new_tokens, minimum=0)
+    _int("min_new_tokens", params.min_new_tokens, minimum=0)
+    if params.min_new_tokens > params.max_new_tokens:
+        raise ValueError(
+            f"min_new_tokens ({params.min_new_tokens}) must be <= max_new_tokens ({params.max_new_tokens})"
+        )
+
+
+def _verify_sampling(params: SamplingParams) -> None:
+    _number("temperature", params.temperature)
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    _number("top_p", params.top_p)
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    _int("top_k", params.top_k)
+    if params.top_k == 0 or params.top_k < -1:
+        raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {params.top_k}")
+    _number("min_p", params.min_p)
+    if not 0.0 <= params.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
+
+
+def _verify_penalties(params: SamplingParams) -> None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        _number(name, getattr(params, name))
+        if not -2.0 <= getattr(params, name) <= 2.0:
+            raise ValueError(f"{name} must be in [-2, 2], got {getattr(params, name)}")
+    _number("repetition_penalty", params.repetition_penalty)
+    if not 0.0 < params.repetition_penalty <= 2.0:
+        raise ValueError(
+            f"repetition_penalty must be in (0, 2] (1 = no penalty), got {params.repetition_penalty}"
+        )
+
+
+def _verify_n_and_seed(params: SamplingParams) -> None:
+    _int("n", params.n, minimum=1)
+    if params.n > MAX_N:
+        raise ValueError(f"n must be at most {MAX_N}, got {params.n}")
+    if params.sampling_seed is not None:
+        _int("sampling_seed", params.sampling_seed, minimum=0)
+
+
+def _verify_stops(params: SamplingParams) -> None:
+    if params.stop is not None:
+        stops = [params.stop] if isinstance(params.stop, str) else params.stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+    if params.stop_token_ids is not None:
+        if not isinstance(params.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in params.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
 
 
 def _as_list(value: str | list[str] | None) -> list[str]:

@@ -25,24 +25,39 @@ def first_unencodable_path(value: object, root: str = "") -> str | None:
     stack: list[tuple[object, str]] = [(value, root)]
     while stack:
         item, path = stack.pop()
-        if isinstance(item, str):
-            if not is_utf8_encodable(item):
-                return path or "body"
-        elif isinstance(item, dict):
-            if not all(is_utf8_encodable(k) for k in item if isinstance(k, str)):
-                return path or "body"
-            stack.extend(
-                (child, f"{path}.{key}" if path else str(key))
-                for key, child in reversed(item.items())
-                if isinstance(child, (str, dict, list, tuple))
-            )
-        elif isinstance(item, (list, tuple)):
-            stack.extend(
-                (child, f"{path}[{i}]")
-                for i, child in reversed(list(enumerate(item)))
-                if isinstance(child, (str, dict, list, tuple))
-            )
+        if not _own_text_encodable(item):
+            return path or "body"
+        stack.extend(_children(item, path))
     return None
+
+
+_NESTED = (str, dict, list, tuple)  # the values that may hold a string
+
+
+def _own_text_encodable(item: object) -> bool:
+    """Whether a string, or an object's keys, UTF-8 can encode (true of any other value)."""
+    if isinstance(item, str):
+        return is_utf8_encodable(item)
+    if isinstance(item, dict):
+        return all(is_utf8_encodable(k) for k in item if isinstance(k, str))
+    return True
+
+
+def _children(item: object, path: str) -> list[tuple[object, str]]:
+    """An object's or array's values that may hold a string, with their paths, last first."""
+    if isinstance(item, dict):
+        return [
+            (child, f"{path}.{key}" if path else str(key))
+            for key, child in reversed(item.items())
+            if isinstance(child, _NESTED)
+        ]
+    if isinstance(item, (list, tuple)):
+        return [
+            (child, f"{path}[{i}]")
+            for i, child in reversed(list(enumerate(item)))
+            if isinstance(child, _NESTED)
+        ]
+    return []
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

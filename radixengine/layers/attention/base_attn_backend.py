@@ -26,13 +26,12 @@ from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.attention.cascade_plan import CascadePlan, build_cascade_plan
 
 if TYPE_CHECKING:
-    from radixengine.layers.radix_attention import RadixAttention
-    from radixengine.model_executor.forward_batch_info import ForwardBatch
+    from radixengine.layers.forward_batch_view import AttentionLayer, ForwardBatchView
 
 
 class AttentionBackend(ABC):
     @abstractmethod
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatchView) -> None:
         """Compute what every layer of this forward shares (indices, masks, plans)."""
 
     def forward(
@@ -40,8 +39,8 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatchView,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():
@@ -54,8 +53,8 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatchView,
         save_kv_cache: bool = True,
     ) -> torch.Tensor: ...
 
@@ -65,14 +64,14 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: RadixAttention,
-        forward_batch: ForwardBatch,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatchView,
         save_kv_cache: bool = True,
     ) -> torch.Tensor: ...
 
 
 def split_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as `[num_tokens, heads, head_dim]`."""
     return (
@@ -86,7 +85,7 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def paged_kernel_args(
-    qkv: QKV, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool
+    qkv: QKV, layer: AttentionLayer, forward_batch: ForwardBatchView, save_kv_cache: bool
 ) -> tuple[torch.Tensor, ...]:
     """The leading arguments of a kernel that reads the KV pool in place through `req_to_token`
     (native CPU, Triton): q `[num_tokens, heads, head_dim]`, the layer's K and V buffers,
@@ -102,8 +101,8 @@ def paged_kernel_args(
 def paged_decode(
     kernel: Callable[..., torch.Tensor],
     qkv: QKV,
-    layer: RadixAttention,
-    forward_batch: ForwardBatch,
+    layer: AttentionLayer,
+    forward_batch: ForwardBatchView,
     save: bool,
 ) -> torch.Tensor:
     """DECODE through a paged decode kernel (`native_cpu_ops.decode_attention`, the Triton
@@ -114,7 +113,7 @@ def paged_decode(
     return out.reshape(args[0].shape[0], -1)
 
 
-def save_kv(k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch) -> None:
+def save_kv(k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatchView) -> None:
     """Write the new tokens' K/V `[num_tokens, kv_heads, head_dim]` at `out_cache_loc`."""
     pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc
     k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
@@ -134,7 +133,7 @@ def shared_prefix_min_len(model_runner) -> int | None:
     return args.shared_prefix_attention_min_len
 
 
-def decode_cascade_plan(forward_batch: ForwardBatch, min_len: int | None) -> CascadePlan | None:
+def decode_cascade_plan(forward_batch: ForwardBatchView, min_len: int | None) -> CascadePlan | None:
     """The shared-prefix plan of a DECODE batch (None: off, not a decode, or nothing shared)."""
     if min_len is None or not forward_batch.forward_mode.is_decode():
         return None
@@ -149,8 +148,8 @@ def decode_cascade_plan(forward_batch: ForwardBatch, min_len: int | None) -> Cas
 def cascade_decode(
     kernel: Callable[..., torch.Tensor],
     qkv: QKV,
-    layer: RadixAttention,
-    forward_batch: ForwardBatch,
+    layer: AttentionLayer,
+    forward_batch: ForwardBatchView,
     save: bool,
     plan: CascadePlan,
 ) -> torch.Tensor:

@@ -22,7 +22,7 @@ from radixengine.layers.attention.base_attn_backend import (
 from radixengine.layers.attention.cascade_plan import CascadePlan
 
 if TYPE_CHECKING:
-    from radixengine.model_executor.forward_batch_info import ForwardBatch
+    from radixengine.layers.forward_batch_view import ForwardBatchView
 
 
 class NativeCpuAttnBackend(AttentionBackend):
@@ -42,7 +42,7 @@ class NativeCpuAttnBackend(AttentionBackend):
                     f"(KV cache {kv_dtype}) with head_dim {head_dim}"
                 )
 
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatchView) -> None:
         self.cascade_plan = decode_cascade_plan(forward_batch, self.shared_prefix_min_len)
         self.num_shared_prefix_forwards += self.cascade_plan is not None
 

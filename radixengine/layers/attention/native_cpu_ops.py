@@ -31,6 +31,7 @@ import importlib
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import ParamSpec, TypeVar
@@ -329,25 +330,60 @@ def decode_attention_cascade_reference(
     queries, each request's own keys alone, the parts merged by their log-sum-exp. The result
     equals the plain decode's (up to rounding). ``num_kv_splits`` and ``use_amx`` are the native
     kernel's (ignored here)."""
-    bs, heads, _ = q.shape
     qf = q.float()
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(bs)]
+    kv = _PagedKv(k_buffer, v_buffer, req_to_token, scale, logit_cap)
+    parts = _shared_parts(kv, qf, unit_rows, unit_start, unit_end, unit_member_ptr, unit_members)
+    rows, lens, firsts = req_pool_indices.tolist(), seq_lens.tolist(), own_start.tolist()
+    for b in range(q.shape[0]):
+        out, lse = kv.attend(qf[b : b + 1], rows[b], firsts[b], lens[b])
+        parts[b].append((out[0], lse[0]))
+    return _merge_parts(parts, q)
+
+
+_Part = tuple[torch.Tensor, torch.Tensor]  # a request's output [H, D] over some keys, and its lse [H]
+
+
+@dataclass
+class _PagedKv:
+    """The KV pool read through `req_to_token`, for the references."""
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor
+    scale: float
+    logit_cap: float
+
+    def attend(self, queries: torch.Tensor, row: int, start: int, end: int) -> _Part:
+        """`queries` [n, H, D] (fp32) over the keys of positions [start, end) of `row`."""
+        slots = self.req_to_token[row, start:end].to(torch.long)
+        k, v = self.k_buffer.index_select(0, slots).float(), self.v_buffer.index_select(0, slots).float()
+        return _attend_with_lse(queries, k, v, self.scale, self.logit_cap)
+
+
+def _shared_parts(
+    kv: _PagedKv,
+    qf: torch.Tensor,
+    unit_rows: torch.Tensor,
+    unit_start: torch.Tensor,
+    unit_end: torch.Tensor,
+    unit_member_ptr: torch.Tensor,
+    unit_members: torch.Tensor,
+) -> list[list[_Part]]:
+    """Per request, its parts over the shared prefixes: each unit's keys once for all its members."""
+    parts: list[list[_Part]] = [[] for _ in range(qf.shape[0])]
     ptr = unit_member_ptr.tolist()
     for u, (row, start, end) in enumerate(zip(unit_rows.tolist(), unit_start.tolist(), unit_end.tolist())):
-        members = unit_members[ptr[u] : ptr[u + 1]].to(q.device)
-        slots = req_to_token[row, start:end].to(torch.long)
-        k, v = k_buffer.index_select(0, slots).float(), v_buffer.index_select(0, slots).float()
-        out, lse = _attend_with_lse(qf.index_select(0, members), k, v, scale, logit_cap)
+        members = unit_members[ptr[u] : ptr[u + 1]].to(qf.device)
+        out, lse = kv.attend(qf.index_select(0, members), row, start, end)
         for j, b in enumerate(members.tolist()):
             parts[b].append((out[j], lse[j]))
-    rows, lens, firsts = req_pool_indices.tolist(), seq_lens.tolist(), own_start.tolist()
-    for b in range(bs):
-        slots = req_to_token[rows[b], firsts[b] : lens[b]].to(torch.long)
-        k, v = k_buffer.index_select(0, slots).float(), v_buffer.index_select(0, slots).float()
-        out, lse = _attend_with_lse(qf[b : b + 1], k, v, scale, logit_cap)
-        parts[b].append((out[0], lse[0]))
+    return parts
+
+
+def _merge_parts(parts: list[list[_Part]], q: torch.Tensor) -> torch.Tensor:
+    """Each request's parts merged by their log-sum-exp, in q's dtype."""
     result = torch.empty_like(q)
-    for b in range(bs):
+    for b in range(q.shape[0]):
         outs = torch.stack([o for o, _ in parts[b]])  # [P, H, D]
         lses = torch.stack([lse for _, lse in parts[b]])  # [P, H]
         weights = torch.softmax(lses, dim=0)

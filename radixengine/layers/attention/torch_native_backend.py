@@ -35,8 +35,7 @@ from radixengine.layers.attention.base_attn_backend import (
 from radixengine.layers.attention.cascade_plan import CascadePlan
 
 if TYPE_CHECKING:
-    from radixengine.layers.radix_attention import RadixAttention
-    from radixengine.model_executor.forward_batch_info import ForwardBatch
+    from radixengine.layers.forward_batch_view import AttentionLayer, ForwardBatchView
 
 
 @dataclass
@@ -67,7 +66,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     min_padded_fill = 0.5
 
     def __init__(self, model_runner=None) -> None:
-        self._forward_batch: ForwardBatch | None = None
+        self._forward_batch: ForwardBatchView | None = None
         # window size (-1: none) -> that window's requests (EXTEND) or chunks (DECODE)
         self._metadata: dict[int, list] = {}
         # Gathered K/V of one chunk at a time; reused across chunks, layers and steps (a fresh
@@ -77,13 +76,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.cascade_plan: CascadePlan | None = None
         self.num_shared_prefix_forwards = 0  # forwards that ran the shared-prefix pass
 
-    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatchView) -> None:
         self._forward_batch = forward_batch
         self._metadata = {}
         self.cascade_plan = decode_cascade_plan(forward_batch, self.shared_prefix_min_len)
         self.num_shared_prefix_forwards += self.cascade_plan is not None
 
-    def _metadata_for(self, window: int, forward_batch: ForwardBatch) -> list:
+    def _metadata_for(self, window: int, forward_batch: ForwardBatchView) -> list:
         """This forward's extend requests or decode chunks for layers of `window`."""
         if forward_batch is not self._forward_batch:  # a forward that skipped init_forward_metadata
             self.init_forward_metadata(forward_batch)
@@ -96,7 +95,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._metadata[window] = value
         return self._metadata[window]
 
-    def _chunk_tokens(self, forward_batch: ForwardBatch) -> int | None:
+    def _chunk_tokens(self, forward_batch: ForwardBatchView) -> int | None:
         """Padded tokens per decode chunk; None: no limit (one chunk, unless lengths are uneven)."""
         if forward_batch.input_ids.device.type != "cpu":
             return None
@@ -145,7 +144,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             out[chunk.start : chunk.end] = self._decode_chunk(q, k_rows, v_rows, chunk, layer)
         return out.reshape(bs, -1)
 
-    def _decode_chunk(self, q, k_rows, v_rows, chunk: _DecodeChunk, layer: RadixAttention) -> torch.Tensor:
+    def _decode_chunk(self, q, k_rows, v_rows, chunk: _DecodeChunk, layer: AttentionLayer) -> torch.Tensor:
         ks, vs = self._gather(k_rows, v_rows, chunk.head_rows)
         shape = (chunk.end - chunk.start, q.shape[1], chunk.max_len, q.shape[3])
         q, ks, vs = q[chunk.start : chunk.end], ks.view(shape).to(q.dtype), vs.view(shape).to(q.dtype)
@@ -200,7 +199,7 @@ def capped_attention(q, k, v, mask, scale: float, logit_cap: float) -> torch.Ten
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
-def _extend_requests(fb: ForwardBatch, window: int) -> list[_ExtendRequest]:
+def _extend_requests(fb: ForwardBatchView, window: int) -> list[_ExtendRequest]:
     device = fb.input_ids.device
     max_len = max(fb.seq_lens_cpu, default=0)
     table = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].to(torch.int64)
@@ -222,7 +221,7 @@ def _extend_requests(fb: ForwardBatch, window: int) -> list[_ExtendRequest]:
 
 
 def _decode_chunks(
-    fb: ForwardBatch, chunk_tokens: int | None, min_fill: float, window: int
+    fb: ForwardBatchView, chunk_tokens: int | None, min_fill: float, window: int
 ) -> list[_DecodeChunk]:
     """Chunks of the batch's requests; a request's keys are its whole sequence, or with a window
     its last `window + 1` positions."""
@@ -244,7 +243,7 @@ def _decode_chunks(
 
 
 def _decode_chunk(
-    fb: ForwardBatch,
+    fb: ForwardBatchView,
     table: torch.Tensor,
     num_kv: int,
     start: int,

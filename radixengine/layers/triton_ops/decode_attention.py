@@ -27,12 +27,8 @@ def _decode_stage1(
     h = tl.program_id(1)
     s = tl.program_id(2)
     kv_h = h // KV_GROUP
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    first = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)
-    split_len = tl.cdiv(seq_len - first, NUM_SPLITS)
-    start = first + s * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    start, end = _split_range(SeqLens, b, s, window_left, NUM_SPLITS)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + h * stride_qh + d, mask=d_mask, other=0.0).to(tl.float32)
@@ -57,11 +53,29 @@ def _decode_stage1(
         l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
     mid = b * stride_mb + h * stride_mh + s * stride_ms
-    if end > start:
-        tl.store(MidO + mid + d, acc / l_i, mask=d_mask)
-        tl.store(MidLse + b * (stride_mb // stride_ms) + h * NUM_SPLITS + s, m_i + tl.log(l_i))
+    lse_at = MidLse + b * (stride_mb // stride_ms) + h * NUM_SPLITS + s
+    _store_split(MidO + mid + d, lse_at, acc, m_i, l_i, d_mask, end > start)
+
+
+@triton.jit
+def _split_range(SeqLens, b, s, window_left, NUM_SPLITS: tl.constexpr):
+    """Split `s`'s positions [start, end) of request `b` (within its window, if any)."""
+    seq_len = tl.load(SeqLens + b).to(tl.int32)
+    first = tl.where(window_left >= 0, tl.maximum(seq_len - 1 - window_left, 0), 0)
+    split_len = tl.cdiv(seq_len - first, NUM_SPLITS)
+    start = first + s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    return start, end
+
+
+@triton.jit
+def _store_split(o_ptrs, lse_ptr, acc, m_i, l_i, d_mask, nonempty):
+    """A split's partial output and log-sum-exp; an empty split's log-sum-exp is -inf."""
+    if nonempty:
+        tl.store(o_ptrs, acc / l_i, mask=d_mask)
+        tl.store(lse_ptr, m_i + tl.log(l_i))
     else:
-        tl.store(MidLse + b * (stride_mb // stride_ms) + h * NUM_SPLITS + s, -float("inf"))
+        tl.store(lse_ptr, -float("inf"))
 
 
 @triton.jit
