@@ -4,7 +4,7 @@ must untie), no `Any` in mem_cache/ (its handles are typed), and short functions
 `MAX_FUNCTION_LINES` lines and cyclomatic complexity `MAX_COMPLEXITY`, files at most
 `MAX_FILE_LINES` lines.
 
-Modules resolve as in /work/shared/tools/components_check.py: `from a.b import c` imports `a.b`
+Modules resolve this way: `from a.b import c` imports `a.b`
 and, when it is a module, `a.b.c`; a package is its `__init__`, so `from pkg import mod` imports
 `pkg` too; a module's import of a package it lies in is not counted (Python runs that `__init__`
 first anyway, and it is never the module's choice).
