@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.mem_cache.evict_policy import RADIX_EVICTION_POLICIES
 from radixengine.parser.reasoning_parser import REASONING_PARSERS
+from radixengine.server_args_hicache import HICACHE_CHOICES, HICACHE_HELP, validate_hicache
 from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "hrrn", "shortest-prefill-first", "dlpm")
@@ -100,6 +101,16 @@ class ServerArgs:
     retraction_policy: str = "length"
     radix_eviction_policy: str = "lru"
     soft_priority_preemption: bool = False
+
+    # Hierarchical cache (SGLang's HiCache flags; server_args_hicache.py)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_max_bytes: int = 0
+    hicache_storage_prefetch_policy: str = "best_effort"
 
     # Runtime
     num_threads: int | None = None  # CPU intra-op threads; None: all cores
@@ -192,6 +203,7 @@ class ServerArgs:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         self._validate_fair_scheduling()
         self._validate_tensor_parallel()
+        validate_hicache(self)
 
     def _validate_fair_scheduling(self) -> None:
         aging = self.lpm_aging_tokens_per_pass
@@ -307,6 +319,7 @@ _CHOICES = {
     "log_requests_level": LOG_REQUESTS_LEVELS,
     "retraction_policy": RETRACTION_POLICIES,
     "radix_eviction_policy": RADIX_EVICTION_POLICIES,
+    **HICACHE_CHOICES,
 }
 
 _HELP = {
@@ -544,6 +557,7 @@ _HELP = {
         "(--num-threads) leave a core free, else inline (a worker thread competing with the forward's "
         "threads for the cores makes decode slower)."
     ),
+    **HICACHE_HELP,
 }
 
 

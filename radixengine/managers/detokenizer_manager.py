@@ -138,6 +138,7 @@ class IncrementalDetokenizer:
             prompt_tokens=recv.prompt_tokens,
             cached_tokens=recv.cached_tokens,
             queue_times=recv.queue_times,
+            cached_tokens_storage=recv.cached_tokens_storage,
             **recv.logprob_outputs(),
         )
 

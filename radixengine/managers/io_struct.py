@@ -281,6 +281,8 @@ class BatchTokenIDOut(LogprobOutputs):
     # Per request: seconds from arrival to its first prefill batch (None while it waits); empty
     # when the scheduler does not report it. Feeds the per-priority queue-time metric.
     queue_times: list[float | None] = field(default_factory=list)
+    # Per request, of cached_tokens those read from the storage tier; empty without one.
+    cached_tokens_storage: list[int] = field(default_factory=list)
 
 
 # Detokenizer -> tokenizer manager -------------------------------------------------------------
@@ -298,6 +300,8 @@ class BatchStrOut(LogprobOutputs):
     prompt_tokens: list[int]
     cached_tokens: list[int]
     queue_times: list[float | None] = field(default_factory=list)
+    # Per request, of cached_tokens those read from the storage tier; empty without one.
+    cached_tokens_storage: list[int] = field(default_factory=list)
 
 
 # Finish reasons (SGLang's JSON shapes) ---------------------------------------------------------

@@ -95,6 +95,7 @@ class Req:
         self.retracted_stain = False
         self.cached_tokens = 0  # prompt tokens served from the cache (what the user is told)
         self.hit_counted_len = 0  # the radix cache's: its tokens already counted as its hit
+        self.storage_hit_tokens = 0  # of cached_tokens, those read from the storage tier
 
     def start_wait(self) -> None:
         """A new wait in the queue (fair_policy.py): its start on the prefill-token clock, stamped

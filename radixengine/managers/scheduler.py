@@ -19,6 +19,7 @@ import torch
 
 from radixengine.managers.fair_policy import FairPolicy
 from radixengine.managers.grammar_manager import GrammarManager
+from radixengine.managers.hicache_factory import make_radix_cache
 from radixengine.managers.overlap_utils import StepTimer, write_chrome_trace
 from radixengine.managers.req import Tokenizer
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
@@ -33,7 +34,6 @@ from radixengine.mem_cache.accounting import TokenAccountingError, check_token_a
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
-from radixengine.mem_cache.radix_cache import RadixCache
 from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
 from radixengine.server_args import ServerArgs
 
@@ -162,11 +162,7 @@ class Scheduler(
         if self.server_args.disable_radix_cache:
             self.tree_cache = ChunkCache(*pools)
         else:
-            self.tree_cache = RadixCache(
-                *pools,
-                eviction_policy=self.server_args.radix_eviction_policy,
-                evict_leaf_tails=self.server_args.soft_priority_preemption,
-            )
+            self.tree_cache = make_radix_cache(self.server_args, *pools)
         self.enable_in_batch_prefix_caching = (
             not self.server_args.disable_in_batch_prefix_caching and has_prefix_tree(self.tree_cache)
         )
@@ -291,8 +287,10 @@ class Scheduler(
         self._shutdown = True
 
     def close(self) -> None:
-        """Stop the forward stream's worker (overlap on a CPU)."""
+        """Stop the forward stream's worker (overlap on a CPU) and the cache's storage threads."""
         self.model_worker.close()
+        if hasattr(self.tree_cache, "close"):
+            self.tree_cache.close()
 
     def write_trace(self, path: str | None = None) -> None:
         """Chrome trace of the scheduler's phases and the forward stream's busy intervals."""

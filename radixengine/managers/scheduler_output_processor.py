@@ -186,7 +186,7 @@ class SchedulerOutputProcessorMixin:
         pending, self._pending_outputs = self._pending_outputs, []
         reqs = [r for r in dict.fromkeys(pending) if self._should_send(r)]  # once each, in order
         if reqs:
-            self.io.send(_batch_token_id_out(reqs))
+            self.io.send(_batch_token_id_out(reqs, self.server_args.enable_hierarchical_cache))
 
     def _should_send(self: Scheduler, req: Req) -> bool:
         if req.finished() or self.stream_interval == 1 or not req.stream:
@@ -194,7 +194,7 @@ class SchedulerOutputProcessorMixin:
         return len(req.output_ids) % self.stream_interval == 1
 
 
-def _batch_token_id_out(reqs: list[Req]) -> BatchTokenIDOut:
+def _batch_token_id_out(reqs: list[Req], storage_counts: bool = False) -> BatchTokenIDOut:
     """What is new since each request's previous message; advances their send offsets."""
     new_ids, tails = [], []
     logprobs = LogprobOutputs() if any(r.return_logprob for r in reqs) else None
@@ -216,6 +216,9 @@ def _batch_token_id_out(reqs: list[Req]) -> BatchTokenIDOut:
         no_stop_trim=[r.keeps_matched_stop for r in reqs],
         spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
         queue_times=[_queue_time(r) for r in reqs],
+        cached_tokens_storage=[min(r.storage_hit_tokens, r.cached_tokens) for r in reqs]
+        if storage_counts
+        else [],
         **(logprobs.logprob_outputs() if logprobs is not None else {}),
     )
 

@@ -137,6 +137,11 @@ class BasePrefixCache(ABC):
         `req.prefix_indices` lists the slots to reuse, the request's row points at them, and
         `req.last_node` is locked in place of the old one."""
 
+    def load_from_storage(self, req: CacheReq, key: list[int] | tuple[int, ...]) -> int:
+        """Load pages of `key` past the cached prefix from a lower tier (HiRadixCache); returns
+        how many tokens it loaded. A cache without one has nothing to load."""
+        return 0
+
     @abstractmethod
     def pretty_print(self) -> None:
         """Print the cache's contents."""
