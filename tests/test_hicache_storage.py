@@ -13,9 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from radixengine.mem_cache.storage.base import KVIdentity, page_keys
-from radixengine.mem_cache.storage.file_backend import TMP_SUFFIX, HiCacheFile
 from sched_utils import (
     assert_matches_oracle,
     gen_req,
@@ -23,6 +20,10 @@ from sched_utils import (
     random_prompts,
     run_to_completion,
 )
+from test_engine_utils import subprocess_env
+
+from radixengine.mem_cache.storage.base import KVIdentity, page_keys
+from radixengine.mem_cache.storage.file_backend import TMP_SUFFIX, HiCacheFile
 
 STORAGE_LOGGER = "radixengine.mem_cache.storage.file_backend"
 SHARED = random_prompts(11, 1, 150, 150)
@@ -65,7 +66,9 @@ def close(sched) -> None:
 # ---- greedy tokens with KV from storage ----------------------------------------------------------
 
 MATRIX = [
-    pytest.param(page, kv, overlap, policy, id=f"page{page}-{kv}-{'overlap' if overlap else 'normal'}-{policy}")
+    pytest.param(
+        page, kv, overlap, policy, id=f"page{page}-{kv}-{'overlap' if overlap else 'normal'}-{policy}"
+    )
     for page in (1, 16)
     for kv in ("auto", "bfloat16")
     for overlap in (False, True)
@@ -223,7 +226,10 @@ def test_bad_file_is_recomputed_with_a_warning_naming_it(tmp_path, caplog, damag
     assert any(str(bad) in rec.getMessage() for rec in caplog.records)
     close(sched)
     assert bad.exists()  # recomputed and written again, whole
-    assert HiCacheFile(tmp_path, sched.tree_cache.storage.identity).get(bad.stem, tuple(SHARED[0][64:128])) is not None
+    assert (
+        HiCacheFile(tmp_path, sched.tree_cache.storage.identity).get(bad.stem, tuple(SHARED[0][64:128]))
+        is not None
+    )
 
 
 @pytest.mark.parametrize(
@@ -239,14 +245,18 @@ def test_foreign_file_is_not_used(tmp_path, caplog, field, value):
     foreign_identity = KVIdentity(**{**mine.identity.__dict__, field: value})
     foreign = HiCacheFile(tmp_path / "other", foreign_identity)
     shape = foreign_identity.page_shape()
-    foreign.set(good.stem, tuple(SHARED[0][:64]), torch.zeros(shape, dtype=getattr(torch, foreign_identity.kv_dtype)))
+    foreign.set(
+        good.stem, tuple(SHARED[0][:64]), torch.zeros(shape, dtype=getattr(torch, foreign_identity.kv_dtype))
+    )
     os.replace(foreign.path_of(good.stem), good)  # as if another engine wrote it here
     sched = hicache_scheduler(tmp_path)
     with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
         reqs, results = run(sched, PROMPTS, "r")
     assert_matches_oracle(reqs, results)
     assert sched.tree_cache.storage_hit_tokens == 0
-    assert any(str(good) in rec.getMessage() and "another model" in rec.getMessage() for rec in caplog.records)
+    assert any(
+        str(good) in rec.getMessage() and "another model" in rec.getMessage() for rec in caplog.records
+    )
     close(sched)
 
 
@@ -337,7 +347,9 @@ def test_full_disk_serves_without_storage_with_one_warning(tmp_path):
         prompts=PROMPTS,
         other=OTHER,
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
     assert "FULL-DISK-OK" in proc.stdout, proc.stdout + proc.stderr
     assert list(tmp_path.glob("*/*" + TMP_SUFFIX)) == []  # the failed writes left nothing behind
     assert files(tmp_path) == []
@@ -366,6 +378,7 @@ def test_killed_writer_leaves_nothing_that_is_read(tmp_path, caplog):
         [sys.executable, "-c", KILLED_WRITER_CHILD.format(folder=str(tmp_path))],
         stdout=subprocess.PIPE,
         text=True,
+        env=subprocess_env(),
     )
     for _ in range(5):  # killed once it has written pages, most likely in the middle of the next
         proc.stdout.readline()
@@ -407,7 +420,12 @@ TWO_WRITERS_CHILD = textwrap.dedent(
 
 def test_two_engines_on_one_folder_do_not_corrupt_it(tmp_path, caplog):
     code = TWO_WRITERS_CHILD.format(folder=str(tmp_path))
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all("DONE" in o for o in outs)
     identity = KVIdentity("m", "float32", 64, 4, 2, 16)
