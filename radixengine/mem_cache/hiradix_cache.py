@@ -40,7 +40,7 @@ WRITE_POLICIES = HICACHE_WRITE_POLICIES
 PREFETCH_POLICIES = HICACHE_PREFETCH_POLICIES
 WRITE_THROUGH_SELECTIVE_HITS = 2
 DEFAULT_PREFETCH_TIMEOUT_S = 2.0
-STORAGE_PAGE_TOKENS = 64  # rounded up to a multiple of the pool's page size
+STORAGE_PAGE_TOKENS = 16  # rounded up to a multiple of the pool's page size
 
 
 def storage_page_tokens(page_size: int) -> int:
@@ -59,7 +59,7 @@ class HiRadixCache(RadixCache):
         write_policy: str = "write_through",
         prefetch_policy: str = "best_effort",
         prefetch_timeout_s: float = DEFAULT_PREFETCH_TIMEOUT_S,
-        max_pending_writes: int = 64,
+        max_pending_write_bytes: int = 256 << 20,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache write policy {write_policy!r}; one of {', '.join(WRITE_POLICIES)}")
@@ -78,7 +78,7 @@ class HiRadixCache(RadixCache):
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
         self.prefetch_timeout_s = prefetch_timeout_s
-        self.writer = StorageWriter(storage, max_pending_writes)
+        self.writer = StorageWriter(storage, max_pending_write_bytes)
         self.prefetcher = StoragePrefetcher(storage)
         self._stored: set[str] = set()  # keys this cache wrote or read (known to be in storage)
         self.storage_hit_tokens = 0  # tokens loaded from storage into the pool

@@ -1,7 +1,7 @@
 """The storage tier's background threads: writes and prefetches run off the scheduler's thread.
 
 `StorageWriter` takes pages already copied out of the KV pool (no pool slot is held while a page
-waits), through a bounded queue: when it is full the page is dropped, never waited for.
+waits), through a queue bounded in bytes: a page past the bound is dropped, never waited for.
 `StoragePrefetcher` reads the pages that follow a prefix, in order, into host memory, stopping
 at the first page storage does not have; the cache takes what has arrived when the request is
 admitted (the prefetch policy says how long to wait for the rest).
@@ -27,9 +27,12 @@ MAX_PREFETCH_OPS = 256
 
 
 class StorageWriter:
-    def __init__(self, storage: HiCacheStorage, max_pending: int = 64) -> None:
+    def __init__(self, storage: HiCacheStorage, max_pending_bytes: int = 256 << 20) -> None:
         self.storage = storage
-        self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.queue: queue.Queue = queue.Queue()
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0  # of pages submitted and not written yet (the bound)
+        self._lock = threading.Lock()
         self.written = 0
         self.dropped = 0
         self.failed = 0
@@ -37,12 +40,15 @@ class StorageWriter:
         self.thread.start()
 
     def submit(self, key: str, tokens: tuple[int, ...], page: torch.Tensor) -> bool:
-        try:
-            self.queue.put_nowait((key, tokens, page))
-            return True
-        except queue.Full:
-            self.dropped += 1
-            return False
+        """Queue a page; False (dropped) if the pages waiting already hold the byte bound."""
+        size = page.numel() * page.element_size()
+        with self._lock:
+            if self.pending_bytes + size > self.max_pending_bytes:
+                self.dropped += 1
+                return False
+            self.pending_bytes += size
+        self.queue.put((key, tokens, page))
+        return True
 
     def _run(self) -> None:
         while True:
@@ -50,14 +56,16 @@ class StorageWriter:
             try:
                 if item is None:
                     return
-                if self.storage.set(*item):
-                    self.written += 1
-                else:
-                    self.failed += 1
+                ok = self.storage.set(*item)
+                self.written += ok
+                self.failed += not ok
             except Exception:  # a backend bug must not end the thread: the page is not stored
                 logger.exception("hicache storage: writing a page failed")
                 self.failed += 1
             finally:
+                if item is not None:
+                    with self._lock:
+                        self.pending_bytes -= item[2].numel() * item[2].element_size()
                 self.queue.task_done()
 
     def flush(self) -> None:
