@@ -140,6 +140,8 @@ class Scheduler(
             trace=args.trace_file is not None,
         )
         self.enable_overlap = isinstance(self.model_worker, TpModelWorkerClient)
+        if self.enable_overlap and hasattr(self.tree_cache, "pool_write_stream"):
+            self.tree_cache.pool_write_stream = self.model_worker.forward_stream
 
     def _init_worker_info(self) -> None:
         info = self.tp_worker.get_worker_info()

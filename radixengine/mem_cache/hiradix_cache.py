@@ -20,7 +20,7 @@ ends inside one uses its tail.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -80,6 +80,9 @@ class HiRadixCache(RadixCache):
         self.prefetch_timeout_s = prefetch_timeout_s
         self.writer = StorageWriter(storage, max_pending_write_bytes)
         self.prefetcher = StoragePrefetcher(storage)
+        # Where KV is written into the pool: inline, or (overlap loop) on the forward stream, in
+        # order after the forward in flight, which may still write slots freed meanwhile.
+        self.pool_write_stream: Any = None
         self._stored: set[str] = set()  # keys this cache wrote or read (known to be in storage)
         self.storage_hit_tokens = 0  # tokens loaded from storage into the pool
         self.storage_pages_loaded = 0
@@ -146,7 +149,10 @@ class HiRadixCache(RadixCache):
         if slots is None:
             return 0
         data = torch.cat(pages, dim=2)[:, :, skip:]
-        self._scatter(slots, data)
+        if self.pool_write_stream is not None:
+            self.pool_write_stream.submit(self._scatter, slots, data, label="hicache-load")
+        else:
+            self._scatter(slots, data)
         prefix = torch.cat(values) if values else self._empty()
         end = matched + num
         # counted_len=end: loading is no request's hit (lfu / slru count the request's own insert).
@@ -173,8 +179,6 @@ class HiRadixCache(RadixCache):
         for layer in range(pool.layer_num):
             pool.k_buffer[layer][index] = data[layer, 0].to(pool.k_buffer[layer].device)
             pool.v_buffer[layer][index] = data[layer, 1].to(pool.v_buffer[layer].device)
-        if index.device.type == "cuda":
-            torch.cuda.current_stream(index.device).synchronize()
 
     # ---- writing ----
 
