@@ -109,9 +109,9 @@ def test_restart_reads_prefix_from_storage(tmp_path, page, kv, overlap, policy):
     _, warm = run(second, PROMPTS, "warm")
     _assert_same(expected, warm, "warm")
     # Every prompt was written whole (with its output) by the first run: each request's
-    # prefix is cached, the first one's all from storage.
+    # prefix is cached, from storage or from pages another request just read.
     for i, prompt in enumerate(PROMPTS):
-        assert warm[f"warm{i}"].cached_tokens == whole_pages(prompt)
+        assert warm[f"warm{i}"].cached_tokens >= whole_pages(prompt)  # page 1: the tree may add some
     assert second.tree_cache.storage_hit_tokens >= whole_pages(PROMPTS[0])
     close(second)
 
@@ -362,8 +362,7 @@ def test_full_disk_serves_without_storage_with_one_warning(tmp_path):
 KILLED_WRITER_CHILD = textwrap.dedent(
     """
     import sys, torch
-    from radixengine.mem_cache.hiradix_cache import STORAGE_PAGE_TOKENS as PT
-from radixengine.mem_cache.storage.base import KVIdentity
+    from radixengine.mem_cache.storage.base import KVIdentity
     from radixengine.mem_cache.storage.file_backend import HiCacheFile
     identity = KVIdentity("m", "float32", 64, 16, 8, 128)
     backend = HiCacheFile({folder!r}, identity)
@@ -409,8 +408,7 @@ def test_killed_writer_leaves_nothing_that_is_read(tmp_path, caplog):
 TWO_WRITERS_CHILD = textwrap.dedent(
     """
     import torch
-    from radixengine.mem_cache.hiradix_cache import STORAGE_PAGE_TOKENS as PT
-from radixengine.mem_cache.storage.base import KVIdentity
+    from radixengine.mem_cache.storage.base import KVIdentity
     from radixengine.mem_cache.storage.file_backend import HiCacheFile
     identity = KVIdentity("m", "float32", 64, 4, 2, 16)
     backend = HiCacheFile({folder!r}, identity)
