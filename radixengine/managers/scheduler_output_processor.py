@@ -216,11 +216,14 @@ def _batch_token_id_out(reqs: list[Req], storage_counts: bool = False) -> BatchT
         no_stop_trim=[r.keeps_matched_stop for r in reqs],
         spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
         queue_times=[_queue_time(r) for r in reqs],
-        cached_tokens_storage=[min(r.storage_hit_tokens, r.cached_tokens) for r in reqs]
-        if storage_counts
-        else [],
+        cached_tokens_storage=_cached_tokens_storage(reqs, storage_counts),
         **(logprobs.logprob_outputs() if logprobs is not None else {}),
     )
+
+
+def _cached_tokens_storage(reqs: list[Req], storage_counts: bool) -> list[int]:
+    """Of each request's cached tokens, those read from the storage tier (empty without one)."""
+    return [min(r.storage_hit_tokens, r.cached_tokens) for r in reqs] if storage_counts else []
 
 
 def _accept_grammar_token(req: Req, token: int) -> None:
