@@ -55,6 +55,7 @@ class Outcome:
     storage_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    output_ids: list[int] | None = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -81,6 +82,7 @@ async def generate(client: httpx.AsyncClient, ids: list[int], max_new: int) -> O
                 return out
             if out.ttft == 0.0 and chunk.get("output_ids"):
                 out.ttft = time.perf_counter() - start
+            out.output_ids = chunk.get("output_ids")
             meta = chunk.get("meta_info", {})
             out.prompt_tokens = meta.get("prompt_tokens", 0)
             out.cached_tokens = meta.get("cached_tokens", 0)
@@ -163,35 +165,50 @@ def w1_prompts(path: str, model_path: str | None) -> list[list[int]]:
 
 
 def part_restart(args, base_flags: list[str], folder: Path) -> list[dict]:
+    """`--repeats` rounds; in each, with the tier and without, a fresh folder, then a server, W1's
+    first request, a restart, W1's first request again. The other 31 requests run after the
+    first request in the first round only (the machine is shared: TTFTs are compared by median
+    over the rounds, the tiers interleaved)."""
     prompts = w1_prompts(args.w1, args.model_path)
     rows = []
-    for tier in ("storage", "none"):
-        shutil.rmtree(folder, ignore_errors=True)
-        flags = base_flags + (storage_flags(folder) if tier == "storage" else [])
-        for run in ("first", "after_restart"):
-            proc = launch(flags, args.port, Path(args.log_dir) / f"restart-{tier}-{run}.log")
-            try:
-                first, t_first = asyncio.run(run_requests(args.port, prompts[:1], args.max_new_tokens, 1))
-                rest, t_rest = asyncio.run(
-                    run_requests(args.port, prompts[1:], args.max_new_tokens, len(prompts))
+    for rep in range(args.repeats):
+        for tier in ("storage", "none"):
+            shutil.rmtree(folder, ignore_errors=True)
+            flags = base_flags + (storage_flags(folder) if tier == "storage" else [])
+            for run in ("first", "after_restart"):
+                rows.append(_restart_run(args, prompts, flags, folder, tier, run, rep))
+                print(
+                    json.dumps({k: rows[-1][k] for k in ("tier", "run", "repeat", "first_request")}),
+                    flush=True,
                 )
-                if tier == "storage":
-                    pages = wait_written(folder)
-            finally:
-                stop(proc)
-            rows.append(
-                {
-                    "part": "restart",
-                    "tier": tier,
-                    "run": run,
-                    "first_request": asdict(first[0]) | {"prefill_tokens": first[0].prefill_tokens},
-                    "rest": summary(rest, t_rest),
-                    "pages_in_folder": pages if tier == "storage" else 0,
-                    "server_flags": flags,
-                }
-            )
-            print(json.dumps(rows[-1]["first_request"]), flush=True)
     return rows
+
+
+def _restart_run(args, prompts, flags, folder: Path, tier: str, run: str, rep: int) -> dict:
+    proc = launch(flags, args.port, Path(args.log_dir) / f"restart-{tier}-{run}-{rep}.log")
+    try:
+        load_before = os.getloadavg()[0]
+        first, _ = asyncio.run(run_requests(args.port, prompts[:1], args.max_new_tokens, 1))
+        rest = None
+        if rep == 0:
+            outs, elapsed = asyncio.run(
+                run_requests(args.port, prompts[1:], args.max_new_tokens, len(prompts))
+            )
+            rest = summary(outs, elapsed)
+        pages = wait_written(folder) if tier == "storage" else 0
+    finally:
+        stop(proc)
+    return {
+        "part": "restart",
+        "tier": tier,
+        "run": run,
+        "repeat": rep,
+        "load_1min_before": load_before,
+        "first_request": asdict(first[0]) | {"prefill_tokens": first[0].prefill_tokens},
+        "rest": rest,
+        "pages_in_folder": pages,
+        "server_flags": flags,
+    }
 
 
 def prefix_prompts(args) -> list[list[int]]:
@@ -242,14 +259,32 @@ def markdown(data: dict) -> None:
     restart = [r for r in data["rows"] if r["part"] == "restart"]
     if restart:
         print(
-            "| tier | run | 1st request prefill tokens | 1st TTFT (ms) | 1st from storage | other 31: mean TTFT (ms) | prefill tokens | tok/s |"
+            "| tier | run | 1st request: prefill tokens | from storage | TTFT median (ms) | TTFTs (ms) | same tokens as cold |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
+        for tier in ("storage", "none"):
+            for run in ("first", "after_restart"):
+                rows = [r for r in restart if r["tier"] == tier and r["run"] == run]
+                if not rows:
+                    continue
+                f = rows[0]["first_request"]
+                ttfts = [r["first_request"]["ttft"] * 1e3 for r in rows]
+                cold = [r["first_request"]["output_ids"] for r in restart if r["run"] == "first"]
+                same = all(r["first_request"]["output_ids"] == cold[0] for r in rows)
+                print(f"| {tier} | {run} | {f['prefill_tokens']} of {f['prompt_tokens']} | {f['storage_tokens']} | "
+                      f"{statistics.median(ttfts):.0f} | {', '.join(f'{t:.0f}' for t in ttfts)} | {same} |")  # fmt: skip
+        print()
+        print(
+            "| tier | run | other 31: TTFT mean / p50 / p90 (ms) | prefill tokens | from storage | total tok/s |"
+        )
+        print("|---|---|---|---|---|---|")
         for r in restart:
-            f, rest = r["first_request"], r["rest"]
-            print(f"| {r['tier']} | {r['run']} | {f['prefill_tokens']} of {f['prompt_tokens']} | {f['ttft'] * 1e3:.0f} | "
-                  f"{f['storage_tokens']} | {rest['ttft_mean_s'] * 1e3:.0f} | {rest['prefill_tokens']} | "
-                  f"{rest['total_tokens_per_s']:.0f} |")  # fmt: skip
+            if r["rest"]:
+                x = r["rest"]
+                print(f"| {r['tier']} | {r['run']} | {x['ttft_mean_s'] * 1e3:.0f} / {x['ttft_p50_s'] * 1e3:.0f} / "
+                      f"{x['ttft_p90_s'] * 1e3:.0f} | {x['prefill_tokens']} | {x['storage_tokens']} | "
+                      f"{x['total_tokens_per_s']:.0f} |")  # fmt: skip
+        print()
     prefixes = [r for r in data["rows"] if r["part"] == "prefixes"]
     if prefixes:
         print(
@@ -269,6 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None)
     p.add_argument("--server-flags", default="", help="more flags for every server")
     p.add_argument("--max-new-tokens", type=int, default=32, help="(a): output tokens per W1 request")
+    p.add_argument("--repeats", type=int, default=3, help="(a): rounds of cold / restarted runs")
     p.add_argument("--num-prefixes", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--requests-per-prefix", type=int, default=4)
