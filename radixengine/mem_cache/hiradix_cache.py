@@ -200,24 +200,31 @@ class HiRadixCache(RadixCache):
             return
         keys = page_keys(tokens, self.page_tokens, num_pages)
         ends = _node_ends(nodes)
-        for k, key in enumerate(keys):
-            if key in self._stored:
-                continue
-            if self.write_policy == "write_through_selective":
-                last = (k + 1) * self.page_tokens - 1
-                owner = next(n for n, end in zip(nodes, ends) if end > last)
-                if owner.hit_count < WRITE_THROUGH_SELECTIVE_HITS:
-                    continue
-            self._submit(key, tokens, k, slots)
+        todo = [k for k, key in enumerate(keys) if key not in self._stored]
+        if self.write_policy == "write_through_selective":
+            todo = [
+                k for k in todo if self._page_owner(nodes, ends, k).hit_count >= WRITE_THROUGH_SELECTIVE_HITS
+            ]
+        self._submit(keys, todo, tokens, slots)
 
-    def _submit(self, key: str, tokens: tuple[int, ...], k: int, slots: torch.Tensor) -> None:
+    def _page_owner(self, nodes: list[TreeNode], ends: list[int], k: int) -> TreeNode:
+        """The node holding page k's last token."""
+        last = (k + 1) * self.page_tokens - 1
+        return next(n for n, end in zip(nodes, ends) if end > last)
+
+    def _submit(self, keys: list[str], todo: list[int], tokens: tuple[int, ...], slots: torch.Tensor) -> None:
+        """Copy pages `todo` out of the pool in one gather and hand them to the writer."""
+        if not todo:
+            return
         pts = self.page_tokens
-        page = self._gather(slots[k * pts : (k + 1) * pts])
-        if self.writer.submit(key, tokens[k * pts : (k + 1) * pts], page):
-            self._stored.add(key)
-            self.prefetcher.forget(key)
-            if len(self._stored) > 1 << 20:
-                self._stored.clear()
+        data = self._gather(torch.cat([slots[k * pts : (k + 1) * pts] for k in todo]))
+        for j, k in enumerate(todo):
+            page = data[:, :, j * pts : (j + 1) * pts]
+            if self.writer.submit(keys[k], tokens[k * pts : (k + 1) * pts], page):
+                self._stored.add(keys[k])
+                self.prefetcher.forget(keys[k])
+        if len(self._stored) > 1 << 20:
+            self._stored.clear()
 
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         pool = self.kv_pool
@@ -266,9 +273,7 @@ class HiRadixCache(RadixCache):
             return
         slots = torch.cat([p.value for p in path])
         keys = page_keys(tokens, self.page_tokens, num_pages)
-        for k in range(first, num_pages):
-            if keys[k] not in self._stored:
-                self._submit(keys[k], tokens, k, slots)
+        self._submit(keys, [k for k in range(first, num_pages) if keys[k] not in self._stored], tokens, slots)
 
     # ---- life ----
 
