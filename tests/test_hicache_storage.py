@@ -468,3 +468,19 @@ def test_scheduler_respects_the_size_bound(tmp_path):
     close(sched)
     total = sum(p.stat().st_size for p in files(tmp_path))
     assert 0 < total <= 3 * 34_000
+
+
+def test_writer_drops_pages_past_its_byte_bound_and_never_waits(tmp_path):
+    from radixengine.mem_cache.storage.io_threads import StorageWriter
+
+    identity = KVIdentity("m", "float32", 64, 2, 2, 16)
+    page = torch.ones(identity.page_shape())
+    page_bytes = page.numel() * page.element_size()
+    writer = StorageWriter(HiCacheFile(tmp_path, identity), max_pending_bytes=page_bytes - 1)
+    assert not writer.submit("a" * 32, tuple(range(64)), page)
+    writer.flush()
+    assert (writer.dropped, writer.written) == (1, 0)
+    roomy = StorageWriter(HiCacheFile(tmp_path, identity), max_pending_bytes=page_bytes)
+    assert roomy.submit("b" * 32, tuple(range(64)), page)
+    roomy.close()
+    assert (roomy.written, roomy.pending_bytes) == (1, 0)
