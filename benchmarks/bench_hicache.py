@@ -5,7 +5,8 @@
     python benchmarks/bench_hicache.py --parts prefixes --num-prefixes 32 --prefix-len 1024 \\
         --requests-per-prefix 4 --max-total-tokens 8192
 
-(a) `restart`: W1 against a server restarted between two runs. Each run sends W1's first request
+(a) `restart`: W1 against a server restarted between two runs. Each run (after an 8-token
+unrelated warm-up request with `--warmup`) sends W1's first request
 alone (its TTFT and prefill tokens: the system prompt after a restart), then the other 31 at
 once. With the storage tier (`--enable-hierarchical-cache --hicache-storage-backend file`, a fresh
 folder) the first run is cold and the second, after the restart, is warm; without it, both runs
@@ -187,6 +188,8 @@ def part_restart(args, base_flags: list[str], folder: Path) -> list[dict]:
 def _restart_run(args, prompts, flags, folder: Path, tier: str, run: str, rep: int) -> dict:
     proc = launch(flags, args.port, Path(args.log_dir) / f"restart-{tier}-{run}-{rep}.log")
     try:
+        if args.warmup:  # a short unrelated request first, as bench_serving does: start-up costs aside
+            asyncio.run(run_requests(args.port, [list(range(1000, 1008))], 2, 1))
         load_before = os.getloadavg()[0]
         first, _ = asyncio.run(run_requests(args.port, prompts[:1], args.max_new_tokens, 1))
         rest = None
@@ -305,6 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-flags", default="", help="more flags for every server")
     p.add_argument("--max-new-tokens", type=int, default=32, help="(a): output tokens per W1 request")
     p.add_argument("--repeats", type=int, default=3, help="(a): rounds of cold / restarted runs")
+    p.add_argument("--warmup", action="store_true", help="(a): an 8-token request before W1's first")
     p.add_argument("--num-prefixes", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--requests-per-prefix", type=int, default=4)
