@@ -13,6 +13,7 @@ from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.mem_cache.evict_policy import RADIX_EVICTION_POLICIES
 from radixengine.parser.reasoning_parser import REASONING_PARSERS
 from radixengine.server_args_help import SERVER_ARGS_HELP
+from radixengine.server_args_hicache import HICACHE_CHOICES, HICACHE_HELP, validate_hicache
 from radixengine.speculative.spec_args import SPECULATIVE_ALGORITHMS, validate_speculative_args
 from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
@@ -104,6 +105,16 @@ class ServerArgs:
     radix_eviction_policy: str = "lru"
     soft_priority_preemption: bool = False
 
+    # Hierarchical cache (SGLang's HiCache flags; server_args_hicache.py)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_max_bytes: int = 0
+    hicache_storage_prefetch_policy: str = "best_effort"
+
     # Runtime
     num_threads: int | None = None  # CPU intra-op threads; None: all cores
     disable_cuda_graph: bool = False
@@ -144,11 +155,12 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Refuse the first broken rule of SERVER_ARGS_RULES (in its order) with its message, then
-        the speculative decoding flags' (speculative/spec_args.py)."""
+        the speculative decoding flags' (speculative/spec_args.py) and the hierarchical cache's."""
         for rule in SERVER_ARGS_RULES:
             if rule.broken(self):
                 raise ValueError(rule.message(self))
         validate_speculative_args(self)
+        validate_hicache(self)
 
     # Derived values --------------------------------------------------------------------------
 
@@ -186,17 +198,15 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             if f.type in ("bool", bool):
-                parser.add_argument(
-                    flag, action="store_true", default=default, help=SERVER_ARGS_HELP.get(f.name)
-                )
+                parser.add_argument(flag, action="store_true", default=default, help=_HELP.get(f.name))
                 continue
             kind = _cli_type(f.type)
             kwargs: dict = {"type": kind, "default": default}
             choices = _CHOICES.get(f.name)
             if choices:
                 kwargs["choices"] = choices
-            if f.name in SERVER_ARGS_HELP:
-                kwargs["help"] = SERVER_ARGS_HELP[f.name]
+            if f.name in _HELP:
+                kwargs["help"] = _HELP[f.name]
             parser.add_argument(flag, **kwargs)
 
     @classmethod
@@ -212,6 +222,8 @@ class ServerArgs:
             raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
+
+_HELP = {**SERVER_ARGS_HELP, **HICACHE_HELP}
 
 _CHOICES = {
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
@@ -231,6 +243,7 @@ _CHOICES = {
     "log_requests_level": LOG_REQUESTS_LEVELS,
     "retraction_policy": RETRACTION_POLICIES,
     "radix_eviction_policy": RADIX_EVICTION_POLICIES,
+    **HICACHE_CHOICES,
 }
 
 

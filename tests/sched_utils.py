@@ -100,6 +100,7 @@ _WORKER_ARGS = (
     "attention_backend",
     "disable_shared_prefix_attention",
     "shared_prefix_attention_min_len",
+    "kv_cache_dtype",
 )
 
 
@@ -111,6 +112,7 @@ def _worker(
     attention_backend: str,
     disable_shared_prefix_attention: bool,
     shared_prefix_attention_min_len: int,
+    kv_cache_dtype: str = "auto",
 ) -> TpModelWorker:
     return TpModelWorker(
         ServerArgs(
@@ -120,6 +122,7 @@ def _worker(
             attention_backend=attention_backend,
             disable_shared_prefix_attention=disable_shared_prefix_attention,
             shared_prefix_attention_min_len=shared_prefix_attention_min_len,
+            kv_cache_dtype=kv_cache_dtype,
             page_size=page_size,
             max_total_tokens=max_total_tokens,
             max_running_requests=max_running_requests,

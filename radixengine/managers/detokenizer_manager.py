@@ -139,6 +139,7 @@ class IncrementalDetokenizer:
             cached_tokens=recv.cached_tokens,
             queue_times=recv.queue_times,
             spec_verify_ct=recv.spec_verify_ct,
+            cached_tokens_storage=recv.cached_tokens_storage,
             **recv.logprob_outputs(),
         )
 

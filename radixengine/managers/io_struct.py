@@ -283,6 +283,8 @@ class BatchTokenIDOut(LogprobOutputs):
     queue_times: list[float | None] = field(default_factory=list)
     # Per request: its verify steps so far (speculative decoding); empty when speculation is off.
     spec_verify_ct: list[int] = field(default_factory=list)
+    # Per request, of cached_tokens those read from the storage tier; empty without one.
+    cached_tokens_storage: list[int] = field(default_factory=list)
 
 
 # Detokenizer -> tokenizer manager -------------------------------------------------------------
@@ -301,6 +303,8 @@ class BatchStrOut(LogprobOutputs):
     cached_tokens: list[int]
     queue_times: list[float | None] = field(default_factory=list)
     spec_verify_ct: list[int] = field(default_factory=list)  # see BatchTokenIDOut
+    # Per request, of cached_tokens those read from the storage tier; empty without one.
+    cached_tokens_storage: list[int] = field(default_factory=list)
 
 
 # Finish reasons (SGLang's JSON shapes) ---------------------------------------------------------

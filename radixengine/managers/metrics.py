@@ -211,8 +211,11 @@ class TokenizerMetricsCollector:
         self.num_requests.labels(**self.labels).inc()
         self.prompt_tokens.labels(**self.labels).inc(prompt)
         self.generation_tokens.labels(**self.labels).inc(generated)
-        if cached > 0:
-            self.cached_tokens.labels(**self.labels, cache_source="device").inc(cached)
+        storage = (meta.get("cached_tokens_details") or {}).get("storage", 0)
+        if cached - storage > 0:
+            self.cached_tokens.labels(**self.labels, cache_source="device").inc(cached - storage)
+        if storage > 0:
+            self.cached_tokens.labels(**self.labels, cache_source="storage").inc(storage)
         self.prompt_tokens_histogram.labels(**self.labels).observe(prompt)
         self.generation_tokens_histogram.labels(**self.labels).observe(generated)
         self.e2e.labels(**self.labels).observe(now - created)

@@ -100,6 +100,7 @@ class Req:
         # retractions: its output ids are).
         self.spec_verify_ct = 0
         self.spec_state: RequestSpecState | None = None
+        self.storage_hit_tokens = 0  # of cached_tokens, those read from the storage tier
 
     def start_wait(self) -> None:
         """A new wait in the queue (fair_policy.py): its start on the prefill-token clock, stamped

@@ -118,6 +118,13 @@ class ReqState:
             "finish_reason": self._name_grammar_field(reason),
             "e2e_latency": now - self.created_time,
         }
+        if recv.cached_tokens_storage:
+            storage = recv.cached_tokens_storage[i]
+            meta["cached_tokens_details"] = {
+                "device": meta["cached_tokens"] - storage,
+                "host": 0,
+                "storage": storage,
+            }
         finished = reason is not None
         if recv.spec_verify_ct:
             meta["spec_verify_ct"] = recv.spec_verify_ct[i]

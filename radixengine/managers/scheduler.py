@@ -20,6 +20,7 @@ import torch
 
 from radixengine.managers.fair_policy import FairPolicy
 from radixengine.managers.grammar_manager import GrammarManager
+from radixengine.managers.hicache_factory import make_radix_cache
 from radixengine.managers.io_struct import FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReqOutput
 from radixengine.managers.overlap_utils import StepTimer, write_chrome_trace
 from radixengine.managers.req import Tokenizer
@@ -57,7 +58,6 @@ from radixengine.managers.worker_client import (
 from radixengine.mem_cache.accounting import TokenAccountingError, check_token_accounting
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.chunk_cache import ChunkCache
-from radixengine.mem_cache.radix_cache import RadixCache
 from radixengine.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -115,16 +115,17 @@ class Scheduler:
         pools = (self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
         if self.server_args.disable_radix_cache:
             return ChunkCache(*pools)
-        return RadixCache(
-            *pools,
-            eviction_policy=self.server_args.radix_eviction_policy,
-            evict_leaf_tails=self.server_args.soft_priority_preemption,
-        )
+        return make_radix_cache(self.server_args, *pools)
 
     def _init_components(self, args: ServerArgs) -> None:
         self.stats = SchedulerStats()
         self.ratio = NewTokenRatioTracker(args.init_ratio, args.min_ratio, args.ratio_decay)
-        self.streamer = OutputStreamer(self.io, args.stream_interval, args.speculative_algorithm is not None)
+        self.streamer = OutputStreamer(
+            self.io,
+            args.stream_interval,
+            args.speculative_algorithm is not None,
+            args.enable_hierarchical_cache,
+        )
         self.grammar_manager = self._new_grammar_manager(args)
         self.intake = self._new_intake(args)
         memory = MemoryView(self.token_to_kv_pool_allocator, self.tree_cache, self.max_total_num_tokens)
@@ -247,6 +248,8 @@ class Scheduler:
             trace=args.trace_file is not None,
         )
         self.enable_overlap = isinstance(self.model_worker, TpModelWorkerClient)
+        if self.enable_overlap:  # the cache's loads write the pool after the forward in flight
+            self.tree_cache.set_pool_write_stream(self.model_worker.forward_stream)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch.init_new(
@@ -475,8 +478,9 @@ class Scheduler:
         self._shutdown = True
 
     def close(self) -> None:
-        """Stop the forward stream's worker (overlap on a CPU)."""
+        """Stop the forward stream's worker (overlap on a CPU) and the cache's storage threads."""
         self.model_worker.close()
+        self.tree_cache.close()
 
     def write_trace(self, path: str | None = None) -> None:
         """Chrome trace of the scheduler's phases and the forward stream's busy intervals."""

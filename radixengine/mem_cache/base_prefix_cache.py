@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 import torch
@@ -17,6 +18,12 @@ class CacheNode(Protocol):
     the prefix's KV slots; `lock_ref` counts the locks."""
 
     lock_ref: int
+
+
+class PoolWriteStream(Protocol):
+    """A stream that runs a function after the work submitted before it (utils.streams)."""
+
+    def submit(self, fn: Callable[..., object], *args: object, label: str = "") -> object: ...
 
 
 class CacheReq(Protocol):
@@ -145,6 +152,20 @@ class BasePrefixCache(ABC):
         still being prefilled, or the whole prompt after its prefill). Afterwards
         `req.prefix_indices` lists the slots to reuse, the request's row points at them, and
         `req.last_node` is locked in place of the old one."""
+
+    def load_from_storage(self, req: CacheReq, key: list[int] | tuple[int, ...]) -> int:
+        """Load pages of `key` past the cached prefix from a lower tier (HiRadixCache); returns
+        how many tokens it loaded. A cache without one has nothing to load."""
+        return 0
+
+    def set_pool_write_stream(self, stream: PoolWriteStream) -> None:
+        """Where the cache's own writes into the KV pool run (the overlap loop's forward stream);
+        a cache that writes no KV of its own has nothing to route."""
+        return None
+
+    def close(self) -> None:
+        """Stop the cache's background work (a lower tier's threads); nothing by default."""
+        return None
 
     @abstractmethod
     def pretty_print(self) -> None:

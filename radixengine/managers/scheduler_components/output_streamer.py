@@ -21,10 +21,13 @@ class OutputSink(Protocol):
 
 
 class OutputStreamer:
-    def __init__(self, sink: OutputSink, stream_interval: int, speculative: bool = False) -> None:
+    def __init__(
+        self, sink: OutputSink, stream_interval: int, speculative: bool = False, storage_counts: bool = False
+    ) -> None:
         self.sink = sink
         self.stream_interval = stream_interval
         self.speculative = speculative  # report each request's verify steps
+        self.storage_counts = storage_counts  # report the cached tokens read from the storage tier
         self.pending: list[Req] = []  # requests with something to send at the end of this step
 
     def add(self, req: Req) -> None:
@@ -34,7 +37,7 @@ class OutputStreamer:
         pending, self.pending = self.pending, []
         reqs = [r for r in dict.fromkeys(pending) if self._should_send(r)]  # once each, in order
         if reqs:
-            self.sink.send(_batch_token_id_out(reqs, self.speculative))
+            self.sink.send(_batch_token_id_out(reqs, self.speculative, self.storage_counts))
 
     def _should_send(self, req: Req) -> bool:
         if req.finished() or self.stream_interval == 1 or not req.stream or req.send_token_offset == 0:
@@ -58,7 +61,7 @@ def _new_outputs(reqs: list[Req]) -> tuple[list[list[int]], list[list[int] | Non
     return new_ids, tails, logprobs
 
 
-def _batch_token_id_out(reqs: list[Req], speculative: bool) -> BatchTokenIDOut:
+def _batch_token_id_out(reqs: list[Req], speculative: bool, storage_counts: bool) -> BatchTokenIDOut:
     """What is new since each request's previous message."""
     new_ids, tails, logprobs = _new_outputs(reqs)
     return BatchTokenIDOut(
@@ -73,6 +76,10 @@ def _batch_token_id_out(reqs: list[Req], speculative: bool) -> BatchTokenIDOut:
         spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
         queue_times=[_queue_time(r) for r in reqs],
         spec_verify_ct=[r.spec_verify_ct for r in reqs] if speculative else [],
+        # Of each request's cached tokens, those read from the storage tier.
+        cached_tokens_storage=[min(r.storage_hit_tokens, r.cached_tokens) for r in reqs]
+        if storage_counts
+        else [],
         **(logprobs.logprob_outputs() if logprobs is not None else {}),
     )
 

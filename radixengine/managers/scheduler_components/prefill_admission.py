@@ -222,6 +222,9 @@ class PrefillAdmission:
                 full = True
             if full and not self._preempt_for(adder, req, matched):
                 break
+            if self.pools.tree_cache.load_from_storage(req, req.fill_ids[: req.max_prefix_len()]):
+                matched.clear()  # the load may have evicted what other requests matched
+                req.init_next_round_input(self.pools.tree_cache)
             res = self._add_one_req(adder, req, matched)
             if trie is not None and adder.admitted(req):
                 trie.insert(req.fill_ids[: len(req.prefix_indices) + adder.extend_lens[-1]])

@@ -1,0 +1,94 @@
+"""Builds the scheduler's tree cache: the radix cache, or with --enable-hierarchical-cache the
+radix cache backed by the storage tier (mem_cache/hiradix_cache.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+from radixengine.mem_cache.hiradix_cache import HiRadixCache, storage_page_tokens
+from radixengine.mem_cache.memory_pool import ReqToTokenPool
+from radixengine.mem_cache.radix_cache import RadixCache
+from radixengine.mem_cache.storage.base import KVIdentity
+from radixengine.mem_cache.storage.file_backend import HiCacheFile
+from radixengine.server_args import ServerArgs
+from radixengine.server_args_hicache import resolve_storage_dir, resolve_storage_max_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def make_radix_cache(
+    args: ServerArgs, req_to_token_pool: ReqToTokenPool, allocator: BaseTokenToKVPoolAllocator, page_size: int
+) -> RadixCache:
+    if not args.enable_hierarchical_cache:
+        return RadixCache(
+            req_to_token_pool,
+            allocator,
+            page_size,
+            eviction_policy=args.radix_eviction_policy,
+            evict_leaf_tails=args.soft_priority_preemption,
+        )
+    pool = allocator.get_kvcache()
+    if not hasattr(pool, "k_buffer"):
+        raise ValueError(
+            f"--enable-hierarchical-cache: the KV pool {type(pool).__name__} has no K/V buffers to store"
+        )
+    if str(pool.k_buffer[0].device).startswith("cpu"):
+        logger.info("hierarchical cache: no host tier on a CPU (--hicache-ratio is ignored); storage tier on")
+    else:
+        logger.warning("hierarchical cache: the host tier is not implemented; storage tier only")
+    storage = HiCacheFile(
+        resolve_storage_dir(args), kv_identity(args, pool, page_size), resolve_storage_max_bytes(args)
+    )
+    return HiRadixCache(
+        req_to_token_pool,
+        allocator,
+        page_size,
+        storage,
+        eviction_policy=args.radix_eviction_policy,
+        evict_leaf_tails=args.soft_priority_preemption,
+        write_policy=args.hicache_write_policy,
+        prefetch_policy=args.hicache_storage_prefetch_policy,
+    )
+
+
+def kv_identity(args: ServerArgs, pool, page_size: int) -> KVIdentity:
+    model = "|".join(
+        (
+            _model_fingerprint(args.model_path),
+            f"revision={args.revision}",
+            f"dtype={args.dtype}",
+            f"quantization={args.quantization}",
+            f"load_format={args.load_format}",
+            f"tp={args.tp_size}",
+        )
+    )
+    return KVIdentity(
+        model=model,
+        kv_dtype=str(pool.dtype).removeprefix("torch."),
+        page_tokens=storage_page_tokens(page_size),
+        layer_num=pool.layer_num,
+        head_num=pool.head_num,
+        head_dim=pool.head_dim,
+    )
+
+
+def _model_fingerprint(model_path: str | None) -> str:
+    """The model's path with the names, sizes and times of its files (a model saved again at the
+    same path is another model)."""
+    if model_path is None:
+        from radixengine.model_loader import default_model_path
+
+        model_path = default_model_path()
+    path = Path(model_path)
+    if not path.exists():
+        return str(model_path)  # a repo id: its revision names it
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    digest = hashlib.blake2b(digest_size=8)
+    for p in files:
+        st = p.stat()
+        digest.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return f"{os.path.realpath(path)}#{digest.hexdigest()}"

@@ -1,0 +1,306 @@
+"""HiRadixCache: the radix cache backed by a storage tier (SGLang's HiRadixCache, storage part).
+
+Pages of the tree's prefixes are written to storage by the write policy, keyed by a hash chain
+of their tokens (storage/base.py): `write_through` when a request finishes (every page of its
+path not stored yet), `write_through_selective` the same for pages whose node at least
+`WRITE_THROUGH_SELECTIVE_HITS` requests went through (SGLang's threshold), `write_back` when
+eviction frees a node. A page is copied out of the pool on the scheduler's thread (a memcpy) and
+written by a background thread.
+
+Reading back: `match_prefix` starts a prefetch of the pages that follow the tree's match (a
+background thread reads them into host memory); `load_from_storage`, called by admission right
+before a request is offered to the batch, waits for it as the prefetch policy says, allocates
+pool slots (evicting in the tree if needed), copies the pages in and inserts them in the tree,
+so the request's next match is longer. A loaded page is in the tree before the call returns: no
+pool slot is ever in flight between tiers, so the token-accounting invariant is the radix
+cache's. Storage pages are `page_tokens` long (a multiple of the pool's page size); a match that
+ends inside one uses its tail.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixengine.mem_cache.base_prefix_cache import CacheReq, PoolWriteStream, as_token_key, finished_kv_len
+from radixengine.mem_cache.radix_cache import RadixCache, TreeNode
+from radixengine.mem_cache.storage.base import HiCacheStorage, page_keys
+from radixengine.mem_cache.storage.io_threads import PrefetchOp, StoragePrefetcher, StorageWriter
+from radixengine.mem_cache.storage.policies import HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES
+
+if TYPE_CHECKING:
+    from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+    from radixengine.mem_cache.memory_pool import ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = HICACHE_WRITE_POLICIES
+PREFETCH_POLICIES = HICACHE_PREFETCH_POLICIES
+WRITE_THROUGH_SELECTIVE_HITS = 2
+DEFAULT_PREFETCH_TIMEOUT_S = 2.0
+STORAGE_PAGE_TOKENS = 16  # rounded up to a multiple of the pool's page size
+
+
+def storage_page_tokens(page_size: int) -> int:
+    return -(-STORAGE_PAGE_TOKENS // page_size) * page_size
+
+
+class HiRadixCache(RadixCache):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool | None,
+        token_to_kv_pool_allocator: BaseTokenToKVPoolAllocator | None,
+        page_size: int,
+        storage: HiCacheStorage,
+        eviction_policy: str = "lru",
+        evict_leaf_tails: bool = False,
+        write_policy: str = "write_through",
+        prefetch_policy: str = "best_effort",
+        prefetch_timeout_s: float = DEFAULT_PREFETCH_TIMEOUT_S,
+        max_pending_write_bytes: int = 256 << 20,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache write policy {write_policy!r}; one of {', '.join(WRITE_POLICIES)}")
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"hicache prefetch policy {prefetch_policy!r}; one of {', '.join(PREFETCH_POLICIES)}"
+            )
+        super().__init__(
+            req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy, evict_leaf_tails
+        )
+        self.storage = storage
+        self.kv_pool = token_to_kv_pool_allocator.get_kvcache()
+        self.page_tokens = storage.identity.page_tokens
+        if self.page_tokens % page_size:
+            raise ValueError(f"storage pages of {self.page_tokens} tokens with pool pages of {page_size}")
+        self.write_policy = write_policy
+        self.prefetch_policy = prefetch_policy
+        self.prefetch_timeout_s = prefetch_timeout_s
+        self.writer = StorageWriter(storage, max_pending_write_bytes)
+        self.prefetcher = StoragePrefetcher(storage)
+        # Where KV is written into the pool: inline, or (overlap loop) on the forward stream, in
+        # order after the forward in flight, which may still write slots freed meanwhile.
+        self.pool_write_stream: PoolWriteStream | None = None
+        self._stored: set[str] = set()  # keys this cache wrote or read (known to be in storage)
+        self.storage_hit_tokens = 0  # tokens loaded from storage into the pool
+        self.storage_pages_loaded = 0
+
+    # ---- reading back ----
+
+    def match_prefix(self, key: list[int] | tuple[int, ...]):
+        result = super().match_prefix(key)
+        tokens = as_token_key(key)
+        if len(tokens) - len(result.device_indices) >= self.page_tokens:
+            self._prefetch(tokens, len(result.device_indices))
+        return result
+
+    def _prefetch(self, tokens: tuple[int, ...], matched: int) -> PrefetchOp | None:
+        first = matched // self.page_tokens
+        num_pages = len(tokens) // self.page_tokens
+        if first >= num_pages:
+            return None
+        keys = page_keys(tokens, self.page_tokens, num_pages)[first:]
+        pts = self.page_tokens
+        chunks = [tokens[(first + i) * pts : (first + i + 1) * pts] for i in range(len(keys))]
+        return self.prefetcher.request(keys, chunks)
+
+    def load_from_storage(self, req: CacheReq, key: list[int] | tuple[int, ...]) -> int:
+        """Load the pages of `key` that follow the tree's match from storage into the pool and the
+        tree (admission calls it just before offering `req`). Returns how many tokens it loaded;
+        then the request's next match is that much longer, and other requests' earlier matches
+        may be stale (the load may evict)."""
+        tokens = self._page_aligned(as_token_key(key))
+        values, node = self._match_prefix_helper(tokens) if tokens else ([], self.root_node)
+        matched = sum(len(v) for v in values)
+        op = self._prefetch(tokens, matched) if len(tokens) - matched >= self.page_tokens else None
+        if op is None:
+            return 0
+        self._wait(op)
+        pages = list(op.pages)  # what has arrived (the thread only appends)
+        if not pages:
+            return 0
+        loaded = self._load_pages(tokens, values, node, matched, pages)
+        if loaded:
+            self.prefetcher.discard(op)
+            self._stored.update(op.keys[: len(pages)])
+            if not getattr(req, "retracted_stain", False):
+                req.storage_hit_tokens = getattr(req, "storage_hit_tokens", 0) + loaded
+        return loaded
+
+    def _wait(self, op: PrefetchOp) -> None:
+        if self.prefetch_policy == "wait_complete":
+            op.wait(None)
+        elif self.prefetch_policy == "timeout":
+            op.wait(self.prefetch_timeout_s)
+
+    def _load_pages(
+        self,
+        tokens: tuple[int, ...],
+        values: list[torch.Tensor],
+        node: TreeNode,
+        matched: int,
+        pages: list[torch.Tensor],
+    ) -> int:
+        skip = matched - matched // self.page_tokens * self.page_tokens  # of the first page, in the tree
+        num = len(pages) * self.page_tokens - skip
+        slots = self._alloc_protecting(node, num)
+        if slots is None:
+            return 0
+        data = torch.cat(pages, dim=2)[:, :, skip:]
+        if self.pool_write_stream is not None:
+            self.pool_write_stream.submit(self._scatter, slots, data, label="hicache-load")
+        else:
+            self._scatter(slots, data)
+        prefix = torch.cat(values) if values else self._empty()
+        end = matched + num
+        # counted_len=end: loading is no request's hit (lfu / slru count the request's own insert).
+        present = self._insert_helper(tokens[:end], torch.cat((prefix, slots)), 0, end)
+        if present != matched:
+            raise RuntimeError(f"load_from_storage: {present} tokens present, {matched} matched")
+        self.storage_hit_tokens += num
+        self.storage_pages_loaded += len(pages)
+        return num
+
+    def _alloc_protecting(self, node: TreeNode, num: int) -> torch.Tensor | None:
+        allocator = self.token_to_kv_pool_allocator
+        self.inc_lock_ref(node)
+        try:
+            if allocator.available_size() < num:
+                self.evict(num - allocator.available_size())
+            return allocator.alloc(num) if allocator.available_size() >= num else None
+        finally:
+            self.dec_lock_ref(node)
+
+    def _scatter(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        pool = self.kv_pool
+        index = slots.to(pool.k_buffer[0].device)
+        for layer in range(pool.layer_num):
+            pool.k_buffer[layer][index] = data[layer, 0].to(pool.k_buffer[layer].device)
+            pool.v_buffer[layer][index] = data[layer, 1].to(pool.v_buffer[layer].device)
+
+    # ---- writing ----
+
+    def cache_finished_req(self, req: CacheReq, is_insert: bool = True) -> None:
+        tokens = None
+        if is_insert and self.write_policy != "write_back":
+            all_len = finished_kv_len(req)
+            tokens = tuple((list(req.origin_input_ids) + list(req.output_ids))[:all_len])
+        super().cache_finished_req(req, is_insert)
+        if tokens is not None and len(tokens) >= self.page_tokens:
+            self._write_path(tokens)
+
+    def _write_path(self, tokens: tuple[int, ...]) -> None:
+        """Write the pages of the tree's path for `tokens` that storage does not have yet."""
+        num_pages = len(tokens) // self.page_tokens
+        nodes, slots = self._path_for(tokens[: num_pages * self.page_tokens])
+        num_pages = len(slots) // self.page_tokens
+        if not num_pages:
+            return
+        keys = page_keys(tokens, self.page_tokens, num_pages)
+        ends = _node_ends(nodes)
+        todo = [k for k, key in enumerate(keys) if key not in self._stored]
+        if self.write_policy == "write_through_selective":
+            todo = [
+                k for k in todo if self._page_owner(nodes, ends, k).hit_count >= WRITE_THROUGH_SELECTIVE_HITS
+            ]
+        self._submit(keys, todo, tokens, slots)
+
+    def _page_owner(self, nodes: list[TreeNode], ends: list[int], k: int) -> TreeNode:
+        """The node holding page k's last token."""
+        last = (k + 1) * self.page_tokens - 1
+        return next(n for n, end in zip(nodes, ends) if end > last)
+
+    def _submit(self, keys: list[str], todo: list[int], tokens: tuple[int, ...], slots: torch.Tensor) -> None:
+        """Copy pages `todo` out of the pool in one gather and hand them to the writer."""
+        if not todo:
+            return
+        pts = self.page_tokens
+        data = self._gather(torch.cat([slots[k * pts : (k + 1) * pts] for k in todo]))
+        for j, k in enumerate(todo):
+            page = data[:, :, j * pts : (j + 1) * pts]
+            if self.writer.submit(keys[k], tokens[k * pts : (k + 1) * pts], page):
+                self._stored.add(keys[k])
+                self.prefetcher.forget(keys[k])
+        if len(self._stored) > 1 << 20:
+            self._stored.clear()
+
+    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+        pool = self.kv_pool
+        index = slots.to(pool.k_buffer[0].device)
+        layers = [
+            torch.stack((pool.k_buffer[i][index], pool.v_buffer[i][index])) for i in range(pool.layer_num)
+        ]
+        return torch.stack(layers).cpu()
+
+    def _path_for(self, tokens: tuple[int, ...]) -> tuple[list[TreeNode], torch.Tensor]:
+        """The nodes of the tree's longest match of `tokens` and the slots of the match, without
+        touching access times or splitting."""
+        node, i = self.root_node, 0
+        nodes: list[TreeNode] = []
+        while i < len(tokens):
+            child = node.children.get(self._child_key(tokens, i))
+            matched = 0 if child is None else self._match_len(child.key, tokens, i)
+            if not matched:
+                break
+            nodes.append(child)
+            i += matched
+            if matched < len(child.key):
+                break
+            node = child
+        slots = torch.cat([n.value for n in nodes])[:i] if nodes else self._empty()
+        return nodes, slots
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        if self.write_policy == "write_back":
+            self._write_back(node)
+        super()._delete_leaf(node)
+
+    def _write_back(self, leaf: TreeNode) -> None:
+        """Before eviction frees `leaf`: write the pages that end inside it."""
+        path = []
+        n = leaf
+        while n is not self.root_node and n is not None:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        tokens = tuple(t for p in path for t in p.key)
+        start = len(tokens) - len(leaf.key)
+        num_pages = len(tokens) // self.page_tokens
+        first = start // self.page_tokens
+        if num_pages <= first:
+            return
+        slots = torch.cat([p.value for p in path])
+        keys = page_keys(tokens, self.page_tokens, num_pages)
+        self._submit(keys, [k for k in range(first, num_pages) if keys[k] not in self._stored], tokens, slots)
+
+    # ---- life ----
+
+    def flush_storage(self) -> None:
+        """Wait until every page handed to the writer is written."""
+        self.writer.flush()
+
+    def set_pool_write_stream(self, stream: PoolWriteStream) -> None:
+        self.pool_write_stream = stream
+
+    def close(self) -> None:
+        self.writer.close()
+        self.prefetcher.close()
+
+    def storage_stats(self) -> dict:
+        return {
+            "storage_hit_tokens": self.storage_hit_tokens,
+            "storage_pages_loaded": self.storage_pages_loaded,
+            "storage_pages_written": self.writer.written,
+            "storage_pages_dropped": self.writer.dropped,
+            "storage_write_failures": self.writer.failed,
+        }
+
+
+def _node_ends(nodes: list[TreeNode]) -> list[int]:
+    ends, total = [], 0
+    for n in nodes:
+        total += len(n.key)
+        ends.append(total)
+    return ends

@@ -1,0 +1,100 @@
+"""The hierarchical cache's flags (SGLang's HiCache names): their help and their rules.
+
+`ServerArgs.validate` calls `validate_hicache`. On a CPU the device pool already is host memory:
+there is no host tier, so `--hicache-size` is refused and `--hicache-ratio` is ignored; the
+storage tier is what `--enable-hierarchical-cache` turns on there, and it needs a backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from radixengine.mem_cache.storage.policies import (
+    DEFAULT_FILE_BACKEND_DIR,
+    FILE_BACKEND_DIR_ENV,
+    FILE_BACKEND_MAX_SIZE_ENV,
+    HICACHE_PREFETCH_POLICIES,
+    HICACHE_STORAGE_BACKENDS,
+    HICACHE_WRITE_POLICIES,
+)
+
+logger = logging.getLogger(__name__)
+
+HICACHE_CHOICES = {
+    "hicache_write_policy": HICACHE_WRITE_POLICIES,
+    "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
+    "hicache_storage_prefetch_policy": HICACHE_PREFETCH_POLICIES,
+}
+
+HICACHE_HELP = {
+    "enable_hierarchical_cache": (
+        "Back the radix cache with more tiers (SGLang's HiCache). Here: the storage tier "
+        "(--hicache-storage-backend file), on every device; pages of evicted or finished prefixes "
+        "are found again after eviction and after a restart."
+    ),
+    "hicache_ratio": "Host tier size as a ratio of the device pool (CUDA host tier; ignored on a CPU).",
+    "hicache_size": "Host tier size in GB, overrides --hicache-ratio (CUDA host tier; refused on a CPU).",
+    "hicache_write_policy": (
+        "When pages go to storage: write_through (default; every page of a request's prefix when it "
+        "finishes), write_through_selective (only pages at least 2 requests used), write_back (when "
+        "eviction frees them)."
+    ),
+    "hicache_storage_backend": "The storage tier's backend: file (one file per page in a folder).",
+    "hicache_storage_dir": (
+        f"The file backend's folder; default ${FILE_BACKEND_DIR_ENV}, else {DEFAULT_FILE_BACKEND_DIR}."
+    ),
+    "hicache_storage_max_bytes": (
+        f"Size bound of the file backend's folder in bytes (least recently used pages are deleted "
+        f"past it); 0: no bound. Default ${FILE_BACKEND_MAX_SIZE_ENV}, else 0."
+    ),
+    "hicache_storage_prefetch_policy": (
+        "How long admission waits for a request's pages being read from storage: best_effort "
+        "(default; what has arrived), wait_complete (all of them), timeout (at most 2 s)."
+    ),
+}
+
+
+def resolve_storage_dir(args: Any) -> str:
+    return args.hicache_storage_dir or os.environ.get(FILE_BACKEND_DIR_ENV) or DEFAULT_FILE_BACKEND_DIR
+
+
+def resolve_storage_max_bytes(args: Any) -> int:
+    if args.hicache_storage_max_bytes:
+        return args.hicache_storage_max_bytes
+    return int(os.environ.get(FILE_BACKEND_MAX_SIZE_ENV) or 0)
+
+
+def validate_hicache(args: Any) -> None:
+    """Refuse combinations the hierarchical cache cannot serve, naming why."""
+    for name, choices in HICACHE_CHOICES.items():
+        value = getattr(args, name)
+        if value is not None and value not in choices:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+    if args.hicache_ratio <= 0:
+        raise ValueError(f"--hicache-ratio must be > 0, got {args.hicache_ratio}")
+    if args.hicache_size < 0 or args.hicache_storage_max_bytes < 0:
+        raise ValueError("--hicache-size and --hicache-storage-max-bytes must be >= 0")
+    if not args.enable_hierarchical_cache:
+        if args.hicache_storage_backend is not None:
+            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        return
+    if args.disable_radix_cache:
+        raise ValueError("--enable-hierarchical-cache backs the radix cache: not with --disable-radix-cache")
+    if args.device == "cpu":
+        if args.hicache_size:
+            raise ValueError(
+                "--hicache-size: on a CPU the KV pool already is host memory; there is no host tier "
+                "(use --max-total-tokens for a larger pool)"
+            )
+        if args.hicache_storage_backend is None:
+            raise ValueError(
+                "--enable-hierarchical-cache on a CPU is the storage tier (there is no host tier): "
+                "add --hicache-storage-backend file"
+            )
+    if args.hicache_storage_backend is None:
+        raise ValueError(
+            "--enable-hierarchical-cache: the host tier is not implemented yet; add --hicache-storage-backend file"
+        )

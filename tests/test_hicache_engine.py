@@ -1,0 +1,100 @@
+"""The storage tier across a real restart: a new Engine (new scheduler process) on the same
+folder reads the prompt's KV from the files the first one wrote, with the same greedy tokens, and
+says so in meta_info (`cached_tokens_details`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine_utils import build_tiny_model, hf_greedy, load_hf_model
+
+from radixengine import Engine
+from radixengine.mem_cache.storage.policies import FILE_BACKEND_DIR_ENV
+
+MAX_NEW = 8
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+PROMPT_IDS = [(i * 37 + 11) % 250 + 3 for i in range(200)]
+
+
+def _engine(model_path: str, **kw) -> Engine:
+    return Engine(
+        model_path=model_path,
+        dtype="float32",
+        max_total_tokens=2048,
+        num_threads=1,
+        log_level="warning",
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_prefetch_policy="wait_complete",
+        **kw,
+    )
+
+
+def _wait_for_pages(folder: Path, count: int, timeout: float = 120.0) -> None:
+    """The writer thread writes after the request finished; wait until its pages are there."""
+    deadline = time.monotonic() + timeout
+    while len(list(folder.glob("*/*.kv"))) < count:
+        assert time.monotonic() < deadline, f"pages not written to {folder}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_llama_hicache")))
+
+
+def test_restarted_engine_reads_the_prompt_from_storage(model_path, tmp_path, monkeypatch):
+    with _engine(model_path, hicache_storage_dir=str(tmp_path)) as first:
+        cold = first.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        _wait_for_pages(tmp_path, 12)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert cold["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
+
+    monkeypatch.setenv(FILE_BACKEND_DIR_ENV, str(tmp_path))  # SGLang's variable names the folder
+    with _engine(model_path) as second:
+        warm = second.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        again = second.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+    assert warm["meta_info"]["cached_tokens"] == 192  # twelve 16-token pages of the 199 matchable
+    assert warm["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 192}
+    assert again["meta_info"]["cached_tokens_details"]["storage"] == 0  # now in the tree
+    assert warm["output_ids"] == cold["output_ids"] == again["output_ids"]
+    hf = load_hf_model(model_path, dtype=torch.float32)
+    assert warm["output_ids"] == hf_greedy(hf, [PROMPT_IDS], MAX_NEW)[0]
+
+
+def test_engine_refuses_storage_without_the_radix_cache(model_path, tmp_path):
+    with pytest.raises(ValueError, match="disable-radix-cache"):
+        _engine(model_path, hicache_storage_dir=str(tmp_path), disable_radix_cache=True)
+
+
+@pytest.mark.slow
+def test_smollm2_system_prompt_from_storage_after_restart(tmp_path):
+    from radixengine.model_loader import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    system = "You are a careful assistant for a hardware shop. " * 12
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": q}] for q in ("Hi!", "Price?")
+    ]
+    params = {"max_new_tokens": 12, "temperature": 0}
+    kw = dict(
+        dtype="float32",
+        log_level="warning",
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path),
+        hicache_storage_prefetch_policy="wait_complete",
+    )
+    with Engine(**kw) as first:
+        cold = first.chat(chats, params)
+        _wait_for_pages(tmp_path, 8)
+    with Engine(**kw) as second:
+        warm = second.chat(chats, params)
+    assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in cold]
+    assert warm[0]["meta_info"]["cached_tokens_details"]["storage"] >= 128

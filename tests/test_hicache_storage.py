@@ -1,0 +1,486 @@
+"""The hierarchical cache's storage tier (mem_cache/hiradix_cache.py, mem_cache/storage/): KV
+read back from files after eviction and after a restart gives transformers' greedy tokens, and
+every bad file, folder or writer is survived without using bad bytes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from sched_utils import (
+    assert_matches_oracle,
+    gen_req,
+    make_scheduler,
+    random_prompts,
+    run_to_completion,
+)
+from test_engine_utils import subprocess_env
+
+from radixengine.mem_cache.hiradix_cache import STORAGE_PAGE_TOKENS as PT
+from radixengine.mem_cache.storage.base import KVIdentity, page_keys
+from radixengine.mem_cache.storage.file_backend import TMP_SUFFIX, HiCacheFile
+
+STORAGE_LOGGER = "radixengine.mem_cache.storage.file_backend"
+SHARED = random_prompts(11, 1, 150, 150)
+PROMPTS = random_prompts(12, 3, 5, 20, shared=SHARED)
+OTHER_SHARED = random_prompts(13, 1, 300, 300)
+OTHER = random_prompts(14, 3, 5, 20, shared=OTHER_SHARED)
+
+
+def hicache_scheduler(folder: Path, **overrides):
+    args = dict(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(folder),
+        hicache_storage_prefetch_policy="wait_complete",
+        page_size=16,
+        max_total_tokens=1024,
+    )
+    args.update(overrides)
+    return make_scheduler(**args)
+
+
+def run(sched, prompts, tag: str, max_new_tokens: int = 8):
+    reqs = [gen_req(f"{tag}{i}", p, max_new_tokens) for i, p in enumerate(prompts)]
+    return reqs, run_to_completion(sched, reqs)
+
+
+def whole_pages(prompt: list[int]) -> int:
+    """Tokens of the prompt's matchable part (all but its last token) in whole storage pages."""
+    return (len(prompt) - 1) // PT * PT
+
+
+def files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*/*.kv"))
+
+
+def close(sched) -> None:
+    sched.tree_cache.flush_storage()
+    sched.close()
+
+
+# ---- greedy tokens with KV from storage ----------------------------------------------------------
+
+MATRIX = [
+    pytest.param(
+        page, kv, overlap, policy, id=f"page{page}-{kv}-{'overlap' if overlap else 'normal'}-{policy}"
+    )
+    for page in (1, 16)
+    for kv in ("auto", "bfloat16")
+    for overlap in (False, True)
+    for policy in ("lru", "slru")
+]
+
+
+def _baseline(page: int, kv: str, overlap: bool, policy: str, prompts, tag: str):
+    """The same requests without the storage tier (float32 KV: checked against transformers)."""
+    sched = make_scheduler(page_size=page, kv_cache_dtype=kv, overlap=overlap, radix_eviction_policy=policy)
+    reqs, results = run(sched, prompts, tag)
+    sched.close()
+    if kv == "auto":
+        assert_matches_oracle(reqs, results)
+    return {r.rid[len(tag) :]: results[r.rid].output_ids for r in reqs}
+
+
+def _assert_same(expected: dict, results: dict, tag: str) -> None:
+    for i, ids in expected.items():
+        assert results[tag + i].output_ids == ids, f"{tag}{i}: tokens differ from the run without storage"
+
+
+@pytest.mark.parametrize("page,kv,overlap,policy", MATRIX)
+def test_restart_reads_prefix_from_storage(tmp_path, page, kv, overlap, policy):
+    expected = _baseline(page, kv, overlap, policy, PROMPTS, "base")
+    opts = dict(page_size=page, kv_cache_dtype=kv, overlap=overlap, radix_eviction_policy=policy)
+    first = hicache_scheduler(tmp_path, **opts)
+    _, cold = run(first, PROMPTS, "cold")
+    _assert_same(expected, cold, "cold")
+    assert first.tree_cache.storage_hit_tokens == 0
+    close(first)
+    assert files(tmp_path)
+
+    # A new cache over a cleared pool: what a restarted server has.
+    second = hicache_scheduler(tmp_path, **opts)
+    _, warm = run(second, PROMPTS, "warm")
+    _assert_same(expected, warm, "warm")
+    # Every prompt was written whole (with its output) by the first run: each request's
+    # prefix is cached, from storage or from pages another request just read.
+    for i, prompt in enumerate(PROMPTS):
+        assert warm[f"warm{i}"].cached_tokens >= whole_pages(prompt)  # page 1: the tree may add some
+    assert second.tree_cache.storage_hit_tokens >= whole_pages(PROMPTS[0])
+    close(second)
+
+
+@pytest.mark.parametrize("page,kv,overlap,policy", MATRIX)
+def test_evicted_prefix_comes_back_from_storage(tmp_path, page, kv, overlap, policy):
+    expected = _baseline(page, kv, overlap, policy, PROMPTS, "base")
+    opts = dict(page_size=page, kv_cache_dtype=kv, overlap=overlap, radix_eviction_policy=policy)
+    sched = hicache_scheduler(tmp_path, max_total_tokens=512, **opts)
+    run(sched, PROMPTS, "a")
+    run(sched, OTHER, "b")  # 300-token prefix: the pool of 512 evicts the first prefix
+    sched.tree_cache.flush_storage()
+    assert sched.tree_cache.match_prefix(PROMPTS[0][:-1]).device_indices.numel() < 128
+    _, again = run(sched, PROMPTS, "c")
+    _assert_same(expected, again, "c")
+    assert sched.tree_cache.storage_hit_tokens >= 128
+    assert again["c0"].cached_tokens == whole_pages(PROMPTS[0])
+    close(sched)
+
+
+def test_cached_tokens_details_reach_the_output(tmp_path):
+    first = hicache_scheduler(tmp_path)
+    run(first, PROMPTS[:1], "a")
+    close(first)
+    second = hicache_scheduler(tmp_path)
+    second.io.put(gen_req("b", PROMPTS[0], 4))
+    second.run_until_idle(1000)
+    outs = [m for m in second.io.take_outputs() if hasattr(m, "cached_tokens_storage")]
+    assert outs[-1].cached_tokens_storage == [whole_pages(PROMPTS[0])]
+    assert outs[-1].cached_tokens == [whole_pages(PROMPTS[0])]
+    close(second)
+
+
+# ---- write policies --------------------------------------------------------------------------
+
+
+def test_write_back_writes_on_eviction_only(tmp_path):
+    sched = hicache_scheduler(tmp_path, hicache_write_policy="write_back", max_total_tokens=512)
+    run(sched, PROMPTS, "a")
+    sched.tree_cache.flush_storage()
+    assert files(tmp_path) == []
+    run(sched, OTHER, "b")  # evicts the first prefix: its pages are written then
+    sched.tree_cache.flush_storage()
+    assert len(files(tmp_path)) >= 2
+    _, again = run(sched, PROMPTS, "c")
+    assert sched.tree_cache.storage_hit_tokens >= 128
+    close(sched)
+
+
+def test_write_through_selective_needs_two_hits(tmp_path):
+    sched = hicache_scheduler(tmp_path, hicache_write_policy="write_through_selective")
+    run(sched, PROMPTS[:1], "a")
+    sched.tree_cache.flush_storage()
+    assert files(tmp_path) == []
+    run(sched, PROMPTS[1:2], "b")  # a second request through the shared prefix: its pages only
+    sched.tree_cache.flush_storage()
+    assert len(files(tmp_path)) == len(SHARED[0]) // PT
+    close(sched)
+
+
+def test_best_effort_admits_without_waiting_and_uses_a_finished_prefetch(tmp_path):
+    first = hicache_scheduler(tmp_path)
+    run(first, PROMPTS[:1], "a")
+    close(first)
+    second = hicache_scheduler(tmp_path, hicache_storage_prefetch_policy="best_effort")
+    tree = second.tree_cache
+    tree.match_prefix(PROMPTS[0][:-1])  # what the waiting queue's match starts
+    for op in list(tree.prefetcher._ops.values()):
+        op.wait(None)
+    _, results = run(second, PROMPTS[:1], "b")
+    assert tree.storage_hit_tokens == whole_pages(PROMPTS[0])
+    assert_matches_oracle([gen_req("b0", PROMPTS[0], 8)], results)
+    close(second)
+
+
+# ---- safety ------------------------------------------------------------------------------------
+
+
+def _write_pages(folder: Path) -> list[Path]:
+    sched = hicache_scheduler(folder)
+    run(sched, PROMPTS, "w")
+    close(sched)
+    return files(folder)
+
+
+def _page_file(folder: Path, page: int) -> Path:
+    (tag_dir,) = [p for p in folder.iterdir() if p.is_dir()]
+    key = page_keys(tuple(SHARED[0]), PT, page + 1)[page]
+    return tag_dir / f"{key}.kv"
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(b"not a page at all")
+
+
+@pytest.mark.parametrize("damage", [_corrupt, _truncate, _garbage], ids=["checksum", "truncated", "garbage"])
+def test_bad_file_is_recomputed_with_a_warning_naming_it(tmp_path, caplog, damage):
+    _write_pages(tmp_path)
+    bad = _page_file(tmp_path, 1)
+    damage(bad)
+    sched = hicache_scheduler(tmp_path)
+    with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
+        reqs, results = run(sched, PROMPTS, "r")
+    assert_matches_oracle(reqs, results)
+    assert sched.tree_cache.storage_hit_tokens == PT  # page 0 read, page 1 recomputed
+    assert any(str(bad) in rec.getMessage() for rec in caplog.records)
+    close(sched)
+    assert bad.exists()  # recomputed and written again, whole
+    assert (
+        HiCacheFile(tmp_path, sched.tree_cache.storage.identity).get(bad.stem, tuple(SHARED[0][PT : 2 * PT]))
+        is not None
+    )
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("model", "another-model"), ("kv_dtype", "bfloat16"), ("page_tokens", 128), ("layer_num", 3)],
+)
+def test_foreign_file_is_not_used(tmp_path, caplog, field, value):
+    """A page written under another identity (model, KV dtype, page size, layer count) found
+    under this one's name is refused, named, and recomputed."""
+    _write_pages(tmp_path)
+    good = _page_file(tmp_path, 0)
+    mine = HiCacheFile(tmp_path, _identity_of(tmp_path))
+    foreign_identity = KVIdentity(**{**mine.identity.__dict__, field: value})
+    foreign = HiCacheFile(tmp_path / "other", foreign_identity)
+    shape = foreign_identity.page_shape()
+    foreign.set(
+        good.stem, tuple(SHARED[0][:PT]), torch.zeros(shape, dtype=getattr(torch, foreign_identity.kv_dtype))
+    )
+    os.replace(foreign.path_of(good.stem), good)  # as if another engine wrote it here
+    sched = hicache_scheduler(tmp_path)
+    with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
+        reqs, results = run(sched, PROMPTS, "r")
+    assert_matches_oracle(reqs, results)
+    assert sched.tree_cache.storage_hit_tokens == 0
+    assert any(
+        str(good) in rec.getMessage() and "another model" in rec.getMessage() for rec in caplog.records
+    )
+    close(sched)
+
+
+def _identity_of(folder: Path) -> KVIdentity:
+    sched = hicache_scheduler(folder)
+    identity = sched.tree_cache.storage.identity
+    sched.close()
+    return identity
+
+
+def test_other_identities_use_their_own_folder(tmp_path):
+    _write_pages(tmp_path)
+    sched = hicache_scheduler(tmp_path, kv_cache_dtype="bfloat16")
+    run(sched, PROMPTS, "r")
+    assert sched.tree_cache.storage_hit_tokens == 0
+    close(sched)
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+
+
+def test_unwritable_folder_serves_without_storage_with_one_warning(tmp_path, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the folder should be")
+    with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
+        sched = hicache_scheduler(blocker)
+        reqs, results = run(sched, PROMPTS, "r")
+        reqs2, results2 = run(sched, OTHER, "s")
+    assert_matches_oracle(reqs + reqs2, {**results, **results2})
+    warnings = [r for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(warnings) == 1
+    assert sched.tree_cache.writer.written == 0
+    close(sched)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to a read-only folder")
+def test_read_only_folder_reads_and_does_not_write(tmp_path, caplog):
+    _write_pages(tmp_path)
+    for d in [tmp_path, *[p for p in tmp_path.iterdir() if p.is_dir()]]:
+        d.chmod(0o555)
+    try:
+        with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
+            sched = hicache_scheduler(tmp_path)
+            reqs, results = run(sched, PROMPTS + OTHER, "r")
+        assert_matches_oracle(reqs, results)
+        assert sched.tree_cache.storage_hit_tokens >= whole_pages(PROMPTS[0])
+        assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
+        close(sched)
+    finally:
+        for d in [tmp_path, *[p for p in tmp_path.iterdir() if p.is_dir()]]:
+            d.chmod(0o755)
+
+
+FULL_DISK_CHILD = textwrap.dedent(
+    """
+    import logging, resource, signal, sys
+    sys.path.insert(0, {tests!r})
+    from sched_utils import gen_req, make_scheduler, run_to_completion, assert_matches_oracle, tiny_model_dir
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    logging.getLogger({logger!r}).addHandler(Keep())
+    tiny_model_dir()
+    sched = make_scheduler(enable_hierarchical_cache=True, hicache_storage_backend="file",
+                           hicache_storage_dir={folder!r}, page_size=16, max_total_tokens=1024)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # a page is larger: the disk is full
+    reqs = [gen_req(f"r{{i}}", p, 8) for i, p in enumerate({prompts!r})]
+    results = run_to_completion(sched, reqs)
+    sched.tree_cache.flush_storage()
+    more = [gen_req(f"s{{i}}", p, 8) for i, p in enumerate({other!r})]
+    results.update(run_to_completion(sched, more))
+    sched.tree_cache.flush_storage()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert_matches_oracle(reqs + more, results)
+    full = [m for m in records if "cannot write" in m]
+    assert len(full) == 1, records
+    assert sched.tree_cache.writer.written == 0
+    print("FULL-DISK-OK", sched.tree_cache.writer.failed)
+    """
+)
+
+
+def test_full_disk_serves_without_storage_with_one_warning(tmp_path):
+    code = FULL_DISK_CHILD.format(
+        tests=str(Path(__file__).parent),
+        logger=STORAGE_LOGGER,
+        folder=str(tmp_path),
+        prompts=PROMPTS,
+        other=OTHER,
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
+    assert "FULL-DISK-OK" in proc.stdout, proc.stdout + proc.stderr
+    assert list(tmp_path.glob("*/*" + TMP_SUFFIX)) == []  # the failed writes left nothing behind
+    assert files(tmp_path) == []
+
+
+KILLED_WRITER_CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    from radixengine.mem_cache.storage.base import KVIdentity
+    from radixengine.mem_cache.storage.file_backend import HiCacheFile
+    identity = KVIdentity("m", "float32", 64, 16, 8, 128)
+    backend = HiCacheFile({folder!r}, identity)
+    page = torch.randn(identity.page_shape())
+    i = 0
+    while True:  # 4 MiB pages, written until the parent kills us
+        backend.set(f"{{i:032x}}", tuple(range(64)), page)
+        i += 1
+        print(i, flush=True)
+    """
+)
+
+
+def test_killed_writer_leaves_nothing_that_is_read(tmp_path, caplog):
+    identity = KVIdentity("m", "float32", 64, 16, 8, 128)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER_CHILD.format(folder=str(tmp_path))],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    for _ in range(5):  # killed once it has written pages, most likely in the middle of the next
+        proc.stdout.readline()
+    proc.kill()
+    proc.wait()
+    backend_dir = tmp_path / identity.tag()
+    # A half-written temporary file of the kind a kill leaves (whatever the kill hit).
+    partial = backend_dir / f".{'f' * 32}-{proc.pid}-deadbeef{TMP_SUFFIX}"
+    partial.write_bytes(b"RADIXENGINE-KV-1\n" + b"\x00" * 1000)
+    with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
+        reader = HiCacheFile(tmp_path, identity)
+        assert reader.get("f" * 32, tuple(range(64))) is None  # the temporary name is never read
+        pages = sorted(backend_dir.glob("*.kv"))
+        assert len(pages) >= 5
+        for path in pages:
+            assert reader.get(path.stem, tuple(range(64))) is not None, path
+    assert not [r for r in caplog.records if "ignoring" in r.getMessage()]
+    os.utime(partial, (0, 0))  # an old temporary file: its writer is gone
+    HiCacheFile(tmp_path, identity)
+    assert not partial.exists()
+
+
+TWO_WRITERS_CHILD = textwrap.dedent(
+    """
+    import torch
+    from radixengine.mem_cache.storage.base import KVIdentity
+    from radixengine.mem_cache.storage.file_backend import HiCacheFile
+    identity = KVIdentity("m", "float32", 64, 4, 2, 16)
+    backend = HiCacheFile({folder!r}, identity)
+    for rnd in range(30):
+        for k in range(8):
+            torch.manual_seed(k)
+            assert backend.set(f"{{k:032x}}", tuple(range(k, k + 64)), torch.randn(identity.page_shape()))
+            backend.get(f"{{(k + 3) % 8:032x}}", tuple(range((k + 3) % 8, (k + 3) % 8 + 64)))
+    print("DONE")
+    """
+)
+
+
+def test_two_engines_on_one_folder_do_not_corrupt_it(tmp_path, caplog):
+    code = TWO_WRITERS_CHILD.format(folder=str(tmp_path))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all("DONE" in o for o in outs)
+    identity = KVIdentity("m", "float32", 64, 4, 2, 16)
+    reader = HiCacheFile(tmp_path, identity)
+    with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
+        for k in range(8):
+            torch.manual_seed(k)
+            expected = torch.randn(identity.page_shape())
+            assert torch.equal(reader.get(f"{k:032x}", tuple(range(k, k + 64))), expected)
+    assert not caplog.records
+    assert list((tmp_path / identity.tag()).glob("*" + TMP_SUFFIX)) == []
+
+
+def test_folder_size_bound_evicts_least_recently_used(tmp_path):
+    identity = KVIdentity("m", "float32", 64, 2, 2, 16)
+    page = torch.ones(identity.page_shape())
+    probe = HiCacheFile(tmp_path / "probe", identity)
+    probe.set("0" * 32, tuple(range(64)), page)
+    page_bytes = probe.path_of("0" * 32).stat().st_size
+    backend = HiCacheFile(tmp_path, identity, max_bytes=4 * page_bytes)
+    keys = [f"{i:032x}" for i in range(10)]
+    for i, key in enumerate(keys):
+        backend.set(key, tuple(range(64)), page)
+        os.utime(backend.path_of(key), (i, i))  # a strict age order whatever the clock's resolution
+        if i == 2:
+            backend.get(keys[0], tuple(range(64)))  # read: recently used again
+            os.utime(backend.path_of(keys[0]), (2.5, 2.5))
+    kept = {p.stem for p in backend.dir.glob("*.kv")}
+    assert sum(p.stat().st_size for p in backend.dir.glob("*.kv")) <= 4 * page_bytes
+    assert keys[-1] in kept and keys[1] not in kept
+
+
+def test_scheduler_respects_the_size_bound(tmp_path):
+    sched = hicache_scheduler(tmp_path, hicache_storage_max_bytes=3 * 34_000)
+    run(sched, PROMPTS + OTHER, "r")
+    close(sched)
+    total = sum(p.stat().st_size for p in files(tmp_path))
+    assert 0 < total <= 3 * 34_000
+
+
+def test_writer_drops_pages_past_its_byte_bound_and_never_waits(tmp_path):
+    from radixengine.mem_cache.storage.io_threads import StorageWriter
+
+    identity = KVIdentity("m", "float32", 64, 2, 2, 16)
+    page = torch.ones(identity.page_shape())
+    page_bytes = page.numel() * page.element_size()
+    writer = StorageWriter(HiCacheFile(tmp_path, identity), max_pending_bytes=page_bytes - 1)
+    assert not writer.submit("a" * 32, tuple(range(64)), page)
+    writer.flush()
+    assert (writer.dropped, writer.written) == (1, 0)
+    roomy = StorageWriter(HiCacheFile(tmp_path, identity), max_pending_bytes=page_bytes)
+    assert roomy.submit("b" * 32, tuple(range(64)), page)
+    roomy.close()
+    assert (roomy.written, roomy.pending_bytes) == (1, 0)
