@@ -1,5 +1,5 @@
-"""Builds the scheduler's tree cache: the radix cache, or with --enable-hierarchical-cache the
-radix cache backed by the storage tier (mem_cache/hiradix_cache.py)."""
+"""Builds the scheduler's tree cache: the chunk cache, the radix cache, or with
+--enable-hierarchical-cache the radix cache backed by the storage tier (mem_cache/hiradix_cache.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
+from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.hiradix_cache import HiRadixCache, storage_page_tokens
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.mem_cache.radix_cache import RadixCache
@@ -18,6 +20,15 @@ from radixengine.server_args import ServerArgs
 from radixengine.server_args_hicache import resolve_storage_dir, resolve_storage_max_bytes
 
 logger = logging.getLogger(__name__)
+
+
+def make_tree_cache(
+    args: ServerArgs, req_to_token_pool: ReqToTokenPool, allocator: BaseTokenToKVPoolAllocator
+) -> BasePrefixCache:
+    """The chunk cache (--disable-radix-cache), the radix cache, or the one over the storage tier."""
+    if args.disable_radix_cache:
+        return ChunkCache(req_to_token_pool, allocator, args.page_size)
+    return make_radix_cache(args, req_to_token_pool, allocator, args.page_size)
 
 
 def make_radix_cache(

@@ -20,7 +20,7 @@ import torch
 
 from radixengine.managers.fair_policy import FairPolicy
 from radixengine.managers.grammar_manager import GrammarManager
-from radixengine.managers.hicache_factory import make_radix_cache
+from radixengine.managers.hicache_factory import make_tree_cache
 from radixengine.managers.io_struct import FlushCacheReqInput, FlushCacheReqOutput, GetInternalStateReqOutput
 from radixengine.managers.overlap_utils import StepTimer, write_chrome_trace
 from radixengine.managers.req import Tokenizer
@@ -56,8 +56,6 @@ from radixengine.managers.worker_client import (
     make_worker_client,
 )
 from radixengine.mem_cache.accounting import TokenAccountingError, check_token_accounting
-from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
-from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -89,7 +87,9 @@ class Scheduler:
         self.page_size = server_args.page_size
         self._init_worker_info(eos_token_ids)
         self.req_to_token_pool, self.token_to_kv_pool_allocator = tp_worker.get_memory_pool()
-        self.tree_cache = self._new_tree_cache()
+        self.tree_cache = make_tree_cache(
+            server_args, self.req_to_token_pool, self.token_to_kv_pool_allocator
+        )
         self.timer = StepTimer(trace=server_args.trace_file is not None)
         self._init_components(server_args)
         self._init_loop_state(server_args)
@@ -110,12 +110,6 @@ class Scheduler:
             raise ValueError(
                 f"--page-size {self.page_size} differs from the worker's pools ({info.page_size})"
             )
-
-    def _new_tree_cache(self) -> BasePrefixCache:
-        pools = (self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
-        if self.server_args.disable_radix_cache:
-            return ChunkCache(*pools)
-        return make_radix_cache(self.server_args, *pools)
 
     def _init_components(self, args: ServerArgs) -> None:
         self.stats = SchedulerStats()
