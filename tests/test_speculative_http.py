@@ -48,3 +48,16 @@ def test_meta_info_server_info_and_metrics_report_speculation(server, oracle):  
     assert info["speculative_algorithm"] == "NGRAM" and info["avg_spec_accept_length"] >= 1.0
     metrics = httpx.get(server.base_url + "/metrics", headers=AUTH, timeout=30).text
     assert "sglang:spec_accept_length" in metrics
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_the_text(server, oracle):  # noqa: F811
+    """The stop string is checked after every token a verify step gives: the text ends where it
+    starts, as without speculation."""
+    ids = oracle.tok.encode("x y z x y z x y z x y z")
+    _, expected = oracle(ids, MAX_NEW)
+    stop = next(expected[i : i + 3] for i in range(4, len(expected) - 3) if expected[i : i + 3].strip())
+    params = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    body = post(server, "/generate", {"input_ids": ids, "sampling_params": params}).json()
+    assert body["text"] == expected[: expected.index(stop)]
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert_idle_accounting(server)
