@@ -113,13 +113,13 @@ def _params(items: list[dict], max_new_tokens: int | None) -> list[dict]:
     return out
 
 
-def bench_point(engines: dict, name: str, items: list[dict], bs: int, args) -> list[dict]:
+def bench_point(engines: dict, name: str, items: list[dict], bs: int, args, flip: bool) -> list[dict]:
     sequential = bs == 1
     batch = items[: args.batch1_requests] if sequential else items[:bs]
     params = _params(batch, args.max_new_tokens)
     runs: dict[str, list[RunResult]] = {m: [] for m in MODES}
     for r in range(args.repeats):
-        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+        for mode in MODES if (r + flip) % 2 == 0 else MODES[::-1]:
             print(f"[{name} bs={bs} repeat {r + 1}] {mode} ...", file=sys.stderr, flush=True)
             runs[mode].append(run_once(engines[mode], batch, params, sequential))
     best = {m: max(runs[m], key=lambda x: x.output_tok_s) for m in MODES}
@@ -180,14 +180,20 @@ def standalone_refused(args) -> str | None:
     return None
 
 
-def run_all(args) -> list[dict]:
+def run_all(args, save) -> list[dict]:
+    """Every point; `save(rows)` after each, so that a run cut short keeps what it measured."""
+    paths = {name: workload_path(name, args.workloads_dir) for name in args.workloads}
+    missing = [str(p) for p in paths.values() if not p.exists()]
+    if missing:
+        raise SystemExit(f"workloads not found: {', '.join(missing)} (see --workloads-dir)")
     engines = make_engines(args)
     try:
         rows = []
-        for name in args.workloads:
-            items = load_workload(workload_path(name, args.workloads_dir))
+        for name, path in paths.items():
+            items = load_workload(path)
             for bs in args.batch_sizes:
-                rows += bench_point(engines, name, items, bs, args)
+                rows += bench_point(engines, name, items, bs, args, flip=len(rows) % 4 == 2)
+                save(rows)
         return rows
     finally:
         for engine in engines.values():
@@ -275,10 +281,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_before = os.getloadavg()
-    rows = run_all(args)
+
+    def save(rows: list[dict]) -> None:
+        meta = _meta(args, load_before)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+    rows = run_all(args, save)
     print_table(rows)
     print(f"\n{STANDALONE_NOTE}")
-    meta = {
+    save(rows)
+    print(f"\nwrote {args.output}", file=sys.stderr)
+    if args.docs_copy:
+        copy = REPO / "docs" / "results" / "bench_speculative.json"
+        shutil.copy(args.output, copy)
+        print(f"wrote {copy}", file=sys.stderr)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+def _meta(args, load_before) -> dict:
+    return {
         "command": " ".join(sys.argv),
         "cpu": _cpu_name(),
         "threads": args.threads or os.cpu_count(),
@@ -290,17 +315,6 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "standalone": standalone_refused(args),
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    print(f"\nwrote {args.output}", file=sys.stderr)
-    if args.docs_copy:
-        copy = REPO / "docs" / "results" / "bench_speculative.json"
-        shutil.copy(args.output, copy)
-        print(f"wrote {copy}", file=sys.stderr)
-    if args.plot:
-        plot(rows, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":
