@@ -144,9 +144,19 @@ def bench_point(engines: dict, name: str, items: list[dict], bs: int, args, flip
                 "forward_steps": b.decode_steps,
                 "ratio_vs_off": b.output_tok_s / off.output_tok_s,
                 "same_tokens_as_off": sum(a == o for a, o in zip(b.output_ids, off.output_ids)),
+                "first_difference_at": [
+                    _first_difference(a, o) for a, o in zip(b.output_ids, off.output_ids)
+                ],
             }
         )
     return rows
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first output position where two outputs differ (None: identical)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def make_engines(args) -> dict:

@@ -73,14 +73,21 @@ def run(
 
         sched.drafter.draft = timed_draft
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    ids_out: dict[str, list[int]] = defaultdict(list)
+    top2: dict[str, list] = defaultdict(list)
     worker.seconds.clear()
     worker.tokens.clear()
     sched.timer.reset()
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
-        sched.io.put(TokenizedGenerateReqInput(f"r{i}", None, ids, params))
+        sched.io.put(
+            TokenizedGenerateReqInput(f"r{i}", None, ids, params, return_logprob=True, top_logprobs_num=2)
+        )
         sched.run_until_idle()
-        sched.io.take_outputs()
+        for msg in sched.io.take_outputs():
+            for j, rid in enumerate(getattr(msg, "rids", [])):
+                ids_out[rid] += msg.output_ids[j]
+                top2[rid] += msg.output_top_logprobs_val[j] or []
     wall = time.perf_counter() - start
     summary = sched.timer.summary()
     stats = sched.stats
@@ -97,6 +104,8 @@ def run(
         # the scheduler thread's own work (the forward is a phase of its own), drafting excluded
         "scheduler_ms_per_step": summary["cpu_ms"] - 1e3 * sum(draft_s) / steps,
         "avg_spec_accept_length": stats.avg_spec_accept_length,
+        "output_ids": [ids_out[f"r{i}"] for i in range(len(prompts))],
+        "top2_logprobs": [top2[f"r{i}"] for i in range(len(prompts))],
     }
     for kind, secs in worker.seconds.items():
         row[f"{kind}_steps"] = len(secs)
@@ -104,6 +113,24 @@ def run(
         row[f"{kind}_forward_ms_median"] = 1e3 * statistics.median(secs)
         row[f"{kind}_tokens_mean"] = statistics.mean(worker.tokens[kind])
     return row
+
+
+def _top2_gap(tops: list, k: int) -> float | None:
+    return tops[k][0] - tops[k][1] if k < len(tops) and len(tops[k]) > 1 else None
+
+
+def differences(off: dict, on: dict) -> list[dict | None]:
+    """Per request: None when both runs gave the same tokens; else the first position that
+    differs, the two tokens and the top-2 logprob gap of each run there (a near tie when small)."""
+    out = []
+    for i, (a, b) in enumerate(zip(off["output_ids"], on["output_ids"])):
+        if a == b:
+            out.append(None)
+            continue
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        gaps = {name: _top2_gap(row["top2_logprobs"][i], k) for name, row in (("off", off), ("NGRAM", on))}
+        out.append({"position": k, "off": a[k : k + 1], "NGRAM": b[k : k + 1], "top2_gap": gaps})
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     worker = KindTimedWorker(TpModelWorker(ServerArgs(**model_args)))
     run(worker, model_args, prompts[:1], 8, spec=False)  # warm-up
     rows = [run(worker, model_args, prompts, args.max_new_tokens, spec) for spec in (False, True)]
-    print(json.dumps(rows, indent=2))
+    rows[1]["differences"] = differences(rows[0], rows[1])
+    for row in rows:
+        del row["top2_logprobs"]
+    print(json.dumps([{k: v for k, v in r.items() if k != "output_ids"} for r in rows], indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 
