@@ -1,0 +1,320 @@
+"""Speculative decoding (NGRAM) against speculation off, in one run: the copy-heavy workload W4
+(benchmarks/workloads, made by make_copy_workload.py) and W2, at several batch sizes.
+
+    python benchmarks/bench_speculative.py                          # W4, W2; batch 1, 4, 8, 16, 32
+    python benchmarks/bench_speculative.py --workloads W4 --batch-sizes 1,8 --repeats 3
+    python benchmarks/bench_speculative.py --num-draft-tokens 12 --max-verify-tokens 128
+
+Two offline `Engine`s stay up side by side (the default model unless --model-path, greedy as in
+the workloads): one with speculation off, one with `speculative_algorithm="NGRAM"`. For each
+workload, batch size and repeat both run the same requests, alternating which goes first, with
+the prefix cache flushed before each run. Batch b: the workload's first b requests submitted at
+once; batch 1: the first --batch1-requests requests one after the other. Reported per run (the
+fastest repeat): output tok/s, TPOT (mean over requests of the time per output token after the
+first, streamed), the accept length (tokens a request takes from a verify step: the scheduler's
+avg_spec_accept_length over this run), the share of decode steps that verified, the ratio
+on/off, and how many requests gave the same tokens on and off (all of them, for greedy).
+
+STANDALONE (a draft model) is not measured here: no smaller model of the default model's
+tokenizer is at hand. Writes --output (JSON), a copy in docs/results/ with --docs-copy, and --plot (PNG)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_offline import WORKLOADS_DIR, _cpu_name, load_workload, workload_path  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ("off", "NGRAM")
+STANDALONE_NOTE = "STANDALONE (a draft model) is not measured: no smaller model of this tokenizer is at hand."
+
+
+@dataclass
+class RunResult:
+    elapsed_s: float
+    output_tokens: int
+    tpots: list[float]
+    output_ids: list[list[int]]
+    spec_reqs: int
+    spec_tokens: float
+    decode_steps: int
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+
+async def _stream_one(engine, item: dict, sampling_params: dict) -> tuple[float, list[int], int]:
+    """One streamed request: (TPOT, output ids, completion tokens)."""
+    first, ids, meta = None, [], {}
+    stream = await engine.async_generate(
+        messages=item.get("messages"), prompt=item.get("text"), sampling_params=sampling_params, stream=True
+    )
+    async for chunk in stream:
+        if first is None and chunk["output_ids"]:
+            first = time.perf_counter()
+        ids += chunk["output_ids"]
+        meta = chunk["meta_info"]
+    end = time.perf_counter()
+    n = meta.get("completion_tokens", len(ids))
+    tpot = (end - first) / (n - 1) if first is not None and n > 1 else float("nan")
+    return tpot, ids, n
+
+
+async def _run_batch(engine, items: list[dict], params: list[dict]) -> list[tuple[float, list[int], int]]:
+    return await asyncio.gather(*(_stream_one(engine, i, p) for i, p in zip(items, params)))
+
+
+def _spec_counters(engine) -> tuple[int, float, int]:
+    info = engine.get_server_info()
+    reqs = info.get("num_spec_verify_reqs", 0)
+    return reqs, reqs * info.get("avg_spec_accept_length", 0.0), info.get("num_forward_steps", 0)
+
+
+def run_once(engine, items: list[dict], params: list[dict], sequential: bool) -> RunResult:
+    engine.flush_cache()
+    reqs0, tokens0, steps0 = _spec_counters(engine)
+    start = time.perf_counter()
+    if sequential:
+        results = [asyncio.run(_run_batch(engine, [i], [p]))[0] for i, p in zip(items, params)]
+    else:
+        results = asyncio.run(_run_batch(engine, items, params))
+    elapsed = time.perf_counter() - start
+    reqs1, tokens1, steps1 = _spec_counters(engine)
+    return RunResult(
+        elapsed_s=elapsed,
+        output_tokens=sum(r[2] for r in results),
+        tpots=[r[0] for r in results],
+        output_ids=[r[1] for r in results],
+        spec_reqs=reqs1 - reqs0,
+        spec_tokens=tokens1 - tokens0,
+        decode_steps=steps1 - steps0,
+    )
+
+
+def _params(items: list[dict], max_new_tokens: int | None) -> list[dict]:
+    out = []
+    for item in items:
+        p = dict(item["sampling_params"])
+        if max_new_tokens is not None:
+            p["max_new_tokens"] = max_new_tokens
+        out.append(p)
+    return out
+
+
+def bench_point(engines: dict, name: str, items: list[dict], bs: int, args, flip: bool) -> list[dict]:
+    sequential = bs == 1
+    batch = items[: args.batch1_requests] if sequential else items[:bs]
+    params = _params(batch, args.max_new_tokens)
+    runs: dict[str, list[RunResult]] = {m: [] for m in MODES}
+    for r in range(args.repeats):
+        for mode in MODES if (r + flip) % 2 == 0 else MODES[::-1]:
+            print(f"[{name} bs={bs} repeat {r + 1}] {mode} ...", file=sys.stderr, flush=True)
+            runs[mode].append(run_once(engines[mode], batch, params, sequential))
+    best = {m: max(runs[m], key=lambda x: x.output_tok_s) for m in MODES}
+    off = best["off"]
+    rows = []
+    for mode in MODES:
+        b = best[mode]
+        rows.append(
+            {
+                "workload": name,
+                "batch_size": bs,
+                "requests": len(batch),
+                "sequential": sequential,
+                "speculative_algorithm": None if mode == "off" else mode,
+                "output_tokens": b.output_tokens,
+                "elapsed_s": b.elapsed_s,
+                "output_tok_s": b.output_tok_s,
+                "output_tok_s_all_repeats": [x.output_tok_s for x in runs[mode]],
+                "tpot_mean_s": statistics.mean(t for t in b.tpots if t == t) if b.output_tokens else None,
+                "avg_spec_accept_length": b.spec_tokens / b.spec_reqs if b.spec_reqs else None,
+                "spec_verify_reqs": b.spec_reqs,
+                "forward_steps": b.decode_steps,
+                "ratio_vs_off": b.output_tok_s / off.output_tok_s,
+                "same_tokens_as_off": sum(a == o for a, o in zip(b.output_ids, off.output_ids)),
+                "first_difference_at": [
+                    _first_difference(a, o) for a, o in zip(b.output_ids, off.output_ids)
+                ],
+            }
+        )
+    return rows
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first output position where two outputs differ (None: identical)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def make_engines(args) -> dict:
+    from radixengine import Engine
+
+    common = dict(
+        model_path=args.model_path,
+        log_level="warning",
+        max_total_tokens=args.max_total_tokens,
+        **({"num_threads": args.threads} if args.threads else {}),
+    )
+    spec = dict(
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=args.num_draft_tokens,
+        speculative_max_verify_tokens=args.max_verify_tokens,
+    )
+    engines = {"off": Engine(**common), "NGRAM": Engine(**common, **spec)}
+    for engine in engines.values():
+        engine.generate("Warm-up.", {"max_new_tokens": 8, "temperature": 0})
+    return engines
+
+
+def run_all(args, save) -> list[dict]:
+    """Every point; `save(rows)` after each, so that a run cut short keeps what it measured."""
+    paths = {name: workload_path(name, args.workloads_dir) for name in args.workloads}
+    missing = [str(p) for p in paths.values() if not p.exists()]
+    if missing:
+        raise SystemExit(f"workloads not found: {', '.join(missing)} (see --workloads-dir)")
+    engines = make_engines(args)
+    try:
+        rows = []
+        for name, path in paths.items():
+            items = load_workload(path)
+            for bs in args.batch_sizes:
+                rows += bench_point(engines, name, items, bs, args, flip=len(rows) % 4 == 2)
+                save(rows)
+        return rows
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        "| workload | batch | speculation | output tok/s | TPOT (ms) | accept length | × off | same tokens as off |"
+    )
+    print("|" + "---|" * 8)
+    for r in rows:
+        batch = f"1 (×{r['requests']} in turn)" if r["sequential"] else str(r["batch_size"])
+        tpot = _fmt(r["tpot_mean_s"] and r["tpot_mean_s"] * 1000, ".1f")
+        same = f"{r['same_tokens_as_off']}/{r['requests']}" if r["speculative_algorithm"] else "–"
+        print(f"| {r['workload']} | {batch} | {r['speculative_algorithm'] or 'off'} | {r['output_tok_s']:.1f} | "
+              f"{tpot} | {_fmt(r['avg_spec_accept_length'], '.2f')} | {r['ratio_vs_off']:.2f} | {same} |")  # fmt: skip
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in workloads:
+        on = [r for r in rows if r["workload"] == name and r["speculative_algorithm"]]
+        off = [r for r in rows if r["workload"] == name and not r["speculative_algorithm"]]
+        bss = [r["batch_size"] for r in on]
+        (line,) = axes[0].plot(bss, [r["output_tok_s"] for r in on], "o-", label=f"{name} NGRAM")
+        axes[0].plot(
+            bss, [r["output_tok_s"] for r in off], "s--", color=line.get_color(), label=f"{name} off"
+        )
+        axes[1].plot(bss, [r["ratio_vs_off"] for r in on], "o-", color=line.get_color(), label=name)
+    axes[0].set(xscale="log", xlabel="batch size", ylabel="output tok/s", title="throughput")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[1].set(xscale="log", xlabel="batch size", ylabel="NGRAM / off", title="speed-up (output tok/s)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.set_xticks(sorted({r["batch_size"] for r in rows}), labels=None)
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-path", default=None, help="default: the bundled SmolLM2 GGUF")
+    parser.add_argument("--workloads-dir", default=str(WORKLOADS_DIR))
+    parser.add_argument("--workloads", default="W4,W2")
+    parser.add_argument("--batch-sizes", default="1,4,8,16,32")
+    parser.add_argument(
+        "--batch1-requests", type=int, default=4, help="batch 1: requests run one after another"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the workload's")
+    parser.add_argument("--num-draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens")
+    parser.add_argument("--max-verify-tokens", type=int, default=64, help="--speculative-max-verify-tokens")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="alternating runs per point; the fastest is kept"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="the engine's --num-threads (default: all cores)"
+    )
+    parser.add_argument("--max-total-tokens", type=int, default=65536, help="each engine's KV pool")
+    parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_speculative.json"))
+    parser.add_argument("--docs-copy", action="store_true", help="also copy the JSON to docs/results/")
+    parser.add_argument("--plot", default=str(REPO / "docs" / "results" / "bench_speculative.png"))
+    args = parser.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    if args.repeats < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
+        parser.error("--repeats and every batch size must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+
+    def save(rows: list[dict]) -> None:
+        meta = _meta(args, load_before)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+    rows = run_all(args, save)
+    print_table(rows)
+    print(f"\n{STANDALONE_NOTE}")
+    save(rows)
+    print(f"\nwrote {args.output}", file=sys.stderr)
+    if args.docs_copy:
+        copy = REPO / "docs" / "results" / "bench_speculative.json"
+        shutil.copy(args.output, copy)
+        print(f"wrote {copy}", file=sys.stderr)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+def _meta(args, load_before) -> dict:
+    return {
+        "command": " ".join(sys.argv),
+        "cpu": _cpu_name(),
+        "threads": args.threads or os.cpu_count(),
+        "time": time.ctime(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "num_draft_tokens": args.num_draft_tokens,
+        "max_verify_tokens": args.max_verify_tokens,
+        "repeats": args.repeats,
+        "standalone": STANDALONE_NOTE,
+    }
+
+
+if __name__ == "__main__":
+    main()
