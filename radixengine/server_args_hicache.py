@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Protocol
 
 from radixengine.mem_cache.storage.policies import (
     DEFAULT_FILE_BACKEND_DIR,
@@ -56,17 +56,30 @@ HICACHE_HELP = {
 }
 
 
-def resolve_storage_dir(args: Any) -> str:
+class HiCacheArgs(Protocol):
+    """What the hierarchical cache's rules read of ServerArgs."""
+
+    device: str
+    disable_radix_cache: bool
+    enable_hierarchical_cache: bool
+    hicache_ratio: float
+    hicache_size: int
+    hicache_storage_backend: str | None
+    hicache_storage_dir: str | None
+    hicache_storage_max_bytes: int
+
+
+def resolve_storage_dir(args: HiCacheArgs) -> str:
     return args.hicache_storage_dir or os.environ.get(FILE_BACKEND_DIR_ENV) or DEFAULT_FILE_BACKEND_DIR
 
 
-def resolve_storage_max_bytes(args: Any) -> int:
+def resolve_storage_max_bytes(args: HiCacheArgs) -> int:
     if args.hicache_storage_max_bytes:
         return args.hicache_storage_max_bytes
     return int(os.environ.get(FILE_BACKEND_MAX_SIZE_ENV) or 0)
 
 
-def validate_hicache(args: Any) -> None:
+def validate_hicache(args: HiCacheArgs) -> None:
     """Refuse combinations the hierarchical cache cannot serve, naming why."""
     for name, choices in HICACHE_CHOICES.items():
         value = getattr(args, name)

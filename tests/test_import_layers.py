@@ -31,7 +31,7 @@ LAYERS = (
     {"constrained", "function_call", "parser"},
     {"sampling"},
     {"layers", "models", "model_loader", "speculative"},
-    {"model_executor", "server_args", "server_args_help"},
+    {"model_executor", "server_args", "server_args_help", "server_args_hicache"},
     {"managers"},
     {"engine", "entrypoints", "launch_server", "__init__"},
 )
