@@ -258,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the workload's")
     parser.add_argument("--num-draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens")
-    parser.add_argument("--max-verify-tokens", type=int, default=64, help="--speculative-max-verify-tokens")
+    parser.add_argument("--max-verify-tokens", type=int, default=32, help="--speculative-max-verify-tokens")
     parser.add_argument(
         "--repeats", type=int, default=2, help="alternating runs per point; the fastest is kept"
     )

@@ -142,7 +142,7 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 1
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 0
-    speculative_max_verify_tokens: int = 64
+    speculative_max_verify_tokens: int = 32
 
     extra: dict = field(default_factory=dict)
 

@@ -184,7 +184,7 @@ def test_logprobs_of_every_accepted_token(monkeypatch):
 
 
 def test_large_batches_decode_plainly():
-    """The verify budget (64 tokens a step by default) leaves a batch of 40 fewer than 2 a
+    """The verify budget (32 tokens a step by default) leaves a batch of 40 fewer than 2 a
     request: it decodes plainly, and its outputs are the plain ones."""
     prompts = random_prompts(605, 40, 4, 12)
     reqs = [gen_req(f"b{i}", p, 6) for i, p in enumerate(prompts)]
