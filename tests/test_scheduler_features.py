@@ -405,21 +405,28 @@ def test_flush_cache_and_internal_state_messages():
 def test_event_loop_normal_in_a_thread():
     sched = make_scheduler()
     reqs = [gen_req(f"t{i}", p, 8) for i, p in enumerate(random_prompts(350, 4, 5, 15))]
+    results, thread = run_normal_loop_in_a_thread(sched, reqs)
+    assert not thread.is_alive()
+    assert_matches_oracle(reqs, results)
+
+
+def run_normal_loop_in_a_thread(sched, reqs: list):
+    """`event_loop_normal` on a thread until every request finished (or 60 s), then the I/O closed:
+    the results and the thread."""
     thread = threading.Thread(target=sched.event_loop_normal, daemon=True)
     thread.start()
     sched.io.put(*reqs)
     deadline = time.monotonic() + 60
     results = {}
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and thread.is_alive():
         with sched.io._cond:
             results = collect(list(sched.io.outputs))
-        if len(results) == 4 and all(r.finished_reason for r in results.values()):
+        if len(results) == len(reqs) and all(r.finished_reason for r in results.values()):
             break
         time.sleep(0.02)
     sched.io.close()
     thread.join(10)
-    assert not thread.is_alive()
-    assert_matches_oracle(reqs, results)
+    return results, thread
 
 
 def test_self_check_raises_in_test_mode_and_logs_otherwise(caplog):
@@ -458,19 +465,7 @@ def test_event_loop_normal_runs_normal_steps_on_an_overlap_scheduler():
 
     sched.run_step_overlap = no_overlap_step
     reqs = [gen_req(f"n{i}", p, 6) for i, p in enumerate(random_prompts(351, 3, 5, 12))]
-    thread = threading.Thread(target=sched.event_loop_normal, daemon=True)
-    thread.start()
-    sched.io.put(*reqs)
-    deadline = time.monotonic() + 60
-    results = {}
-    while time.monotonic() < deadline and thread.is_alive():
-        with sched.io._cond:
-            results = collect(list(sched.io.outputs))
-        if len(results) == 3 and all(r.finished_reason for r in results.values()):
-            break
-        time.sleep(0.02)
-    sched.io.close()
-    thread.join(10)
+    results, _ = run_normal_loop_in_a_thread(sched, reqs)
     sched.close()
     assert_matches_oracle(reqs, results)
     assert_no_leak(sched)

@@ -341,3 +341,27 @@ def test_draft_model_retraction_and_seeded_sampling(unrelated_draft):
     params = dict(temperature=0.9, top_p=0.95, sampling_seed=5, ignore_eos=True)
     sampled = [gen_req(f"x{i}", p, 30, **params) for i, p in enumerate(random_prompts(611, 3, 8, 16))]
     assert _sampled(standalone(tiny_model_dir()), sampled) == _sampled(make_scheduler(), sampled)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_nan_logits_inside_a_verify_abort_that_request_alone(monkeypatch, page):
+    """A draft run that reaches a token whose embedding is NaN: the request's bonus token comes
+    from a node with nothing to sample, so it is aborted with a 500 (its verify KV freed, not
+    cached) after the drafts accepted from fine nodes; the other requests and the token
+    accounting (checked by run_to_completion) are intact."""
+    from test_scheduler_faults import nan_embedding, pick_poison_token
+
+    poison, dec_prompt, clean = pick_poison_token()
+    script_drafts(monkeypatch, oracle_continuations([dec_prompt, *clean], 16))
+    sched = make_scheduler(page_size=page, **SPEC)
+    good = [gen_req(f"good{i}", p, 12) for i, p in enumerate(clean)]
+    reqs = [gen_req("nan", dec_prompt, 12), *good]
+    with nan_embedding(sched, poison):
+        results = run_to_completion(sched, reqs)
+    reason = results["nan"].finished_reason
+    assert reason["type"] == "abort" and reason["status_code"] == 500 and "NaN" in reason["message"]
+    # A prefix of plain decoding's tokens: the extend attention multiplies the NaN value of a
+    # masked-out draft by 0, so the nodes before it may fail too (plain decoding emits 3 tokens).
+    out = results["nan"].output_ids
+    assert 1 <= len(out) <= 3 and out == oracle_greedy(dec_prompt, 12)[: len(out)]
+    assert_matches_oracle(good, results)

@@ -165,6 +165,13 @@ class Req:
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    def tokens_from(self, start: int) -> list[int]:
+        """Its tokens (prompt, then output) from position `start`, without copying the rest."""
+        n = len(self.origin_input_ids)
+        if start >= n:
+            return self.output_ids[start - n :]
+        return self.origin_input_ids[start:] + self.output_ids
+
     def finished(self) -> bool:
         return self.finished_reason is not None
 

@@ -165,15 +165,17 @@ class BatchResultProcessor:
         logprobs = _verify_logprobs(batch, v)
         self.ctx.allocator.free_group_begin()
         for i, req in enumerate(batch.reqs):
-            drafted = batch.extend_lens[i] > 1  # else this was its decode step
-            req.spec_verify_ct += int(drafted)
-            if i in invalid:
+            # A row whose bonus node had nothing to sample still takes its accepted drafts (their
+            # nodes were fine), as plain decoding would have emitted them before failing.
+            tokens = out_ids[i][: accepted[i] + (0 if i in invalid else 1)]
+            emitted = self._take_verified(req, tokens, logprobs, i)
+            if batch.extend_lens[i] > 1:  # it drafted (else this was its decode step)
+                req.spec_verify_ct += 1
+                self.stats.add_spec_verify(emitted)
+                self.drafter.on_verified(req, emitted)
+            if i in invalid and not req.finished():
                 self._abort_invalid_verify_row(batch, i)
             else:
-                emitted = self._take_verified(req, out_ids[i][: accepted[i] + 1], logprobs, i)
-                if drafted:
-                    self.stats.add_spec_verify(emitted)
-                    self.drafter.on_verified(req, emitted)
                 batch.free_verify_tail(i, finished_kv_len(req))
                 if req.finished():
                     self._finish(req)
@@ -198,9 +200,9 @@ class BatchResultProcessor:
         req = batch.reqs[row]
         self._abort_invalid_row(req)
         req.time_stats.finish_time = time.perf_counter()
-        prefix = batch.prefix_lens[row]
-        batch.free_verify_tail(row, prefix)
-        with req.as_prefilled_upto(prefix):  # the verify's KV may hold NaN: freed, not inserted
+        kv_len = finished_kv_len(req)
+        batch.free_verify_tail(row, kv_len)
+        with req.as_prefilled_upto(kv_len):  # the verify's KV may hold NaN: freed, not inserted
             self.ctx.tree_cache.cache_finished_req(req, is_insert=False)
 
     def _host_results(self, batch: ScheduleBatch, result: BatchResult) -> HostResults:

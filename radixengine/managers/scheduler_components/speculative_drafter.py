@@ -100,12 +100,11 @@ class SpeculativeDrafter:
         return _trim(state.index.draft(self.shared), limit)
 
     def _state_of(self, req: Req) -> RequestSpecState:
-        tokens = req.origin_input_ids + req.output_ids
         state = req.spec_state
         if state is None:
-            state = req.spec_state = RequestSpecState(NgramIndex(self.config.params, tokens))
-        elif len(state.index) < len(tokens):
-            state.index.append(tokens[len(state.index) :])
+            state = req.spec_state = RequestSpecState(NgramIndex(self.config.params, req.tokens_from(0)))
+        elif len(state.index) < req.seqlen:
+            state.index.append(req.tokens_from(len(state.index)))
         return state
 
 

@@ -71,15 +71,14 @@ class StandaloneDrafter:
     def _sync(self, req: Req, state: DraftKV) -> list[int]:
         """Drop the draft KV past the longest prefix it shares with the request's tokens (never
         the last token: its logits give the first draft); returns the tokens to extend by."""
-        tokens = req.origin_input_ids + req.output_ids
-        keep = min(len(state.tokens), len(tokens) - 1)
+        keep = min(len(state.tokens), req.seqlen - 1)
         start = max(keep - self.num_steps - 1, 0)  # only the last step's drafts can differ
-        for i in range(start, keep):
-            if state.tokens[i] != tokens[i]:
-                keep = i
+        for offset, token in enumerate(req.tokens_from(start)[: keep - start]):
+            if state.tokens[start + offset] != token:
+                keep = start + offset
                 break
         self._free(state, keep)
-        return tokens[keep:]
+        return req.tokens_from(keep)
 
     def _free(self, state: DraftKV, keep: int) -> None:
         """Free the draft KV past its first `keep` tokens."""
@@ -103,7 +102,7 @@ class StandaloneDrafter:
         for r in reqs:
             entry = self.states.get(id(r))
             have = len(entry[1].tokens) if entry is not None else 0
-            need += len(r.origin_input_ids) + len(r.output_ids) - have + limit
+            need += r.seqlen - have + limit
         fresh = sum(1 for r in reqs if id(r) not in self.states)
         runner = self.runner
         return runner.token_to_kv_pool_allocator.available_size() >= need and (
