@@ -18,7 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("unit_members"), py::arg("unit_member_slots"), py::arg("own_start"),
         py::arg("own_slot"), py::arg("num_kv_splits") = 0, py::arg("logit_cap") = 0.0,
         py::arg("use_amx") = true);
-  m.def("amx_available", &cpu::amx_available, "Whether the cascade kernel can use AMX tiles here");
+  m.def("amx_available", &cpu::amx_available, "Whether this process can use AMX tiles (cascade units, amx_linear)");
   m.def("extend_attention", &cpu::extend_attention,
         "Causal extend (prefill) attention over the paged KV pool with a cached prefix",
         py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),
@@ -35,6 +35,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &cpu::rotary_embedding, "Neox-style rotary embedding, in place",
         py::arg("positions"), py::arg("x"), py::arg("cos_sin_cache"), py::arg("rotary_dim"));
   m.def("silu_and_mul", &cpu::silu_and_mul, "silu(x[:, :d]) * x[:, d:] for x [T, 2d]", py::arg("x"));
+  m.def("amx_pack_linear_weight", &cpu::amx_pack_linear_weight,
+        "A bf16 weight [N, K] in the tile layout amx_linear reads", py::arg("weight"));
+  m.def("amx_linear", &cpu::amx_linear, "x [M, K] bf16 times a packed weight's transpose on AMX tiles",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("quant_linear", &cpu::quant_linear,
         "x [M, K] float32 times the transpose of a GGUF block-quantized weight given as raw blocks",
         py::arg("x"), py::arg("qweight"), py::arg("qtype"));

@@ -21,12 +21,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
-#define RADIX_HAVE_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "cpu_amx.h"
 
 namespace radixengine::cpu {
 
@@ -36,30 +31,6 @@ namespace {
 
 constexpr int64_t kBlock = 64;   // keys per block
 constexpr int64_t kRows = 16;    // query rows per tile
-constexpr int kArchReqXcompPerm = 0x1023;
-constexpr int kXfeatureXtiledata = 18;
-
-bool cpu_has_amx_bf16() {  // and AVX512-BF16 (its conversions)
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  const bool amx_bf16 = (edx >> 22) & 1u;
-  const bool amx_tile = (edx >> 24) & 1u;
-  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
-  const bool avx512_bf16 = (eax >> 5) & 1u;
-  return amx_bf16 && amx_tile && avx512_bf16;
-}
-
-bool request_amx_permission() {
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512bf16")
@@ -67,17 +38,6 @@ struct alignas(64) TileConfig {
 // Tiles 0-3: C (16 rows x 16 fp32); 4, 5: A (16 rows x 32 bf16); 6, 7: B (16 rows x 32 bf16).
 // Consecutive products take their operands from alternating tiles, so that a tile load does not
 // wait for the product still reading that tile.
-void load_tile_config() {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  // The intrinsic's asm names only the first 8 bytes of the config, so the compiler may drop the
-  // stores to the rest; this operand is the whole struct.
-  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
-}
 
 // s [16][kBlock] = qp rows [16][D] * kv (VNNI [D / 2][kBlock * 2]).
 void scores_tile(const bf16* qp, int64_t D, const bf16* kv, float* s) {
@@ -257,10 +217,7 @@ void pack_values(const bf16* const* v_rows, int64_t n, int64_t D, int64_t col0, 
 
 }  // namespace
 
-bool cascade_amx_available() {
-  static const bool available = cpu_has_amx_bf16() && request_amx_permission();
-  return available;
-}
+bool cascade_amx_available() { return amx_tiles_available(); }
 
 void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_buf,
                            const bf16* v_buf, int64_t u) {
@@ -302,7 +259,7 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
 
   const bf16* k_rows[kBlock];
   const bf16* v_rows[kBlock];
-  load_tile_config();
+  load_full_tile_config();
   for (int64_t start = a.unit_start[u]; start < a.unit_end[u]; start += kBlock) {
     const int64_t n = std::min(kBlock, a.unit_end[u] - start);
     gather_block_rows(a.pool, row, start, n, k_buf, v_buf, k_rows, v_rows);

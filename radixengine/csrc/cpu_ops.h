@@ -52,7 +52,7 @@ at::Tensor decode_attention_cascade(
     const at::Tensor& own_start, const at::Tensor& own_slot, int64_t num_kv_splits,
     double logit_cap, bool use_amx);
 
-// Whether decode_attention_cascade can use AMX tiles in this process.
+// Whether this process can use AMX tiles (the cascade unit kernel, amx_linear).
 bool amx_available();
 
 // k_buffer[loc[t]] = k[t], v_buffer[loc[t]] = v[t] (in place).
@@ -80,6 +80,14 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // weight [N, K] given as its raw blocks: qweight uint8 [N, K / block weights * block bytes],
 // qtype the GGML type id (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12,
 // Q5_K = 13, Q6_K = 14). Dequantized exactly as gguf-py does; no bias.
+// bf16 W [N, K] (N, K multiples of 32) in the tile layout amx_linear reads; once, at load.
+at::Tensor amx_pack_linear_weight(const at::Tensor& weight);
+
+// x [M, K] bf16 times W^T (+ bias) on AMX tiles, W as amx_pack_linear_weight packed it; call only
+// when amx_available().
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias);
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype);
 
 // The routed experts' grouped linear: rows offsets[e] .. offsets[e + 1] of x [M, K] (float32)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixengine.distributed import get_tp_group, tensor_model_parallel_all_reduce
+from radixengine.layers.amx_linear import AmxWeight
 
 
 @dataclass
@@ -100,8 +101,17 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.block_weight: BlockWeight | None = None
+        self.amx_weight: AmxWeight | None = None  # set by pack_amx_linears, which drops `weight`
+
+    def accepts_amx_weight(self) -> bool:
+        return True
+
+    def keeps_float_weight(self) -> bool:
+        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx_weight is not None:
+            return self.amx_weight.linear(x, self.bias)
         if self.block_weight is None or not self.block_weight.applies_to(x):
             return F.linear(x, self.weight, self.bias)
         y = self.block_weight.linear(x)
@@ -208,6 +218,9 @@ class RowParallelLinear(Linear):
             input_range = (tp.rank * size, size)
         self.input_start = input_range[0]
         super().__init__(input_range[1], output_size, bias)
+
+    def accepts_amx_weight(self) -> bool:
+        return self.tp_size == 1  # the ranks' partial products are summed in float32 (below)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from radixengine.layers.forward_logprobs import ForwardLogprobs
-from radixengine.layers.linear import block_linear
 
 if TYPE_CHECKING:
     from radixengine.layers.forward_batch_view import ForwardBatchView
@@ -85,7 +84,7 @@ class LogitsProcessor(nn.Module):
             out.logprobs.input_top_logprobs_idx = torch.cat(top_ids) if top_ids else empty.long()
 
     def _logits(self, states: torch.Tensor, lm_head: VocabEmbedding) -> torch.Tensor:
-        logits = lm_head.gather_logits(block_linear(states, lm_head.weight, lm_head.block_weight)).float()
+        logits = lm_head.gather_logits(lm_head.project(states)).float()
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

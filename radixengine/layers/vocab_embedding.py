@@ -17,7 +17,8 @@ from radixengine.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from radixengine.layers.linear import BlockWeight
+from radixengine.layers.amx_linear import AmxWeight
+from radixengine.layers.linear import BlockWeight, block_linear
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -37,6 +38,19 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
         # GGUF blocks of the weight, used when it serves as the LM head (see linear.BlockWeight).
         self.block_weight: BlockWeight | None = None
+        self.amx_weight: AmxWeight | None = None  # the weight packed for the LM head's use
+
+    def accepts_amx_weight(self) -> bool:
+        return True
+
+    def keeps_float_weight(self) -> bool:
+        return True  # the embedding reads it
+
+    def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's logits `hidden_states @ weight.T` (the LM head's use of the table)."""
+        if self.amx_weight is not None:
+            return self.amx_weight.linear(hidden_states)
+        return block_linear(hidden_states, self.weight, self.block_weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -75,6 +89,9 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(VocabEmbedding):
     """Holds the output projection; the LogitsProcessor applies it to the selected hidden states."""
+
+    def keeps_float_weight(self) -> bool:
+        return False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("LMHead is applied by LogitsProcessor")

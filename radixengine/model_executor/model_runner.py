@@ -58,6 +58,7 @@ class ModelRunner:
         self.model = get_model(
             self.model_config, self.device, server_args.load_format, gguf_blocks=self._use_gguf_blocks()
         )
+        self.amx_linears = self._pack_amx_linears()
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.sampler = Sampler()
@@ -74,6 +75,18 @@ class ModelRunner:
         if reasons:
             logger.info("GGUF block kernels off: %s", "; ".join(reasons))
         return not reasons
+
+    def _pack_amx_linears(self) -> int:
+        """bf16 linears on a CPU with AMX tiles compute from packed weights (layers/amx_linear.py)."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return 0
+        from radixengine.layers.amx_linear import amx_linear_unavailable_reason, pack_amx_linears
+
+        reason = amx_linear_unavailable_reason()
+        if reason is not None:
+            logger.info("bf16 linears on oneDNN: %s", reason)
+            return 0
+        return pack_amx_linears(self.model)
 
     def _gguf_blocks_unavailable(self) -> list[str]:
         from radixengine.model_loader.gguf_loader import is_gguf

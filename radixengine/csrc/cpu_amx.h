@@ -1,0 +1,65 @@
+// AMX tiles on Linux x86-64: whether this process may use them, and the tile configuration.
+// Only the AVX-512 build has AMX code (enabled per function with target pragmas); the others
+// report AMX unavailable.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
+#define RADIX_HAVE_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace radixengine::cpu {
+
+#if RADIX_HAVE_AMX
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// AMX-BF16, AMX-TILE and AVX512-BF16 (its conversions) in CPUID, and the kernel's permission to
+// use the tile registers (arch_prctl ARCH_REQ_XCOMP_PERM). Checked once per process.
+inline bool amx_tiles_available() {
+  static const bool available = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx_bf16 = (edx >> 22) & 1u;
+    const bool amx_tile = (edx >> 24) & 1u;
+    if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+    const bool avx512_bf16 = (eax >> 5) & 1u;
+    constexpr int kArchReqXcompPerm = 0x1023;
+    constexpr int kXfeatureXtiledata = 18;
+    return amx_bf16 && amx_tile && avx512_bf16 &&
+           syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return available;
+}
+
+// Eight tiles of 16 rows x 64 bytes (palette 1).
+inline void load_full_tile_config() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // The intrinsic's asm names only the first 8 bytes of the config, so the compiler may drop the
+  // stores to the rest; this operand is the whole struct.
+  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
+#else
+
+inline bool amx_tiles_available() { return false; }
+
+#endif
+
+}  // namespace radixengine::cpu
