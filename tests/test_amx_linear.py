@@ -128,3 +128,13 @@ def test_pack_skips_what_the_kernel_cannot_take(folder):
     assert runner.amx_linears == 0
     assert pack_amx_linears(runner.model) == 0  # float32 weights: nothing to pack
     assert all(getattr(m, "amx_weight", None) is None for m in runner.model.modules())
+
+
+def test_worker_info_reports_the_packed_linears(folder):
+    from radixengine.model_executor.tp_worker import TpModelWorker
+
+    fp32 = TpModelWorker(make_runner(folder).server_args)
+    assert fp32.get_worker_info().amx_linear_layers == 0
+    if amx_linear_unavailable_reason() is None:
+        bf16 = TpModelWorker(make_runner(folder, dtype="bfloat16").server_args)
+        assert bf16.get_worker_info().amx_linear_layers == bf16.model_runner.amx_linears > 0

@@ -46,6 +46,7 @@ class WorkerInfo:
     eos_token_ids: list[int]
     page_size: int
     device: str
+    amx_linear_layers: int = 0  # linears computing from AMX-packed bf16 weights (layers/amx_linear.py)
 
 
 class TpModelWorker:
@@ -75,6 +76,7 @@ class TpModelWorker:
             eos_token_ids=list(runner.model_config.eos_token_ids),
             page_size=runner.page_size,
             device=str(runner.device),
+            amx_linear_layers=runner.amx_linears,
         )
 
     def num_shared_prefix_forwards(self) -> int:
