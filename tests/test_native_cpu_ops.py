@@ -249,6 +249,26 @@ def test_extend_matches_reference(cfg: tuple) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize(
+    "group, head_dim, logit_cap",
+    [(1, 32, 0.0), (3, 64, 0.0), (3, 64, 20.0), (8, 128, 0.0), (4, 256, 0.0), (16, 64, 0.0)],
+)
+def test_extend_in_bf16_matches_reference_across_tile_shapes(group, head_dim, logit_cap) -> None:
+    """bf16 extend runs on AMX tiles where the CPU has them (query blocks of 96 / group queries,
+    64-key blocks, the causal limit per query row): long cached prefixes and new tokens that cross
+    the block edges, soft-capping, groups up to 16."""
+    gen = torch.Generator().manual_seed(head_dim + group)
+    batch = make_batch(gen, 4, 300, 2, head_dim, torch.bfloat16)
+    extend_seq_lens = torch.minimum(batch.seq_lens, torch.tensor([1, 33, 97, 300]))
+    extend_start_loc = torch.cumsum(extend_seq_lens, 0) - extend_seq_lens
+    q = torch.randn(int(extend_seq_lens.sum()), 2 * group, head_dim, generator=gen).to(torch.bfloat16)
+    args = (q, batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices)
+    lens = (batch.seq_lens, extend_seq_lens, extend_start_loc, head_dim**-0.5, -1, logit_cap)
+    expected = ops.extend_attention_reference(*args, *lens)
+    torch.testing.assert_close(ops.extend_attention(*args, *lens).float(), expected.float(), **TOL[torch.bfloat16])
+
+
+@needs_native
 def test_decode_one_thread_and_long_sequence() -> None:
     """Automatic splitting at batch 1 (several threads) and none with one thread agree."""
     gen = torch.Generator().manual_seed(5)

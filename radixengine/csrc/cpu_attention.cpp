@@ -16,7 +16,9 @@
 //
 // Extend: one task per (request, kv head, block of queries). A block of queries x a block of
 // keys is two small matrix products (scores = K * Q^T, out += P * V), so each K/V block is read
-// once per query block and the work is compute-bound.
+// once per query block and the work is compute-bound. On a CPU with AMX, bf16 extend without a
+// sliding window runs each (request, query block) for every kv head on AMX tiles instead
+// (cpu_attention_amx.cpp: 1.6-2.3x the fp32 products on one thread, 8 x 256 to 4 x 1024 tokens).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -24,7 +26,9 @@
 #include <numeric>
 #include <vector>
 
+#include "cpu_attention_amx.h"
 #include "cpu_attention_common.h"
+#include "cpu_cascade.h"
 #include "cpu_common.h"
 #include "cpu_gemm.h"
 #include "cpu_ops.h"
@@ -332,6 +336,33 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   }
 }
 
+// bf16 queries and KV on a CPU with AMX tiles, no sliding window: each (request, query block)
+// runs every kv head on the tiles (cpu_attention_amx.cpp).
+bool use_amx_extend(const at::Tensor& q, const at::Tensor& k_buffer, int64_t window_left) {
+  const int64_t D = q.size(2);
+  return q.scalar_type() == at::kBFloat16 && k_buffer.scalar_type() == at::kBFloat16 &&
+         window_left < 0 && D % 32 == 0 && D <= 256 && cascade_amx_available();
+}
+
+AmxExtendBlock amx_block(const ExtendArgs& a, int64_t b, int64_t q_block) {
+  const int64_t j0 = q_block * a.block_queries;
+  const int64_t ext = a.extend_seq_lens[b];
+  AmxExtendBlock e{};
+  e.pool = a.pool;
+  e.group = a.group;
+  e.row = a.req_pool_indices[b];
+  e.first_pos = a.seq_lens[b] - ext + j0;
+  e.first_token = a.extend_start_loc[b] + j0;
+  e.num_queries = std::min(a.block_queries, ext - j0);
+  e.q_stride0 = a.q_stride0;
+  e.q_stride1 = a.q_stride1;
+  e.out_stride0 = a.out_stride0;
+  e.out_stride1 = a.out_stride1;
+  e.scale = a.scale;
+  e.logit_cap = a.logit_cap;
+  return e;
+}
+
 }  // namespace
 
 at::Tensor decode_attention_impl(const at::Tensor& q_in, const at::Tensor& k_buffer,
@@ -494,6 +525,16 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
   std::stable_sort(blocks.begin(), blocks.end(),
                    [](const Block& x, const Block& y) { return x.cost > y.cost; });
 
+  if (use_amx_extend(q, k_buffer, window_left)) {
+    run_tasks(static_cast<int64_t>(blocks.size()), [&](int64_t task) {
+      extend_block_amx(amx_block(args, blocks[task].b, blocks[task].q_block),
+                       reinterpret_cast<const bf16*>(q.data_ptr()),
+                       reinterpret_cast<const bf16*>(k_buffer.data_ptr()),
+                       reinterpret_cast<const bf16*>(v_buffer.data_ptr()),
+                       reinterpret_cast<bf16*>(out.data_ptr()));
+    });
+    return out;
+  }
   RADIX_DISPATCH_FLOAT_BF16(q.scalar_type(), "extend_attention", QT, [&] {
     RADIX_DISPATCH_KV(k_buffer.scalar_type(), "extend_attention", KVT, [&] {
       const QT* qp = q.data_ptr<QT>();

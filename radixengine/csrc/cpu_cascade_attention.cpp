@@ -10,7 +10,7 @@
 // its log-sum-exp in a slot of the request; the slots are merged exactly by their log-sum-exp.
 //
 // On a CPU with AMX (bf16 queries and KV cache), the unit's products run on AMX tiles
-// (cpu_cascade_amx.cpp); elsewhere on the register-blocked fp32 products of cpu_gemm.h.
+// (cpu_attention_amx.cpp); elsewhere on the register-blocked fp32 products of cpu_gemm.h.
 #include <algorithm>
 #include <cmath>
 #include <functional>

@@ -1,6 +1,9 @@
-// The unit kernel of the shared-prefix decode pass on AMX tiles (bf16); see cpu_cascade.h.
+// Attention of a block of query rows over keys of one req_to_token row on AMX tiles (bf16): the
+// unit kernel of the shared-prefix decode pass (cpu_cascade.h: a unit's members' query heads over
+// their shared keys) and the block kernel of extend (a request's block of new tokens over its
+// keys, causal).
 //
-// One task computes a whole unit, every kv head: a block of 64 shared keys reads whole pool rows
+// One task computes a whole block, every kv head: a block of 64 keys reads whole pool rows
 // (all heads of a slot), and per head, 16 query rows at a time:
 //   S [16][64] = Q [16][D] * K^T            (tdpbf16ps: bf16 products, fp32 sums)
 //   online softmax along each row of S      (fp32, AVX-512)
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_attention_amx.h"
 
 namespace radixengine::cpu {
 
@@ -31,6 +35,18 @@ namespace {
 
 constexpr int64_t kBlock = 64;   // keys per block
 constexpr int64_t kRows = 16;    // query rows per tile
+
+// Keys a query row sees within a key block of n keys: all n (a shared unit), or under the causal
+// mask of extend, those before min(n, limit0 + row / group) (limit0: the block's first query's
+// position + 1 - the key block's start).
+struct RowLimits {
+  bool causal;
+  int64_t limit0;
+  int64_t group;
+  int64_t keys(int64_t row, int64_t n) const {
+    return causal ? std::clamp<int64_t>(limit0 + row / group, 0, n) : n;
+  }
+};
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512bf16")
@@ -100,19 +116,22 @@ void values_tile(const bf16* p_hi, const bf16* p_lo, const bf16* vv, int64_t D, 
 
 void release_tiles() { _tile_release(); }
 
-// Online softmax of the first `rows` of s [16][kBlock] (scaled, soft-capped, keys >= n hidden);
+// Online softmax of the first `rows` of s [16][kBlock] (scaled, soft-capped; row r sees the keys
+// i < min(n, limit0 + (row0 + r) / group), the others hidden);
 // writes p as bf16 hi + lo parts (vcvtne2ps2bf16 rounds to nearest even) and each row's rescale
 // factor for the accumulated output. Rows past `rows` are padding: their results are never read.
-void softmax_rows(float* s, int64_t rows, int64_t n, float scale, float logit_cap,
-                  float* row_max, float* row_sum, float* alpha, bf16* p_hi, bf16* p_lo) {
+void softmax_rows(float* s, int64_t rows, int64_t n, const RowLimits& limits, int64_t row0,
+                  float scale, float logit_cap, float* row_max, float* row_sum, float* alpha,
+                  bf16* p_hi, bf16* p_lo) {
   const __m512 sv = _mm512_set1_ps(scale);
   alignas(64) float sums[kRows] = {};
   const __m512 old_max = _mm512_loadu_ps(row_max);
   for (int64_t r = 0; r < rows; ++r) {
     float* x = s + r * kBlock;
+    const int64_t seen = limits.keys(row0 + r, n);
     if (logit_cap > 0.0f) {
       for (int64_t i = 0; i < kBlock; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), sv));
-      soft_cap(x, n, logit_cap);
+      soft_cap(x, seen, logit_cap);
     }
     const float pre = logit_cap > 0.0f ? 1.0f : scale;  // scores not yet scaled are scaled here
     const __m512 pv = _mm512_set1_ps(pre);
@@ -120,7 +139,7 @@ void softmax_rows(float* s, int64_t rows, int64_t n, float scale, float logit_ca
     __m512 mx = _mm512_set1_ps(kNegInf);
     for (int64_t i = 0; i < kBlock / 16; ++i) {
       v[i] = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * i), pv);
-      const int64_t valid = std::clamp<int64_t>(n - 16 * i, 0, 16);
+      const int64_t valid = std::clamp<int64_t>(seen - 16 * i, 0, 16);
       if (valid < 16) v[i] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), (1u << valid) - 1, v[i]);
       mx = _mm512_max_ps(mx, v[i]);
     }
@@ -217,6 +236,98 @@ void pack_values(const bf16* const* v_rows, int64_t n, int64_t D, int64_t col0, 
 
 }  // namespace
 
+namespace {
+
+// Per-thread buffers of one block: qp [Hkv][Mp][D] (the query rows per kv head, rows >= M zero),
+// every head's K and V block in VNNI, P hi/lo [Mp][kBlock]; fp32 per kv head h at
+// scratch + h * per_head: acc [Mp][D], row max [Mp], row sum [Mp], alpha [Mp]; s [Mp][kBlock].
+struct BlockBuffers {
+  bf16* qp;
+  bf16* kv_all;
+  bf16* vv_all;
+  bf16* p_hi;
+  bf16* p_lo;
+  float* scratch;
+  float* s;
+  int64_t per_head;
+};
+
+BlockBuffers block_buffers(int64_t Hkv, int64_t Mp, int64_t D) {
+  thread_local std::vector<bf16> bufs;
+  bufs.resize(Hkv * Mp * D + 2 * Hkv * kBlock * D + 2 * Mp * kBlock);
+  BlockBuffers b{};
+  b.qp = bufs.data();
+  b.kv_all = b.qp + Hkv * Mp * D;
+  b.vv_all = b.kv_all + Hkv * kBlock * D;
+  b.p_hi = b.vv_all + Hkv * kBlock * D;
+  b.p_lo = b.p_hi + Mp * kBlock;
+  b.per_head = Mp * D + 3 * Mp;
+  b.scratch = thread_scratch(Hkv * b.per_head + Mp * kBlock);
+  b.s = b.scratch + Hkv * b.per_head;
+  std::fill(b.qp, b.qp + Hkv * Mp * D, bf16(0.0f));
+  for (int64_t h = 0; h < Hkv; ++h) {
+    float* acc = b.scratch + h * b.per_head;
+    std::fill(acc, acc + Mp * D, 0.0f);
+    std::fill(acc + Mp * D, acc + Mp * D + Mp, kNegInf);
+    std::fill(acc + Mp * D + Mp, acc + Mp * D + 2 * Mp, 0.0f);
+  }
+  return b;
+}
+
+struct KeyRange {
+  int64_t row, start, end;  // positions [start, end) of req_to_token row `row`
+  int64_t causal_limit;     // extend: query row m sees positions < causal_limit + m / group; < 0: all
+  int64_t group;
+};
+
+// Each kv head's acc, row max and row sum for qp's M rows over the keys of `keys`.
+void attend_block(const PoolView& pool, const KeyRange& keys, int64_t M, float scale, float logit_cap,
+                  const bf16* k_buf, const bf16* v_buf, const BlockBuffers& b) {
+  const int64_t D = pool.head_dim;
+  const int64_t Hkv = pool.num_kv_heads;
+  const int64_t Mp = round_up(M, kRows);
+  const bf16* k_rows[kBlock];
+  const bf16* v_rows[kBlock];
+  load_full_tile_config();
+  for (int64_t start = keys.start; start < keys.end; start += kBlock) {
+    const int64_t n = std::min(kBlock, keys.end - start);
+    const RowLimits limits{keys.causal_limit >= 0, keys.causal_limit - start, keys.group};
+    gather_block_rows(pool, keys.row, start, n, k_buf, v_buf, k_rows, v_rows);
+    // Every head's K and V packed first: the tile loads then read lines the packing wrote
+    // well before (a tile load right after the stores it reads waits for them).
+    for (int64_t h = 0; h < Hkv; ++h) {
+      pack_keys(k_rows, n, D, h * D, b.kv_all + h * kBlock * D);
+      pack_values(v_rows, n, D, h * D, b.vv_all + h * kBlock * D);
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const bf16* kv = b.kv_all + h * kBlock * D;
+      const bf16* vv = b.vv_all + h * kBlock * D;
+      float* acc = b.scratch + h * b.per_head;
+      float* row_max = acc + Mp * D;
+      float* row_sum = row_max + Mp;
+      float* alpha = row_sum + Mp;
+      // Three passes over the row tiles, so that what the vector code writes has left the store
+      // buffer before a tile load reads it (and the other way round).
+      for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
+        scores_tile(b.qp + h * Mp * D + r0 * D, D, kv, b.s + r0 * kBlock);
+      }
+      for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
+        softmax_rows(b.s + r0 * kBlock, std::min(kRows, M - r0), n, limits, r0, scale, logit_cap,
+                     row_max + r0, row_sum + r0, alpha + r0, b.p_hi + r0 * kBlock, b.p_lo + r0 * kBlock);
+      }
+      for (int64_t r = 0; r < M; ++r) {
+        if (alpha[r] != 1.0f) scale_row(acc + r * D, D, alpha[r]);
+      }
+      for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
+        values_tile(b.p_hi + r0 * kBlock, b.p_lo + r0 * kBlock, vv, D, acc + r0 * D);
+      }
+    }
+  }
+  release_tiles();
+}
+
+}  // namespace
+
 bool cascade_amx_available() { return amx_tiles_available(); }
 
 void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_buf,
@@ -224,79 +335,53 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
   const int64_t D = a.pool.head_dim;
   const int64_t G = a.group;
   const int64_t Hkv = a.pool.num_kv_heads;
-  const int64_t row = a.unit_rows[u];
   const int64_t m0 = a.member_ptr[u];
   const int64_t num_members = a.member_ptr[u + 1] - m0;
   const int64_t M = num_members * G;  // query rows per kv head, member-major: j * G + g
   const int64_t Mp = round_up(M, kRows);
-
-  thread_local std::vector<bf16> bufs;
-  bufs.resize(Hkv * Mp * D + 2 * Hkv * kBlock * D + 2 * Mp * kBlock);
-  bf16* qp = bufs.data();                // [Hkv][Mp][D]
-  bf16* kv_all = qp + Hkv * Mp * D;      // [Hkv] K blocks, VNNI
-  bf16* vv_all = kv_all + Hkv * kBlock * D;  // [Hkv] V blocks, VNNI
-  bf16* p_hi = vv_all + Hkv * kBlock * D;    // [Mp][kBlock]
-  bf16* p_lo = p_hi + Mp * kBlock;
-  // fp32 scratch, per kv head: acc [Mp][D], max/sum/alpha [Mp]; and s [Mp][kBlock].
-  const int64_t per_head = Mp * D + 3 * Mp;
-  float* scratch = thread_scratch(Hkv * per_head + Mp * kBlock);
-  float* s = scratch + Hkv * per_head;
-
-  std::fill(qp, qp + Hkv * Mp * D, bf16(0.0f));
+  const BlockBuffers b = block_buffers(Hkv, Mp, D);
   for (int64_t j = 0; j < num_members; ++j) {
-    const int64_t b = a.members[m0 + j];
+    const int64_t member = a.members[m0 + j];
     for (int64_t h = 0; h < a.num_heads; ++h) {
       const int64_t m = (h / G) * Mp * D + (j * G + h % G) * D;
-      std::memcpy(qp + m, q + b * a.q_stride0 + h * a.q_stride1, D * sizeof(bf16));
+      std::memcpy(b.qp + m, q + member * a.q_stride0 + h * a.q_stride1, D * sizeof(bf16));
     }
   }
+  attend_block(a.pool, {a.unit_rows[u], a.unit_start[u], a.unit_end[u], -1, G}, M, a.scale,
+               a.logit_cap, k_buf, v_buf, b);
   for (int64_t h = 0; h < Hkv; ++h) {
-    float* acc = scratch + h * per_head;
-    std::fill(acc, acc + Mp * D, 0.0f);
-    std::fill(acc + Mp * D, acc + Mp * D + Mp, kNegInf);
-    std::fill(acc + Mp * D + Mp, acc + Mp * D + 2 * Mp, 0.0f);
-  }
-
-  const bf16* k_rows[kBlock];
-  const bf16* v_rows[kBlock];
-  load_full_tile_config();
-  for (int64_t start = a.unit_start[u]; start < a.unit_end[u]; start += kBlock) {
-    const int64_t n = std::min(kBlock, a.unit_end[u] - start);
-    gather_block_rows(a.pool, row, start, n, k_buf, v_buf, k_rows, v_rows);
-    // Every head's K and V packed first: the tile loads then read lines the packing wrote
-    // well before (a tile load right after the stores it reads waits for them).
-    for (int64_t h = 0; h < Hkv; ++h) {
-      pack_keys(k_rows, n, D, h * D, kv_all + h * kBlock * D);
-      pack_values(v_rows, n, D, h * D, vv_all + h * kBlock * D);
-    }
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const bf16* kv = kv_all + h * kBlock * D;
-      const bf16* vv = vv_all + h * kBlock * D;
-      float* acc = scratch + h * per_head;
-      float* row_max = acc + Mp * D;
-      float* row_sum = row_max + Mp;
-      float* alpha = row_sum + Mp;
-      // Three passes over the row tiles, so that what the vector code writes has left the store
-      // buffer before a tile load reads it (and the other way round).
-      for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
-        scores_tile(qp + h * Mp * D + r0 * D, D, kv, s + r0 * kBlock);
-      }
-      for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
-        softmax_rows(s + r0 * kBlock, std::min(kRows, M - r0), n, a.scale, a.logit_cap,
-                     row_max + r0, row_sum + r0, alpha + r0, p_hi + r0 * kBlock, p_lo + r0 * kBlock);
-      }
-      for (int64_t r = 0; r < M; ++r) {
-        if (alpha[r] != 1.0f) scale_row(acc + r * D, D, alpha[r]);
-      }
-      for (int64_t r0 = 0; r0 < Mp; r0 += kRows) {
-        values_tile(p_hi + r0 * kBlock, p_lo + r0 * kBlock, vv, D, acc + r0 * D);
-      }
-    }
-  }
-  release_tiles();
-  for (int64_t h = 0; h < Hkv; ++h) {
-    const float* acc = scratch + h * per_head;
+    const float* acc = b.scratch + h * b.per_head;
     store_unit_partials(a, u, h, acc, acc + Mp * D, acc + Mp * D + Mp);
+  }
+}
+
+void extend_block_amx(const AmxExtendBlock& e, const bf16* q, const bf16* k_buf, const bf16* v_buf,
+                      bf16* out) {
+  const int64_t D = e.pool.head_dim;
+  const int64_t G = e.group;
+  const int64_t Hkv = e.pool.num_kv_heads;
+  const int64_t M = e.num_queries * G;  // query rows per kv head, query-major: j * G + g
+  const int64_t Mp = round_up(M, kRows);
+  const BlockBuffers b = block_buffers(Hkv, Mp, D);
+  for (int64_t j = 0; j < e.num_queries; ++j) {
+    for (int64_t h = 0; h < Hkv * G; ++h) {
+      const int64_t m = (h / G) * Mp * D + (j * G + h % G) * D;
+      std::memcpy(b.qp + m, q + (e.first_token + j) * e.q_stride0 + h * e.q_stride1, D * sizeof(bf16));
+    }
+  }
+  const int64_t first_limit = e.first_pos + 1;  // the first query sees positions <= first_pos
+  attend_block(e.pool, {e.row, 0, e.first_pos + e.num_queries, first_limit, G}, M, e.scale,
+               e.logit_cap, k_buf, v_buf, b);
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const float* acc = b.scratch + h * b.per_head;
+    const float* row_sum = acc + Mp * D + Mp;
+    for (int64_t j = 0; j < e.num_queries; ++j) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t m = j * G + g;
+        store_scaled(acc + m * D, out + (e.first_token + j) * e.out_stride0 + (h * G + g) * e.out_stride1,
+                     D, 1.0f / row_sum[m]);
+      }
+    }
   }
 }
 
@@ -305,6 +390,10 @@ void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_b
 bool cascade_amx_available() { return false; }
 
 void cascade_unit_task_amx(const CascadeUnits&, const bf16*, const bf16*, const bf16*, int64_t) {
+  TORCH_CHECK(false, "this build of the native kernels has no AMX code");
+}
+
+void extend_block_amx(const AmxExtendBlock&, const bf16*, const bf16*, const bf16*, bf16*) {
   TORCH_CHECK(false, "this build of the native kernels has no AMX code");
 }
 
