@@ -24,6 +24,7 @@ namespace {
 
 constexpr int64_t kCols = 32;  // output columns per block (two B tiles)
 constexpr int64_t kDepth = 32;  // K values per tile product
+constexpr int64_t kRowChunk = 256;  // rows of x per task (a multiple of 32)
 
 struct AmxLinearArgs {
   const bf16* x;  // [Mp][K], Mp a multiple of 16, rows >= M zero
@@ -58,7 +59,7 @@ void store_rows(const AmxLinearArgs& a, const float* c, int64_t m0, int64_t rows
 }
 
 // Rows m0 .. m0 + 31 of one column block: C tiles 0, 1 (rows 0-15), 2, 3 (rows 16-31).
-void block_32_rows(const AmxLinearArgs& a, const bf16* wb, int64_t m0, float* c) {
+void block_32_rows(const AmxLinearArgs& a, const bf16* wb, int64_t m0, bool prefetch, float* c) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -67,7 +68,7 @@ void block_32_rows(const AmxLinearArgs& a, const bf16* wb, int64_t m0, float* c)
   const bf16* x1 = x0 + 16 * a.K;
   for (int64_t k = 0; k < a.K; k += kDepth) {
     const bf16* b = wb + k * kCols;
-    prefetch_ahead(b);
+    if (prefetch) prefetch_ahead(b);
     _tile_loadd(4, x0 + k, a.K * 2);
     _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -84,13 +85,13 @@ void block_32_rows(const AmxLinearArgs& a, const bf16* wb, int64_t m0, float* c)
 }
 
 // Rows m0 .. m0 + 15 of one column block: C tiles 0, 1.
-void block_16_rows(const AmxLinearArgs& a, const bf16* wb, int64_t m0, float* c) {
+void block_16_rows(const AmxLinearArgs& a, const bf16* wb, int64_t m0, bool prefetch, float* c) {
   _tile_zero(0);
   _tile_zero(1);
   const bf16* x0 = a.x + m0 * a.K;
   for (int64_t k = 0; k < a.K; k += kDepth) {
     const bf16* b = wb + k * kCols;
-    prefetch_ahead(b);
+    if (prefetch) prefetch_ahead(b);
     _tile_loadd(4, x0 + k, a.K * 2);
     _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -101,17 +102,20 @@ void block_16_rows(const AmxLinearArgs& a, const bf16* wb, int64_t m0, float* c)
   _tile_stored(1, c + 16, kCols * 4);
 }
 
-void column_blocks(const AmxLinearArgs& a, int64_t nb0, int64_t nb1) {
+// Column blocks nb0 .. nb1 - 1 of the padded rows m_begin .. m_end - 1.
+void column_blocks(const AmxLinearArgs& a, int64_t nb0, int64_t nb1, int64_t m_begin, int64_t m_end) {
   alignas(64) float c[32 * kCols];
   load_full_tile_config();
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const bf16* wb = a.w + nb * a.K * kCols;
-    for (int64_t m0 = 0; m0 < a.Mp; m0 += 32) {
-      const int64_t tile_rows = std::min<int64_t>(32, a.Mp - m0);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
+      const int64_t tile_rows = std::min<int64_t>(32, m_end - m0);
+      // The first rows stream the block from memory; the block is in cache for the others.
+      const bool prefetch = m0 == m_begin;
       if (tile_rows == 32) {
-        block_32_rows(a, wb, m0, c);
+        block_32_rows(a, wb, m0, prefetch, c);
       } else {
-        block_16_rows(a, wb, m0, c);
+        block_16_rows(a, wb, m0, prefetch, c);
       }
       store_rows(a, c, m0, std::min<int64_t>(tile_rows, a.M - m0), nb * kCols);
     }
@@ -123,13 +127,17 @@ void column_blocks(const AmxLinearArgs& a, int64_t nb0, int64_t nb1) {
 
 void run_amx_linear(const AmxLinearArgs& a) {
   const int64_t num_blocks = a.N / kCols;
-  // Contiguous runs of column blocks, about 8 per thread (shared counter: uneven progress balances).
+  // Contiguous runs of column blocks, about 8 per thread (shared counter: uneven progress
+  // balances), for each chunk of kRowChunk rows: a chunk of x stays in L2 while the weight
+  // streams past it (without chunks, a prefill's x is read again from memory for every block).
   const int64_t target_tasks = 8 * at::get_num_threads();
   const int64_t per_task = std::max<int64_t>(1, (num_blocks + target_tasks - 1) / target_tasks);
-  const int64_t num_tasks = (num_blocks + per_task - 1) / per_task;
-  run_tasks(num_tasks, [&](int64_t task) {
-    const int64_t nb0 = task * per_task;
-    column_blocks(a, nb0, std::min(num_blocks, nb0 + per_task));
+  const int64_t column_tasks = (num_blocks + per_task - 1) / per_task;
+  const int64_t row_chunks = (a.Mp + kRowChunk - 1) / kRowChunk;
+  run_tasks(column_tasks * row_chunks, [&](int64_t task) {
+    const int64_t nb0 = task % column_tasks * per_task;
+    const int64_t m_begin = task / column_tasks * kRowChunk;
+    column_blocks(a, nb0, std::min(num_blocks, nb0 + per_task), m_begin, std::min(a.Mp, m_begin + kRowChunk));
   });
 }
 
