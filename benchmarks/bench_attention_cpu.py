@@ -223,7 +223,7 @@ def bench_decode(
 
 
 def bench_extend(
-    shapes: Shapes, dtype: torch.dtype, new: int, cached: int, args: argparse.Namespace
+    shapes: Shapes, dtype: torch.dtype, new: int, cached: int, args: argparse.Namespace, use_amx: bool = True
 ) -> Result:
     pool = make_pool(shapes, dtype, [cached + new])
     q = torch.randn(new, shapes.num_heads, shapes.head_dim).to(dtype)
@@ -244,6 +244,7 @@ def bench_extend(
                 ext,
                 start,
                 scale,
+                use_amx=use_amx,
             )
 
     def loop() -> None:
@@ -258,8 +259,9 @@ def bench_extend(
 
     t_native = time_step(native, args)
     t_loop = time_step(loop, args)
+    name = "extend" if use_amx else "extend, AMX off"
     return Result(
-        "extend", str(dtype).removeprefix("torch."), 1, cached, new, t_native, t_loop, None, t_loop / t_native
+        name, str(dtype).removeprefix("torch."), 1, cached, new, t_native, t_loop, None, t_loop / t_native
     )
 
 
@@ -407,6 +409,10 @@ def main() -> None:
         if "extend" in cases:
             for cached in (int(x) for x in args.extend_cached.split(",")):
                 results.append(bench_extend(shapes, dtype, args.extend_tokens, cached, args))
+                if dtype == torch.bfloat16 and ops.native_amx_available():  # the AMX ablation
+                    results.append(
+                        bench_extend(shapes, dtype, args.extend_tokens, cached, args, use_amx=False)
+                    )
         if "kv_write" in cases:
             for tokens in (32, args.extend_tokens):
                 results.append(bench_kv_write(shapes, dtype, tokens, args))

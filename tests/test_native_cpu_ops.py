@@ -265,7 +265,9 @@ def test_extend_in_bf16_matches_reference_across_tile_shapes(group, head_dim, lo
     args = (q, batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices)
     lens = (batch.seq_lens, extend_seq_lens, extend_start_loc, head_dim**-0.5, -1, logit_cap)
     expected = ops.extend_attention_reference(*args, *lens)
-    torch.testing.assert_close(ops.extend_attention(*args, *lens).float(), expected.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(
+        ops.extend_attention(*args, *lens).float(), expected.float(), **TOL[torch.bfloat16]
+    )
 
 
 @needs_native

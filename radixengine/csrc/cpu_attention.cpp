@@ -466,7 +466,7 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
                             const at::Tensor& seq_lens_in,
                             const at::Tensor& extend_seq_lens_in,
                             const at::Tensor& extend_start_loc_in, double scale,
-                            int64_t window_left, double logit_cap) {
+                            int64_t window_left, double logit_cap, bool use_amx) {
   check_pool(q_in, k_buffer, v_buffer, req_to_token, "extend_attention");
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
   const at::Tensor req_pool_indices = as_int64(req_pool_indices_in);
@@ -525,7 +525,7 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
   std::stable_sort(blocks.begin(), blocks.end(),
                    [](const Block& x, const Block& y) { return x.cost > y.cost; });
 
-  if (use_amx_extend(q, k_buffer, window_left)) {
+  if (use_amx && use_amx_extend(q, k_buffer, window_left)) {
     run_tasks(static_cast<int64_t>(blocks.size()), [&](int64_t task) {
       extend_block_amx(amx_block(args, blocks[task].b, blocks[task].q_block),
                        reinterpret_cast<const bf16*>(q.data_ptr()),

@@ -34,7 +34,7 @@ def amx_linear_unavailable_reason() -> str | None:
     native = native_cpu_ops.native_module_with("amx_linear")
     if native is None:
         return "the native CPU kernels with amx_linear are not built"
-    if not native.amx_available():
+    if not native_cpu_ops.native_amx_available():
         return "this CPU (or build) has no AMX-BF16 tiles"
     return None
 

@@ -52,6 +52,7 @@ __all__ = [
     "extend_attention_reference",
     "fused_add_rms_norm",
     "fused_add_rms_norm_reference",
+    "native_amx_available",
     "native_available",
     "native_isa",
     "native_level",
@@ -164,6 +165,11 @@ def native_module_with(kernel: str) -> ModuleType | None:
     return _native if _native is not None and hasattr(_native, kernel) else None
 
 
+def native_amx_available() -> bool:
+    """Whether the loaded kernels may use AMX tiles here (bf16 cascade units, extend, linears)."""
+    return _native is not None and hasattr(_native, "amx_available") and _native.amx_available()
+
+
 def native_isa() -> str | None:
     """The vector code path the loaded module was compiled with ("avx512", "avx2", "portable")."""
     return _native.isa() if _native is not None else None
@@ -259,6 +265,7 @@ def extend_attention_reference(
     scale: float,
     window_left: int = -1,
     logit_cap: float = 0.0,
+    use_amx: bool = True,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of each request over its cached prefix and themselves.
 
@@ -267,6 +274,8 @@ def extend_attention_reference(
     attends over positions 0..that position, all read through the pool (the new tokens' K/V
     already written). With `window_left` >= 0 it sees only positions from that position minus
     `window_left`; `logit_cap` > 0 soft-caps the scores. Returns [T, H, D] in q's dtype.
+    ``use_amx`` is the native kernel's (AMX tiles for bf16 where the CPU has them); the reference
+    ignores it.
     """
     out = torch.zeros_like(q)
     for row, length, ext, start in zip(
