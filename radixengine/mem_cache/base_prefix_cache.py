@@ -154,7 +154,7 @@ class BasePrefixCache(ABC):
         `req.last_node` is locked in place of the old one."""
 
     def load_from_storage(self, req: CacheReq, key: list[int] | tuple[int, ...]) -> int:
-        """Load pages of `key` past the cached prefix from a lower tier (HiRadixCache); returns
+        """Load pages of `key` past the cached prefix from a lower tier (host pool, storage); returns
         how many tokens it loaded. A cache without one has nothing to load."""
         return 0
 
@@ -166,6 +166,14 @@ class BasePrefixCache(ABC):
     def close(self) -> None:
         """Stop the cache's background work (a lower tier's threads); nothing by default."""
         return None
+
+    def tier_accounting_problem(self) -> str | None:
+        """What is wrong with a lower tier's own slot accounting (the host pool), if anything."""
+        return None
+
+    def tier_stats(self) -> dict[str, int]:
+        """Counters of the lower tiers (host pool, storage); none without them."""
+        return {}
 
     @abstractmethod
     def pretty_print(self) -> None:
