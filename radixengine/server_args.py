@@ -114,6 +114,7 @@ class ServerArgs:
     hicache_storage_dir: str | None = None
     hicache_storage_max_bytes: int = 0
     hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_host_tier_on_cpu: bool = False  # the host tier over a CPU pool (tests its logic)
 
     # Runtime
     num_threads: int | None = None  # CPU intra-op threads; None: all cores

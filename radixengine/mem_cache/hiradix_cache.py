@@ -1,4 +1,5 @@
-"""HiRadixCache: the radix cache backed by a storage tier (SGLang's HiRadixCache, storage part).
+"""HiRadixCache: the radix cache backed by a storage tier (SGLang's HiRadixCache, storage part),
+over the host tier of HostRadixCache when it has a host pool.
 
 Pages of the tree's prefixes are written to storage by the write policy, keyed by a hash chain
 of their tokens (storage/base.py): `write_through` when a request finishes (every page of its
@@ -7,11 +8,13 @@ path not stored yet), `write_through_selective` the same for pages whose node at
 eviction frees a node. A page is copied out of the pool on the scheduler's thread (a memcpy) and
 written by a background thread.
 
-Reading back: `match_prefix` starts a prefetch of the pages that follow the tree's match (a
+Reading back: `prefetch_from_storage`, called when a request enters the waiting queue (as
+SGLang's scheduler does), starts a prefetch of the pages that follow what the tree holds (a
 background thread reads them into host memory); `load_from_storage`, called by admission right
-before a request is offered to the batch, waits for it as the prefetch policy says, allocates
-pool slots (evicting in the tree if needed), copies the pages in and inserts them in the tree,
-so the request's next match is longer. A loaded page is in the tree before the call returns: no
+before a request is offered to the batch, first loads the host tier's nodes back
+(host_radix_cache.py), then waits for the prefetch as the prefetch policy says, allocates pool
+slots (evicting in the tree if needed), copies the pages in and inserts them in the tree, so the
+request's next match is longer: device, then host, then storage. A loaded page is in the tree before the call returns: no
 pool slot is ever in flight between tiers, so the token-accounting invariant is the radix
 cache's. Storage pages are `page_tokens` long (a multiple of the pool's page size); a match that
 ends inside one uses its tail.
@@ -93,12 +96,25 @@ class HiRadixCache(HostRadixCache):
 
     # ---- reading back ----
 
-    def match_prefix(self, key: list[int] | tuple[int, ...]):
-        result = super().match_prefix(key)
-        tokens = as_token_key(key)
-        if len(tokens) - len(result.device_indices) >= self.page_tokens:
-            self._prefetch(tokens, len(result.device_indices))
-        return result
+    def prefetch_from_storage(self, key: list[int] | tuple[int, ...]) -> None:
+        """A request was received: start reading the pages of `key` that neither the device nor
+        the host holds (without touching the tree)."""
+        tokens = self._page_aligned(as_token_key(key))
+        matched = self._held_len(tokens)
+        if len(tokens) - matched >= self.page_tokens:
+            self._prefetch(tokens, matched)
+
+    def _held_len(self, tokens: tuple[int, ...]) -> int:
+        """How much of `tokens` the tree holds, on the device or the host."""
+        node, i = self.root_node, 0
+        while i < len(tokens):
+            child = node.children.get(self._child_key(tokens, i))
+            matched = 0 if child is None else self._match_len(child.key, tokens, i)
+            i += matched
+            if matched == 0 or matched < len(child.key):
+                break
+            node = child
+        return i
 
     def _prefetch(self, tokens: tuple[int, ...], matched: int) -> PrefetchOp | None:
         first = matched // self.page_tokens
@@ -271,18 +287,22 @@ class HiRadixCache(HostRadixCache):
         """Wait until every page handed to the writer is written."""
         self.writer.flush()
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, timeout_s: float | None = None) -> None:
+        self.writer.close(timeout_s)
         self.prefetcher.close()
 
-    def storage_stats(self) -> dict:
+    def storage_stats(self) -> dict[str, int]:
         return {
             "storage_hit_tokens": self.storage_hit_tokens,
             "storage_pages_loaded": self.storage_pages_loaded,
             "storage_pages_written": self.writer.written,
             "storage_pages_dropped": self.writer.dropped,
             "storage_write_failures": self.writer.failed,
+            "storage_pages_queued": self.writer.queued(),
         }
+
+    def tier_stats(self) -> dict[str, int]:
+        return {**super().tier_stats(), **self.storage_stats()}
 
 
 def _node_ends(nodes: list[TreeNode]) -> list[int]:
