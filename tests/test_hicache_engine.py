@@ -20,7 +20,7 @@ PROMPT_IDS = [(i * 37 + 11) % 250 + 3 for i in range(200)]
 
 
 def _engine(model_path: str, **kw) -> Engine:
-    return Engine(
+    args = dict(
         model_path=model_path,
         dtype="float32",
         max_total_tokens=2048,
@@ -29,8 +29,8 @@ def _engine(model_path: str, **kw) -> Engine:
         enable_hierarchical_cache=True,
         hicache_storage_backend="file",
         hicache_storage_prefetch_policy="wait_complete",
-        **kw,
     )
+    return Engine(**{**args, **kw})
 
 
 def _wait_for_pages(folder: Path, count: int, timeout: float = 120.0) -> None:
@@ -98,3 +98,15 @@ def test_smollm2_system_prompt_from_storage_after_restart(tmp_path):
         warm = second.chat(chats, params)
     assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in cold]
     assert warm[0]["meta_info"]["cached_tokens_details"]["storage"] >= 128
+
+
+def test_pages_queued_at_shutdown_are_written(model_path, tmp_path):
+    """Engine.shutdown SIGTERMs the scheduler right after the last answer: the storage writer's
+    queue is drained (bounded by SHUTDOWN_DRAIN_S) before the process exits, not dropped."""
+    prompts = [[(i * 31 + k * 7) % 250 + 3 for i in range(960)] for k in range(16)]
+    params = {"max_new_tokens": 1, "temperature": 0}
+    with _engine(model_path, hicache_storage_dir=str(tmp_path), max_total_tokens=16384) as engine:
+        engine.generate(input_ids=prompts, sampling_params=params)
+    # No waiting: the files are there when shutdown returns. Each request's 960 tokens with KV
+    # (the prompt; its one output token has none) fill 60 whole 16-token pages.
+    assert len(list(tmp_path.glob("*/*.kv"))) == 16 * 60
