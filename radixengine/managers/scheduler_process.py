@@ -106,7 +106,7 @@ def run_scheduler_process(server_args, port_args, pipe_writer) -> None:
         run_event_loop(scheduler, server_args)
     except SchedulerTerminated:
         logger.info("scheduler: SIGTERM; finishing the storage tier's queued writes")
-        scheduler.close(SHUTDOWN_DRAIN_S)
+        scheduler.tree_cache.close(SHUTDOWN_DRAIN_S)  # the process exits next: nothing else to stop
     except Exception:
         if monitor is not None:  # a collective failed: most likely a rank died; let the monitor name it
             logger.exception("a TP collective failed; waiting for the rank monitor")
