@@ -1,6 +1,7 @@
-"""The storage tier across a real restart: a new Engine (new scheduler process) on the same
-folder reads the prompt's KV from the files the first one wrote, with the same greedy tokens, and
-says so in meta_info (`cached_tokens_details`)."""
+"""The hierarchical cache in a real Engine: across a restart a new Engine (new scheduler process)
+on the same folder reads the prompt's KV from the files the first one wrote, with the same
+greedy tokens, and says so in meta_info (`cached_tokens_details`); pages queued at shutdown are
+written; the host tier (on a CPU with its test flag) brings an evicted prompt back."""
 
 from __future__ import annotations
 
@@ -110,3 +111,21 @@ def test_pages_queued_at_shutdown_are_written(model_path, tmp_path):
     # No waiting: the files are there when shutdown returns. Each request's 960 tokens with KV
     # (the prompt; its one output token has none) fill 60 whole 16-token pages.
     assert len(list(tmp_path.glob("*/*.kv"))) == 16 * 60
+
+
+def test_host_tier_through_the_engine(model_path):
+    """--hicache-host-tier-on-cpu in a real engine: a prompt evicted by others comes back from the
+    host pool (`cached_tokens_details.host`), with transformers' greedy tokens."""
+    others = [[(i * 13 + k * 29) % 250 + 3 for i in range(200)] for k in range(3)]
+    kw = dict(hicache_storage_backend=None, hicache_host_tier_on_cpu=True, max_total_tokens=512)
+    with _engine(model_path, **kw) as engine:
+        cold = engine.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        for ids in others:
+            engine.generate(input_ids=ids, sampling_params=GREEDY)
+        warm = engine.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        info = engine.get_server_info()
+    assert warm["meta_info"]["cached_tokens_details"]["host"] == warm["meta_info"]["cached_tokens"] >= 192
+    assert warm["output_ids"] == cold["output_ids"]
+    hf = load_hf_model(model_path, dtype=torch.float32)
+    assert warm["output_ids"] == hf_greedy(hf, [PROMPT_IDS], MAX_NEW)[0]
+    assert info["host_pool_size"] == 1024 and info["host_tokens_loaded"] >= 192  # /get_server_info

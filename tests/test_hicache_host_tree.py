@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from radixengine.mem_cache.accounting import check_token_accounting
+from radixengine.mem_cache.accounting import TokenAccountingError, check_token_accounting
 from radixengine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixengine.mem_cache.host_radix_cache import HostRadixCache
 from radixengine.mem_cache.memory_pool import MHATokenToKVPool
@@ -173,3 +173,17 @@ def test_a_load_in_flight_locks_its_host_slots():
     assert node.host_lock_ref == 0
     t.check()
     stream.close()
+
+
+def test_the_accounting_counts_host_slots():
+    t = Tier()
+    t.insert(A)
+    t.tree.evict(len(A))
+    t.check()
+    leaked = t.host.alloc(4)  # held by no node
+    with pytest.raises(
+        TokenAccountingError, match="host slots: available 28 \\+ held by nodes 32 != host pool size 64"
+    ):
+        t.check()
+    t.host.free(leaked)
+    t.check()

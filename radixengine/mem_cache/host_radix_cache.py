@@ -32,7 +32,7 @@ from radixengine.mem_cache.storage.policies import HICACHE_WRITE_POLICIES
 
 if TYPE_CHECKING:
     from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
-    from radixengine.mem_cache.memory_pool import ReqToTokenPool
+    from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class HostRadixCache(RadixCache):
         self.pool_write_stream = stream
 
     @property
-    def kv_pool(self):
+    def kv_pool(self) -> MHATokenToKVPool:
         return self.token_to_kv_pool_allocator.get_kvcache()
 
     # ---- device eviction: to the host ----
