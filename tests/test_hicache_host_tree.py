@@ -187,3 +187,47 @@ def test_the_accounting_counts_host_slots():
         t.check()
     t.host.free(leaked)
     t.check()
+
+
+def _assert_tree_kv(t: Tier) -> None:
+    """Every node's device slots hold its tokens' KV, and so do its host slots."""
+    for node in t.tree._iter_nodes():
+        assert node.value is not None or node.host_value is not None
+        if node.value is not None:
+            t.assert_kv_is(node.value, list(node.key))
+        if node.host_value is not None:
+            k = t.host.gather(node.host_value)[:, 0, :, 0, 0]
+            expect = torch.tensor(node.key, dtype=torch.float32)
+            assert torch.equal(k, torch.stack([expect + layer for layer in range(LAYERS)]))
+
+
+@pytest.mark.parametrize("page,seed", [(1, 0), (1, 1), (4, 2), (4, 3)])
+def test_random_operations_keep_kv_and_accounting(page, seed):
+    import random
+
+    rng = random.Random(seed)
+    t = Tier(page, size=128, host=64, policy=rng.choice(["write_back", "write_through"]))
+    heads = [[rng.randrange(1000, 2000) for _ in range(8 * page)] for _ in range(3)]
+    for _ in range(300):
+        op = rng.random()
+        key = rng.choice(heads)[: rng.randrange(1, 3) * 4 * page] + [
+            rng.randrange(2000, 3000) for _ in range(page * rng.randrange(0, 4))
+        ]
+        if op < 0.4:
+            need = len(key) - t.alloc.available_size()
+            if need > 0:
+                t.tree.evict(need)
+            if t.alloc.available_size() >= len(key):
+                t.insert(key)
+                if t.tree.write_policy == "write_through":
+                    t.tree._write_through(tuple(key))
+        elif op < 0.6:
+            t.tree.evict(rng.randrange(1, 40))
+        elif op < 0.85:
+            t.tree.load_back(key)
+        else:
+            t.tree.evict_host(rng.randrange(1, 40))
+        t.check()
+        _assert_tree_kv(t)
+    stats = t.tree.tier_stats()  # every path was taken
+    assert stats["host_tokens_written"] and stats["host_tokens_loaded"] and stats["host_tokens_evicted"]
