@@ -13,7 +13,12 @@ from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.mem_cache.evict_policy import RADIX_EVICTION_POLICIES
 from radixengine.parser.reasoning_parser import REASONING_PARSERS
 from radixengine.server_args_help import SERVER_ARGS_HELP
-from radixengine.server_args_hicache import HICACHE_CHOICES, HICACHE_HELP, validate_hicache
+from radixengine.server_args_hicache import (
+    DEFAULT_HICACHE_RATIO,
+    HICACHE_CHOICES,
+    HICACHE_HELP,
+    validate_hicache,
+)
 from radixengine.speculative.spec_args import SPECULATIVE_ALGORITHMS, validate_speculative_args
 from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
@@ -107,7 +112,7 @@ class ServerArgs:
 
     # Hierarchical cache (SGLang's HiCache flags; server_args_hicache.py)
     enable_hierarchical_cache: bool = False
-    hicache_ratio: float = 2.0
+    hicache_ratio: float = DEFAULT_HICACHE_RATIO
     hicache_size: int = 0
     hicache_write_policy: str = "write_through"
     hicache_storage_backend: str | None = None

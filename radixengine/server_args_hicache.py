@@ -25,6 +25,8 @@ from radixengine.mem_cache.storage.policies import (
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_HICACHE_RATIO = 2.0  # ServerArgs.hicache_ratio's default (SGLang's)
+
 HICACHE_CHOICES = {
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
@@ -105,6 +107,8 @@ def validate_hicache(args: HiCacheArgs) -> None:
         for name in ("hicache_storage_backend", "hicache_host_tier_on_cpu"):
             if getattr(args, name):
                 raise ValueError(f"--{name.replace('_', '-')} needs --enable-hierarchical-cache")
+        if args.hicache_size or args.hicache_ratio != DEFAULT_HICACHE_RATIO:
+            logger.warning("--hicache-ratio / --hicache-size do nothing without --enable-hierarchical-cache")
         return
     if args.disable_radix_cache:
         raise ValueError("--enable-hierarchical-cache backs the radix cache: not with --disable-radix-cache")
@@ -123,6 +127,10 @@ def _validate_cpu(args: HiCacheArgs) -> None:
             "the same memory here, so it only adds copies (it is there to test the host tier)"
         )
         return
+    if args.hicache_storage_backend is not None and args.hicache_ratio != DEFAULT_HICACHE_RATIO:
+        logger.warning(
+            "--hicache-ratio: on a CPU there is no host tier (the KV pool is host memory); ignored"
+        )
     if args.hicache_size:
         raise ValueError(
             "--hicache-size: on a CPU the KV pool already is host memory; there is no host tier "
