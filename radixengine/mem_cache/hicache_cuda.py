@@ -23,7 +23,9 @@ def pinned_host_pool(device_pool: MHATokenToKVPool, size: int) -> HostKVPool:
     """A host pool of `size` slots in pinned (page-locked) memory."""
     p = device_pool
     shape = (p.layer_num, 2, size, p.head_num, p.head_dim)
-    return HostKVPool.like(device_pool, size, torch.zeros(shape, dtype=p.dtype, pin_memory=True))
+    # Not zeroed (that would touch every page of a pool of many GB): a slot is read only after
+    # a backup wrote it.
+    return HostKVPool.like(device_pool, size, torch.empty(shape, dtype=p.dtype, pin_memory=True))
 
 
 class CudaEventAck:
@@ -81,5 +83,7 @@ class CudaHostTransfer:
 def _scatter_after(
     event: torch.cuda.Event, device: MHATokenToKVPool, device_slots: torch.Tensor, data: torch.Tensor
 ) -> None:
-    torch.cuda.current_stream(data.device).wait_event(event)
+    stream = torch.cuda.current_stream(data.device)
+    stream.wait_event(event)
+    data.record_stream(stream)  # allocated on the copy stream, read here: not reused before
     scatter_device(device, device_slots, data)
