@@ -4,6 +4,12 @@ without the tier (and transformers'), with and without the storage tier under it
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 from sched_utils import (
     assert_matches_oracle,
@@ -13,6 +19,7 @@ from sched_utils import (
     random_prompts,
     run_to_completion,
 )
+from test_engine_utils import subprocess_env
 
 from radixengine.managers.io_struct import BatchTokenIDOut
 from radixengine.managers.metrics import SchedulerStatsCollector
@@ -147,3 +154,21 @@ def test_cpu_without_storage_or_host_flag_says_why():
     with pytest.raises(ValueError, match="needs --enable-hierarchical-cache"):
         ServerArgs(device="cpu", hicache_host_tier_on_cpu=True)
     ServerArgs(device="cpu", **HOST, hicache_size=1)  # the host tier sized in GB, on a CPU too
+
+
+def test_a_cpu_run_never_imports_the_cuda_part():
+    code = textwrap.dedent(
+        """
+        import sys
+        from sched_utils import gen_req, make_scheduler, run_to_completion
+        sched = make_scheduler(enable_hierarchical_cache=True, hicache_host_tier_on_cpu=True)
+        run_to_completion(sched, [gen_req("a", [5, 6, 7, 8], 2)])
+        assert sched.tree_cache.host_pool is not None
+        print("radixengine.mem_cache.hicache_cuda" in sys.modules)
+        """
+    )
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join((str(Path(__file__).parent), env["PYTHONPATH"]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
