@@ -42,12 +42,13 @@ def outputs(results: dict, tag: str) -> list[list[int]]:
     return [results[f"{tag}{i}"].output_ids for i in range(len(results))]
 
 
-def evict_and_come_back(sched):
+def evict_and_come_back(sched, evicts: bool = True):
     """PROMPTS, then OTHER (its 300-token prefix makes the 512-token pool evict PROMPTS's),
     then PROMPTS again."""
     run(sched, PROMPTS, "a")
     run(sched, OTHER, "b")
-    assert sched.tree_cache.match_prefix(PROMPTS[0][:-1]).device_indices.numel() < 128
+    if evicts:
+        assert sched.tree_cache.match_prefix(PROMPTS[0][:-1]).device_indices.numel() < 128
     return run(sched, PROMPTS, "c")
 
 
@@ -76,6 +77,31 @@ def test_evicted_prefix_comes_back_from_the_host(page, kv, overlap, policy):
     assert stats["host_tokens_loaded"] >= 128
     prefix = (len(PROMPTS[0]) - 1) // page * page
     assert again["c0"].cached_tokens >= min(prefix, len(SHARED[0]) // page * page)
+    sched.close()
+
+
+FEATURES = {
+    "chunked": dict(chunked_prefill_size=32),
+    "slru": dict(radix_eviction_policy="slru"),
+    "lfu": dict(radix_eviction_policy="lfu"),
+    "leaf-tails": dict(soft_priority_preemption=True, enable_priority_scheduling=True),
+}
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_host_tier_with_scheduler_features(page, feature):
+    """Chunked prefill (chunks inserted through nodes on the host only), other eviction
+    policies, and eviction of leaf tails, with the host tier: the same tokens as without it."""
+    opts = dict(page_size=page, max_total_tokens=512, **FEATURES[feature])
+    base = make_scheduler(**opts)
+    _, expected = evict_and_come_back(base, evicts=False)  # leaf tails may keep most of it
+    base.close()
+    sched = make_scheduler(**opts, **HOST)
+    reqs, again = evict_and_come_back(sched, evicts=False)
+    assert outputs(again, "c") == outputs(expected, "c")
+    assert_matches_oracle(reqs, again)
+    assert sched.tree_cache.tier_stats()["host_tokens_loaded"] > 0
     sched.close()
 
 
