@@ -15,7 +15,12 @@ are cold (the control).
 prefixes of `--prefix-len` random tokens, each asked `--requests-per-prefix` times (a distinct
 32-token question each), round by round over all prefixes, at most `--concurrency` requests in
 flight, against a pool of `--max-total-tokens`. Without the tier each round finds its prefix
-evicted and prefills it again; with it, rounds after the first read it from storage. Reported:
+evicted and prefills it again; with it, rounds after the first read it from storage.
+`--prefix-tiers none,storage,host,host+storage` adds the host tier (SGLang's host memory pool
+under the device pool, `--hicache-ratio`): GPU only, not measured on this project's CPU
+machine; a CUDA run is e.g.
+    python benchmarks/bench_hicache.py --parts prefixes --prefix-tiers none,host,host+storage \
+        --num-prefixes 64 --prefix-len 2048 --max-total-tokens 16384 --hicache-ratio 4 Reported:
 requests/s, output and total tokens/s, TTFT (mean, p50, p90), prefill and cached tokens.
 
 Every request streams through /generate with input ids (the chat template applied here), greedy,
@@ -54,6 +59,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     storage_tokens: int = 0
+    host_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
     output_ids: list[int] | None = None
@@ -88,7 +94,8 @@ async def generate(client: httpx.AsyncClient, ids: list[int], max_new: int) -> O
             out.prompt_tokens = meta.get("prompt_tokens", 0)
             out.cached_tokens = meta.get("cached_tokens", 0)
             out.output_tokens = meta.get("completion_tokens", 0)
-            out.storage_tokens = (meta.get("cached_tokens_details") or {}).get("storage", 0)
+            details = meta.get("cached_tokens_details") or {}
+            out.storage_tokens, out.host_tokens = details.get("storage", 0), details.get("host", 0)
     out.e2e = time.perf_counter() - start
     return out
 
@@ -126,6 +133,7 @@ def summary(outs: list[Outcome], elapsed: float) -> dict:
         "prefill_tokens": sum(o.prefill_tokens for o in outs),
         "cached_tokens": sum(o.cached_tokens for o in outs),
         "storage_tokens": sum(o.storage_tokens for o in outs),
+        "host_tokens": sum(o.host_tokens for o in outs),
     }
 
 
@@ -224,13 +232,24 @@ def prefix_prompts(args) -> list[list[int]]:
     ]
 
 
+def tier_flags(args, tier: str, folder: Path) -> list[str]:
+    """`none`, `storage`, `host` (the host tier: GPU only; on a CPU it needs
+    `--host-tier-on-cpu`, and measures copies within one memory), `host+storage`."""
+    flags = storage_flags(folder) if "storage" in tier else []
+    if "host" in tier:
+        flags = flags or ["--enable-hierarchical-cache"]
+        flags += ["--hicache-ratio", str(args.hicache_ratio), "--hicache-write-policy", args.write_policy]
+        flags += ["--hicache-host-tier-on-cpu"] if args.host_tier_on_cpu else []
+    return flags
+
+
 def part_prefixes(args, base_flags: list[str], folder: Path) -> list[dict]:
     prompts = prefix_prompts(args)
     rows = []
-    for tier in ("none", "storage"):
+    for tier in args.prefix_tiers.split(","):
         shutil.rmtree(folder, ignore_errors=True)
         flags = base_flags + ["--max-total-tokens", str(args.max_total_tokens)]
-        flags += storage_flags(folder) if tier == "storage" else []
+        flags += tier_flags(args, tier, folder)
         proc = launch(flags, args.port, Path(args.log_dir) / f"prefixes-{tier}.log")
         try:
             outs, elapsed = asyncio.run(
@@ -291,13 +310,13 @@ def markdown(data: dict) -> None:
     prefixes = [r for r in data["rows"] if r["part"] == "prefixes"]
     if prefixes:
         print(
-            "| tier | req/s | out tok/s | TTFT mean / p50 / p90 (ms) | prefill tokens | from storage | elapsed (s) |"
+            "| tier | req/s | out tok/s | TTFT mean / p50 / p90 (ms) | prefill tokens | from host | from storage | elapsed (s) |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for r in prefixes:
             print(f"| {r['tier']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
                   f"{r['ttft_mean_s'] * 1e3:.0f} / {r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p90_s'] * 1e3:.0f} | "
-                  f"{r['prefill_tokens']} | {r['storage_tokens']} | {r['elapsed_s']:.1f} |")  # fmt: skip
+                  f"{r['prefill_tokens']} | {r.get('host_tokens', 0)} | {r['storage_tokens']} | {r['elapsed_s']:.1f} |")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -315,6 +334,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-new-tokens", type=int, default=8, help="(b): output tokens per request")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument(
+        "--prefix-tiers",
+        default="none,storage",
+        help="(b): tiers to compare, of none, storage, host, host+storage (host: GPU only)",
+    )
+    p.add_argument("--hicache-ratio", type=float, default=2.0, help="(b): the host tier's size")
+    p.add_argument(
+        "--write-policy", default="write_through", help="(b): --hicache-write-policy of host tiers"
+    )
+    p.add_argument(
+        "--host-tier-on-cpu",
+        action="store_true",
+        help="(b): pass --hicache-host-tier-on-cpu (a CPU run of the host tier: its logic, no speed-up)",
+    )
     p.add_argument("--port", type=int, default=31235)
     p.add_argument("--folder", default=None, help="the storage folder (default: a fresh one under /tmp)")
     p.add_argument("--log-dir", default=str(Path(tempfile.gettempdir()) / "bench_hicache_logs"))

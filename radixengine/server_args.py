@@ -13,7 +13,12 @@ from radixengine.function_call.function_call_parser import TOOL_CALL_PARSERS
 from radixengine.mem_cache.evict_policy import RADIX_EVICTION_POLICIES
 from radixengine.parser.reasoning_parser import REASONING_PARSERS
 from radixengine.server_args_help import SERVER_ARGS_HELP
-from radixengine.server_args_hicache import HICACHE_CHOICES, HICACHE_HELP, validate_hicache
+from radixengine.server_args_hicache import (
+    DEFAULT_HICACHE_RATIO,
+    HICACHE_CHOICES,
+    HICACHE_HELP,
+    validate_hicache,
+)
 from radixengine.speculative.spec_args import SPECULATIVE_ALGORITHMS, validate_speculative_args
 from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
@@ -107,13 +112,14 @@ class ServerArgs:
 
     # Hierarchical cache (SGLang's HiCache flags; server_args_hicache.py)
     enable_hierarchical_cache: bool = False
-    hicache_ratio: float = 2.0
+    hicache_ratio: float = DEFAULT_HICACHE_RATIO
     hicache_size: int = 0
     hicache_write_policy: str = "write_through"
     hicache_storage_backend: str | None = None
     hicache_storage_dir: str | None = None
     hicache_storage_max_bytes: int = 0
     hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_host_tier_on_cpu: bool = False  # the host tier over a CPU pool (tests its logic)
 
     # Runtime
     num_threads: int | None = None  # CPU intra-op threads; None: all cores

@@ -1,8 +1,11 @@
 """The hierarchical cache's flags (SGLang's HiCache names): their help and their rules.
 
-`ServerArgs.validate` calls `validate_hicache`. On a CPU the device pool already is host memory:
-there is no host tier, so `--hicache-size` is refused and `--hicache-ratio` is ignored; the
-storage tier is what `--enable-hierarchical-cache` turns on there, and it needs a backend.
+`ServerArgs.validate` calls `validate_hicache`. The host tier (a host pool under the device pool,
+sized by `--hicache-ratio` / `--hicache-size`) is on with `--enable-hierarchical-cache` on a GPU.
+On a CPU the device pool already is host memory: the host tier would only copy bytes within the
+same memory, so it is off there and `--enable-hierarchical-cache` needs the storage tier;
+`--hicache-host-tier-on-cpu` turns the host tier on anyway (with a warning), which is how its
+logic is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from radixengine.mem_cache.storage.policies import (
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_HICACHE_RATIO = 2.0  # ServerArgs.hicache_ratio's default (SGLang's)
+
 HICACHE_CHOICES = {
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
@@ -30,12 +35,19 @@ HICACHE_CHOICES = {
 
 HICACHE_HELP = {
     "enable_hierarchical_cache": (
-        "Back the radix cache with more tiers (SGLang's HiCache). Here: the storage tier "
-        "(--hicache-storage-backend file), on every device; pages of evicted or finished prefixes "
-        "are found again after eviction and after a restart."
+        "Back the radix cache with more tiers (SGLang's HiCache): on a GPU a host memory pool that "
+        "keeps what the device pool evicts; on every device the storage tier "
+        "(--hicache-storage-backend file), whose pages are found again after a restart."
     ),
-    "hicache_ratio": "Host tier size as a ratio of the device pool (CUDA host tier; ignored on a CPU).",
-    "hicache_size": "Host tier size in GB, overrides --hicache-ratio (CUDA host tier; refused on a CPU).",
+    "hicache_ratio": (
+        "Host tier size as a ratio of the device pool's tokens (the host tier: on a GPU, or on a CPU "
+        "with --hicache-host-tier-on-cpu)."
+    ),
+    "hicache_size": "Host tier size in GB, overrides --hicache-ratio (refused on a CPU without a host tier).",
+    "hicache_host_tier_on_cpu": (
+        "Run the host tier over a CPU KV pool: host and device memory are the same there, so it only "
+        "costs copies; for testing the host tier's logic without a GPU."
+    ),
     "hicache_write_policy": (
         "When pages go to storage: write_through (default; every page of a request's prefix when it "
         "finishes), write_through_selective (only pages at least 2 requests used), write_back (when "
@@ -67,6 +79,7 @@ class HiCacheArgs(Protocol):
     hicache_storage_backend: str | None
     hicache_storage_dir: str | None
     hicache_storage_max_bytes: int
+    hicache_host_tier_on_cpu: bool
 
 
 def resolve_storage_dir(args: HiCacheArgs) -> str:
@@ -91,23 +104,41 @@ def validate_hicache(args: HiCacheArgs) -> None:
     if args.hicache_size < 0 or args.hicache_storage_max_bytes < 0:
         raise ValueError("--hicache-size and --hicache-storage-max-bytes must be >= 0")
     if not args.enable_hierarchical_cache:
-        if args.hicache_storage_backend is not None:
-            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        for name in ("hicache_storage_backend", "hicache_host_tier_on_cpu"):
+            if getattr(args, name):
+                raise ValueError(f"--{name.replace('_', '-')} needs --enable-hierarchical-cache")
+        if args.hicache_size or args.hicache_ratio != DEFAULT_HICACHE_RATIO:
+            logger.warning("--hicache-ratio / --hicache-size do nothing without --enable-hierarchical-cache")
         return
     if args.disable_radix_cache:
         raise ValueError("--enable-hierarchical-cache backs the radix cache: not with --disable-radix-cache")
     if args.device == "cpu":
-        if args.hicache_size:
-            raise ValueError(
-                "--hicache-size: on a CPU the KV pool already is host memory; there is no host tier "
-                "(use --max-total-tokens for a larger pool)"
-            )
-        if args.hicache_storage_backend is None:
-            raise ValueError(
-                "--enable-hierarchical-cache on a CPU is the storage tier (there is no host tier): "
-                "add --hicache-storage-backend file"
-            )
+        _validate_cpu(args)
+
+
+def has_host_tier(args: HiCacheArgs) -> bool:
+    return args.enable_hierarchical_cache and (args.device != "cpu" or args.hicache_host_tier_on_cpu)
+
+
+def _validate_cpu(args: HiCacheArgs) -> None:
+    if args.hicache_host_tier_on_cpu:
+        logger.warning(
+            "--hicache-host-tier-on-cpu: the host tier over a CPU KV pool; host and device memory are "
+            "the same memory here, so it only adds copies (it is there to test the host tier)"
+        )
+        return
+    if args.hicache_storage_backend is not None and args.hicache_ratio != DEFAULT_HICACHE_RATIO:
+        logger.warning(
+            "--hicache-ratio: on a CPU there is no host tier (the KV pool is host memory); ignored"
+        )
+    if args.hicache_size:
+        raise ValueError(
+            "--hicache-size: on a CPU the KV pool already is host memory; there is no host tier "
+            "(use --max-total-tokens for a larger pool)"
+        )
     if args.hicache_storage_backend is None:
         raise ValueError(
-            "--enable-hierarchical-cache: the host tier is not implemented yet; add --hicache-storage-backend file"
+            "--enable-hierarchical-cache on a CPU: the KV pool already is host memory, so there is no "
+            "host tier (--hicache-ratio / --hicache-size would do nothing); add --hicache-storage-backend "
+            "file for the storage tier"
         )

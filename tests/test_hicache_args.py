@@ -4,6 +4,7 @@ as Engine keywords, and the combinations refused at start with the reason."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 
@@ -87,3 +88,11 @@ def test_metrics_count_storage_tokens_apart():
         if s.name == "sglang:cached_tokens_total"
     }
     assert samples == {"device": 64, "storage": 192}
+
+
+def test_host_tier_sizes_that_do_nothing_are_named(caplog):
+    with caplog.at_level(logging.WARNING, "radixengine.server_args_hicache"):
+        ServerArgs(device="cpu", hicache_ratio=3)
+        ServerArgs(device="cpu", **STORAGE, hicache_ratio=3)
+    assert "do nothing without --enable-hierarchical-cache" in caplog.text
+    assert "on a CPU there is no host tier" in caplog.text

@@ -1,6 +1,7 @@
-"""The storage tier across a real restart: a new Engine (new scheduler process) on the same
-folder reads the prompt's KV from the files the first one wrote, with the same greedy tokens, and
-says so in meta_info (`cached_tokens_details`)."""
+"""The hierarchical cache in a real Engine: across a restart a new Engine (new scheduler process)
+on the same folder reads the prompt's KV from the files the first one wrote, with the same
+greedy tokens, and says so in meta_info (`cached_tokens_details`); pages queued at shutdown are
+written; the host tier (on a CPU with its test flag) brings an evicted prompt back."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ PROMPT_IDS = [(i * 37 + 11) % 250 + 3 for i in range(200)]
 
 
 def _engine(model_path: str, **kw) -> Engine:
-    return Engine(
+    args = dict(
         model_path=model_path,
         dtype="float32",
         max_total_tokens=2048,
@@ -29,8 +30,8 @@ def _engine(model_path: str, **kw) -> Engine:
         enable_hierarchical_cache=True,
         hicache_storage_backend="file",
         hicache_storage_prefetch_policy="wait_complete",
-        **kw,
     )
+    return Engine(**{**args, **kw})
 
 
 def _wait_for_pages(folder: Path, count: int, timeout: float = 120.0) -> None:
@@ -98,3 +99,33 @@ def test_smollm2_system_prompt_from_storage_after_restart(tmp_path):
         warm = second.chat(chats, params)
     assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in cold]
     assert warm[0]["meta_info"]["cached_tokens_details"]["storage"] >= 128
+
+
+def test_pages_queued_at_shutdown_are_written(model_path, tmp_path):
+    """Engine.shutdown SIGTERMs the scheduler right after the last answer: the storage writer's
+    queue is drained (bounded by SHUTDOWN_DRAIN_S) before the process exits, not dropped."""
+    prompts = [[(i * 31 + k * 7) % 250 + 3 for i in range(960)] for k in range(16)]
+    params = {"max_new_tokens": 1, "temperature": 0}
+    with _engine(model_path, hicache_storage_dir=str(tmp_path), max_total_tokens=16384) as engine:
+        engine.generate(input_ids=prompts, sampling_params=params)
+    # No waiting: the files are there when shutdown returns. Each request's 960 tokens with KV
+    # (the prompt; its one output token has none) fill 60 whole 16-token pages.
+    assert len(list(tmp_path.glob("*/*.kv"))) == 16 * 60
+
+
+def test_host_tier_through_the_engine(model_path):
+    """--hicache-host-tier-on-cpu in a real engine: a prompt evicted by others comes back from the
+    host pool (`cached_tokens_details.host`), with transformers' greedy tokens."""
+    others = [[(i * 13 + k * 29) % 250 + 3 for i in range(200)] for k in range(3)]
+    kw = dict(hicache_storage_backend=None, hicache_host_tier_on_cpu=True, max_total_tokens=512)
+    with _engine(model_path, **kw) as engine:
+        cold = engine.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        for ids in others:
+            engine.generate(input_ids=ids, sampling_params=GREEDY)
+        warm = engine.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        info = engine.get_server_info()
+    assert warm["meta_info"]["cached_tokens_details"]["host"] == warm["meta_info"]["cached_tokens"] >= 192
+    assert warm["output_ids"] == cold["output_ids"]
+    hf = load_hf_model(model_path, dtype=torch.float32)
+    assert warm["output_ids"] == hf_greedy(hf, [PROMPT_IDS], MAX_NEW)[0]
+    assert info["host_pool_size"] == 1024 and info["host_tokens_loaded"] >= 192  # /get_server_info

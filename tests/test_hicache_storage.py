@@ -15,6 +15,7 @@ import pytest
 import torch
 from sched_utils import (
     assert_matches_oracle,
+    collect,
     gen_req,
     make_scheduler,
     random_prompts,
@@ -178,12 +179,17 @@ def test_best_effort_admits_without_waiting_and_uses_a_finished_prefetch(tmp_pat
     close(first)
     second = hicache_scheduler(tmp_path, hicache_storage_prefetch_policy="best_effort")
     tree = second.tree_cache
-    tree.match_prefix(PROMPTS[0][:-1])  # what the waiting queue's match starts
-    for op in list(tree.prefetcher._ops.values()):
-        op.wait(None)
-    _, results = run(second, PROMPTS[:1], "b")
+    req = gen_req("b0", PROMPTS[0], 8)
+    second.io.put(req)
+    second.process_input_requests(second.recv_requests(block=False))  # intake only: no step yet
+    # The prefetch started when the request was received (SGLang's _prefetch_kvcache at intake).
+    ops = list(tree.prefetcher._ops.values())
+    assert [op.keys[0] for op in ops] == page_keys(tuple(PROMPTS[0]), PT, 1)
+    ops[0].wait(None)
+    second.run_until_idle()
+    results = collect(second.io.take_outputs())
     assert tree.storage_hit_tokens == whole_pages(PROMPTS[0])
-    assert_matches_oracle([gen_req("b0", PROMPTS[0], 8)], results)
+    assert_matches_oracle([req], results)
     close(second)
 
 

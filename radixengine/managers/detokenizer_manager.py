@@ -140,6 +140,7 @@ class IncrementalDetokenizer:
             queue_times=recv.queue_times,
             spec_verify_ct=recv.spec_verify_ct,
             cached_tokens_storage=recv.cached_tokens_storage,
+            cached_tokens_host=recv.cached_tokens_host,
             **recv.logprob_outputs(),
         )
 

@@ -1,5 +1,6 @@
 """Builds the scheduler's tree cache: the chunk cache, the radix cache, or with
---enable-hierarchical-cache the radix cache backed by the storage tier (mem_cache/hiradix_cache.py)."""
+--enable-hierarchical-cache the radix cache over the host tier (mem_cache/host_radix_cache.py)
+and/or the storage tier (mem_cache/hiradix_cache.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from pathlib import Path
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.chunk_cache import ChunkCache
+from radixengine.mem_cache.hicache_transfer import HostTransfer, InlineHostTransfer
 from radixengine.mem_cache.hiradix_cache import HiRadixCache, storage_page_tokens
-from radixengine.mem_cache.memory_pool import ReqToTokenPool
+from radixengine.mem_cache.host_radix_cache import HostRadixCache
+from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixengine.mem_cache.memory_pool_host import HostKVPool
 from radixengine.mem_cache.radix_cache import RadixCache
 from radixengine.mem_cache.storage.base import KVIdentity
 from radixengine.mem_cache.storage.file_backend import HiCacheFile
 from radixengine.server_args import ServerArgs
-from radixengine.server_args_hicache import resolve_storage_dir, resolve_storage_max_bytes
+from radixengine.server_args_hicache import has_host_tier, resolve_storage_dir, resolve_storage_max_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +51,16 @@ def make_radix_cache(
         raise ValueError(
             f"--enable-hierarchical-cache: the KV pool {type(pool).__name__} has no K/V buffers to store"
         )
-    if str(pool.k_buffer[0].device).startswith("cpu"):
-        logger.info("hierarchical cache: no host tier on a CPU (--hicache-ratio is ignored); storage tier on")
-    else:
-        logger.warning("hierarchical cache: the host tier is not implemented; storage tier only")
+    host_pool, transfer = make_host_tier(args, pool, page_size) if has_host_tier(args) else (None, None)
+    common = dict(
+        eviction_policy=args.radix_eviction_policy,
+        evict_leaf_tails=args.soft_priority_preemption,
+        write_policy=args.hicache_write_policy,
+        host_pool=host_pool,
+        host_transfer=transfer,
+    )
+    if args.hicache_storage_backend is None:
+        return HostRadixCache(req_to_token_pool, allocator, page_size, **common)
     storage = HiCacheFile(
         resolve_storage_dir(args), kv_identity(args, pool, page_size), resolve_storage_max_bytes(args)
     )
@@ -59,14 +69,31 @@ def make_radix_cache(
         allocator,
         page_size,
         storage,
-        eviction_policy=args.radix_eviction_policy,
-        evict_leaf_tails=args.soft_priority_preemption,
-        write_policy=args.hicache_write_policy,
         prefetch_policy=args.hicache_storage_prefetch_policy,
+        **common,
     )
 
 
-def kv_identity(args: ServerArgs, pool, page_size: int) -> KVIdentity:
+def make_host_tier(
+    args: ServerArgs, pool: MHATokenToKVPool, page_size: int
+) -> tuple[HostKVPool, HostTransfer]:
+    """The host pool (--hicache-size GB, else --hicache-ratio times the device pool's tokens) and
+    its copies: pinned memory and a copy stream on CUDA (imported only there), inline elsewhere."""
+    if args.hicache_size:
+        size = int(args.hicache_size * 1e9 // HostKVPool.bytes_per_token(pool))
+    else:
+        size = int(pool.size * args.hicache_ratio)
+    size = max(size // page_size * page_size, page_size)
+    device = pool.k_buffer[0].device
+    logger.info("hierarchical cache: host tier of %d tokens under a device pool of %d", size, pool.size)
+    if device.type == "cuda":
+        from radixengine.mem_cache.hicache_cuda import CudaHostTransfer, pinned_host_pool
+
+        return pinned_host_pool(pool, size), CudaHostTransfer(device)
+    return HostKVPool.like(pool, size), InlineHostTransfer()
+
+
+def kv_identity(args: ServerArgs, pool: MHATokenToKVPool, page_size: int) -> KVIdentity:
     model = "|".join(
         (
             _model_fingerprint(args.model_path),

@@ -285,6 +285,8 @@ class BatchTokenIDOut(LogprobOutputs):
     spec_verify_ct: list[int] = field(default_factory=list)
     # Per request, of cached_tokens those read from the storage tier; empty without one.
     cached_tokens_storage: list[int] = field(default_factory=list)
+    # Per request, of cached_tokens those loaded back from the host tier; empty without one.
+    cached_tokens_host: list[int] = field(default_factory=list)
 
 
 # Detokenizer -> tokenizer manager -------------------------------------------------------------
@@ -305,6 +307,8 @@ class BatchStrOut(LogprobOutputs):
     spec_verify_ct: list[int] = field(default_factory=list)  # see BatchTokenIDOut
     # Per request, of cached_tokens those read from the storage tier; empty without one.
     cached_tokens_storage: list[int] = field(default_factory=list)
+    # Per request, of cached_tokens those loaded back from the host tier; empty without one.
+    cached_tokens_host: list[int] = field(default_factory=list)
 
 
 # Finish reasons (SGLang's JSON shapes) ---------------------------------------------------------

@@ -82,6 +82,13 @@ class SchedulerStatsCollector:
             "Speculative decoding: tokens a request takes from a verify step, on average since start.",
         ),
         "max_total_num_tokens": ("max_total_tokens", "Maximum total number of tokens in the KV cache pool."),
+        # The hierarchical cache (present only with its tiers).
+        "hicache_host_used_tokens": ("host_pool_used_tokens", "Token slots in use in the host tier's pool."),
+        "hicache_host_total_tokens": ("host_pool_size", "Token slots of the host tier's pool."),
+        "hicache_storage_write_queue_pages": (
+            "storage_pages_queued",
+            "Pages waiting in the storage writer's queue.",
+        ),
     }
     COUNTERS = {
         "num_retracted_requests_total": (
@@ -89,6 +96,25 @@ class SchedulerStatsCollector:
             "Requests retracted because decode ran out of KV memory.",
         ),
         "num_preempted_requests_total": ("num_preempted_reqs", "Requests preempted by higher-priority ones."),
+        "hicache_host_written_tokens_total": ("host_tokens_written", "Tokens backed up to the host tier."),
+        "hicache_host_loaded_tokens_total": ("host_tokens_loaded", "Tokens loaded back from the host tier."),
+        "hicache_host_evicted_tokens_total": ("host_tokens_evicted", "Tokens the host tier's pool evicted."),
+        "hicache_storage_written_pages_total": (
+            "storage_pages_written",
+            "Pages written to the storage tier.",
+        ),
+        "hicache_storage_read_pages_total": (
+            "storage_pages_loaded",
+            "Pages read from storage into the KV pool.",
+        ),
+        "hicache_storage_failed_writes_total": (
+            "storage_write_failures",
+            "Pages the storage tier failed to write.",
+        ),
+        "hicache_storage_dropped_pages_total": (
+            "storage_pages_dropped",
+            "Pages not written: the writer's queue was at its byte bound.",
+        ),
     }
     # sglang:realtime_tokens_total{mode}: state key per mode.
     REALTIME_TOKENS = {
@@ -211,11 +237,12 @@ class TokenizerMetricsCollector:
         self.num_requests.labels(**self.labels).inc()
         self.prompt_tokens.labels(**self.labels).inc(prompt)
         self.generation_tokens.labels(**self.labels).inc(generated)
-        storage = (meta.get("cached_tokens_details") or {}).get("storage", 0)
-        if cached - storage > 0:
-            self.cached_tokens.labels(**self.labels, cache_source="device").inc(cached - storage)
-        if storage > 0:
-            self.cached_tokens.labels(**self.labels, cache_source="storage").inc(storage)
+        details = meta.get("cached_tokens_details") or {}
+        by_source = {"host": details.get("host", 0), "storage": details.get("storage", 0)}
+        by_source["device"] = cached - by_source["host"] - by_source["storage"]
+        for source, count in by_source.items():
+            if count > 0:
+                self.cached_tokens.labels(**self.labels, cache_source=source).inc(count)
         self.prompt_tokens_histogram.labels(**self.labels).observe(prompt)
         self.generation_tokens_histogram.labels(**self.labels).observe(generated)
         self.e2e.labels(**self.labels).observe(now - created)

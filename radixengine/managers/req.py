@@ -101,6 +101,7 @@ class Req:
         self.spec_verify_ct = 0
         self.spec_state: RequestSpecState | None = None
         self.storage_hit_tokens = 0  # of cached_tokens, those read from the storage tier
+        self.host_hit_tokens = 0  # of cached_tokens, those loaded back from the host tier
 
     def start_wait(self) -> None:
         """A new wait in the queue (fair_policy.py): its start on the prefill-token clock, stamped

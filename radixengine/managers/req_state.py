@@ -120,9 +120,10 @@ class ReqState:
         }
         if recv.cached_tokens_storage:
             storage = recv.cached_tokens_storage[i]
+            host = recv.cached_tokens_host[i] if recv.cached_tokens_host else 0
             meta["cached_tokens_details"] = {
-                "device": meta["cached_tokens"] - storage,
-                "host": 0,
+                "device": meta["cached_tokens"] - storage - host,
+                "host": host,
                 "storage": storage,
             }
         finished = reason is not None

@@ -157,6 +157,7 @@ class Scheduler:
             self.eos_token_ids,
             self.streamer,
             self._active_reqs,
+            on_queued=lambda req: self.tree_cache.prefetch_from_storage(req.origin_input_ids),
         )
 
     def _new_result_processor(self) -> BatchResultProcessor:
@@ -471,10 +472,11 @@ class Scheduler:
     def shutdown(self) -> None:
         self._shutdown = True
 
-    def close(self) -> None:
-        """Stop the forward stream's worker (overlap on a CPU) and the cache's storage threads."""
+    def close(self, drain_timeout_s: float | None = None) -> None:
+        """Stop the cache's storage threads (writing what is queued, for at most
+        `drain_timeout_s`) and the forward stream's worker (overlap on a CPU)."""
+        self.tree_cache.close(drain_timeout_s)
         self.model_worker.close()
-        self.tree_cache.close()
 
     def write_trace(self, path: str | None = None) -> None:
         """Chrome trace of the scheduler's phases and the forward stream's busy intervals."""

@@ -20,6 +20,19 @@ logger = logging.getLogger(__name__)
 
 RECV_BLOCK_MS = 50  # the longest an idle scheduler waits for input: the watchdog's tick
 
+# At SIGTERM the hierarchical cache's queued storage writes are finished for at most this long:
+# the parent SIGKILLs after utils.process.terminate_processes's 5 s.
+SHUTDOWN_DRAIN_S = 3.0
+
+
+class SchedulerTerminated(BaseException):
+    """SIGTERM: leave the event loop (not an Exception: no handler of the loop takes it)."""
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise SchedulerTerminated
+
+
 MONITOR_GRACE_S = (
     10.0  # after a failed TP collective, how long to wait for the rank monitor to name a dead rank
 )
@@ -88,8 +101,12 @@ def run_scheduler_process(server_args, port_args, pipe_writer) -> None:
         return
     ready.set()
     pipe_writer.send(info)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         run_event_loop(scheduler, server_args)
+    except SchedulerTerminated:
+        logger.info("scheduler: SIGTERM; finishing the storage tier's queued writes")
+        scheduler.tree_cache.close(SHUTDOWN_DRAIN_S)  # the process exits next: nothing else to stop
     except Exception:
         if monitor is not None:  # a collective failed: most likely a rank died; let the monitor name it
             logger.exception("a TP collective failed; waiting for the rank monitor")

@@ -34,6 +34,9 @@ def token_accounting_message(
             f"KV slots: available {available} + evictable {evictable} + protected {protected} = {counted} "
             f"!= size {allocator.size} (difference {difference:+d}: {abs(difference)} tokens {what})"
         )
+    tier_problem = tree_cache.tier_accounting_problem() if tree_cache is not None else None
+    if tier_problem is not None:
+        problems.append(tier_problem)
     if req_to_token_pool is not None and req_to_token_pool.available_size() != req_to_token_pool.size:
         used = _used_rows(req_to_token_pool)
         problems.append(

@@ -154,18 +154,32 @@ class BasePrefixCache(ABC):
         `req.last_node` is locked in place of the old one."""
 
     def load_from_storage(self, req: CacheReq, key: list[int] | tuple[int, ...]) -> int:
-        """Load pages of `key` past the cached prefix from a lower tier (HiRadixCache); returns
+        """Load pages of `key` past the cached prefix from a lower tier (host pool, storage); returns
         how many tokens it loaded. A cache without one has nothing to load."""
         return 0
+
+    def prefetch_from_storage(self, key: list[int] | tuple[int, ...]) -> None:
+        """Start reading the pages of `key` past what the cache holds from a storage tier (a
+        request was received); nothing without one."""
+        return None
 
     def set_pool_write_stream(self, stream: PoolWriteStream) -> None:
         """Where the cache's own writes into the KV pool run (the overlap loop's forward stream);
         a cache that writes no KV of its own has nothing to route."""
         return None
 
-    def close(self) -> None:
-        """Stop the cache's background work (a lower tier's threads); nothing by default."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the cache's background work (a lower tier's threads), finishing its queued
+        writes for at most `timeout_s` (None: no bound); nothing by default."""
         return None
+
+    def tier_accounting_problem(self) -> str | None:
+        """What is wrong with a lower tier's own slot accounting (the host pool), if anything."""
+        return None
+
+    def tier_stats(self) -> dict[str, int]:
+        """Counters of the lower tiers (host pool, storage); none without them."""
+        return {}
 
     @abstractmethod
     def pretty_print(self) -> None:

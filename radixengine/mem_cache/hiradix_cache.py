@@ -1,4 +1,5 @@
-"""HiRadixCache: the radix cache backed by a storage tier (SGLang's HiRadixCache, storage part).
+"""HiRadixCache: the radix cache backed by a storage tier (SGLang's HiRadixCache, storage part),
+over the host tier of HostRadixCache when it has a host pool.
 
 Pages of the tree's prefixes are written to storage by the write policy, keyed by a hash chain
 of their tokens (storage/base.py): `write_through` when a request finishes (every page of its
@@ -7,11 +8,13 @@ path not stored yet), `write_through_selective` the same for pages whose node at
 eviction frees a node. A page is copied out of the pool on the scheduler's thread (a memcpy) and
 written by a background thread.
 
-Reading back: `match_prefix` starts a prefetch of the pages that follow the tree's match (a
+Reading back: `prefetch_from_storage`, called when a request enters the waiting queue (as
+SGLang's scheduler does), starts a prefetch of the pages that follow what the tree holds (a
 background thread reads them into host memory); `load_from_storage`, called by admission right
-before a request is offered to the batch, waits for it as the prefetch policy says, allocates
-pool slots (evicting in the tree if needed), copies the pages in and inserts them in the tree,
-so the request's next match is longer. A loaded page is in the tree before the call returns: no
+before a request is offered to the batch, first loads the host tier's nodes back
+(host_radix_cache.py), then waits for the prefetch as the prefetch policy says, allocates pool
+slots (evicting in the tree if needed), copies the pages in and inserts them in the tree, so the
+request's next match is longer: device, then host, then storage. A loaded page is in the tree before the call returns: no
 pool slot is ever in flight between tiers, so the token-accounting invariant is the radix
 cache's. Storage pages are `page_tokens` long (a multiple of the pool's page size); a match that
 ends inside one uses its tail.
@@ -24,8 +27,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixengine.mem_cache.base_prefix_cache import CacheReq, PoolWriteStream, as_token_key, finished_kv_len
-from radixengine.mem_cache.radix_cache import RadixCache, TreeNode
+from radixengine.mem_cache.base_prefix_cache import CacheReq, as_token_key, finished_kv_len
+from radixengine.mem_cache.hicache_transfer import HostTransfer, gather_device, scatter_device
+from radixengine.mem_cache.host_radix_cache import WRITE_THROUGH_SELECTIVE_HITS, HostRadixCache
+from radixengine.mem_cache.memory_pool_host import HostKVPool
+from radixengine.mem_cache.radix_cache import TreeNode
 from radixengine.mem_cache.storage.base import HiCacheStorage, page_keys
 from radixengine.mem_cache.storage.io_threads import PrefetchOp, StoragePrefetcher, StorageWriter
 from radixengine.mem_cache.storage.policies import HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES
@@ -38,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = HICACHE_WRITE_POLICIES
 PREFETCH_POLICIES = HICACHE_PREFETCH_POLICIES
-WRITE_THROUGH_SELECTIVE_HITS = 2
 DEFAULT_PREFETCH_TIMEOUT_S = 2.0
 STORAGE_PAGE_TOKENS = 16  # rounded up to a multiple of the pool's page size
 
@@ -47,7 +52,7 @@ def storage_page_tokens(page_size: int) -> int:
     return -(-STORAGE_PAGE_TOKENS // page_size) * page_size
 
 
-class HiRadixCache(RadixCache):
+class HiRadixCache(HostRadixCache):
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool | None,
@@ -60,41 +65,56 @@ class HiRadixCache(RadixCache):
         prefetch_policy: str = "best_effort",
         prefetch_timeout_s: float = DEFAULT_PREFETCH_TIMEOUT_S,
         max_pending_write_bytes: int = 256 << 20,
+        host_pool: HostKVPool | None = None,
+        host_transfer: HostTransfer | None = None,
     ) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"hicache write policy {write_policy!r}; one of {', '.join(WRITE_POLICIES)}")
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(
                 f"hicache prefetch policy {prefetch_policy!r}; one of {', '.join(PREFETCH_POLICIES)}"
             )
         super().__init__(
-            req_to_token_pool, token_to_kv_pool_allocator, page_size, eviction_policy, evict_leaf_tails
+            req_to_token_pool,
+            token_to_kv_pool_allocator,
+            page_size,
+            eviction_policy,
+            evict_leaf_tails,
+            host_pool,
+            host_transfer,
+            write_policy,
         )
         self.storage = storage
-        self.kv_pool = token_to_kv_pool_allocator.get_kvcache()
         self.page_tokens = storage.identity.page_tokens
         if self.page_tokens % page_size:
             raise ValueError(f"storage pages of {self.page_tokens} tokens with pool pages of {page_size}")
-        self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
         self.prefetch_timeout_s = prefetch_timeout_s
         self.writer = StorageWriter(storage, max_pending_write_bytes)
         self.prefetcher = StoragePrefetcher(storage)
-        # Where KV is written into the pool: inline, or (overlap loop) on the forward stream, in
-        # order after the forward in flight, which may still write slots freed meanwhile.
-        self.pool_write_stream: PoolWriteStream | None = None
         self._stored: set[str] = set()  # keys this cache wrote or read (known to be in storage)
         self.storage_hit_tokens = 0  # tokens loaded from storage into the pool
         self.storage_pages_loaded = 0
 
     # ---- reading back ----
 
-    def match_prefix(self, key: list[int] | tuple[int, ...]):
-        result = super().match_prefix(key)
-        tokens = as_token_key(key)
-        if len(tokens) - len(result.device_indices) >= self.page_tokens:
-            self._prefetch(tokens, len(result.device_indices))
-        return result
+    def prefetch_from_storage(self, key: list[int] | tuple[int, ...]) -> None:
+        """A request was received: start reading the pages of `key` that neither the device nor
+        the host holds (without touching the tree)."""
+        tokens = self._page_aligned(as_token_key(key))
+        matched = self._held_len(tokens)
+        if len(tokens) - matched >= self.page_tokens:
+            self._prefetch(tokens, matched)
+
+    def _held_len(self, tokens: tuple[int, ...]) -> int:
+        """How much of `tokens` the tree holds, on the device or the host."""
+        node, i = self.root_node, 0
+        while i < len(tokens):
+            child = node.children.get(self._child_key(tokens, i))
+            matched = 0 if child is None else self._match_len(child.key, tokens, i)
+            i += matched
+            if matched == 0 or matched < len(child.key):
+                break
+            node = child
+        return i
 
     def _prefetch(self, tokens: tuple[int, ...], matched: int) -> PrefetchOp | None:
         first = matched // self.page_tokens
@@ -107,10 +127,17 @@ class HiRadixCache(RadixCache):
         return self.prefetcher.request(keys, chunks)
 
     def load_from_storage(self, req: CacheReq, key: list[int] | tuple[int, ...]) -> int:
-        """Load the pages of `key` that follow the tree's match from storage into the pool and the
-        tree (admission calls it just before offering `req`). Returns how many tokens it loaded;
-        then the request's next match is that much longer, and other requests' earlier matches
-        may be stale (the load may evict)."""
+        """Load what follows the tree's device match of `key`: the host tier's nodes, then the
+        pages storage has (admission calls it just before offering `req`). Returns how many
+        tokens it loaded; then the request's next match is that much longer, and other
+        requests' earlier matches may be stale (the load may evict)."""
+        from_host = super().load_from_storage(req, key)
+        from_storage = self._load_storage_pages(key)
+        if from_storage and not getattr(req, "retracted_stain", False):
+            req.storage_hit_tokens = getattr(req, "storage_hit_tokens", 0) + from_storage
+        return from_host + from_storage
+
+    def _load_storage_pages(self, key: list[int] | tuple[int, ...]) -> int:
         tokens = self._page_aligned(as_token_key(key))
         values, node = self._match_prefix_helper(tokens) if tokens else ([], self.root_node)
         matched = sum(len(v) for v in values)
@@ -125,8 +152,6 @@ class HiRadixCache(RadixCache):
         if loaded:
             self.prefetcher.discard(op)
             self._stored.update(op.keys[: len(pages)])
-            if not getattr(req, "retracted_stain", False):
-                req.storage_hit_tokens = getattr(req, "storage_hit_tokens", 0) + loaded
         return loaded
 
     def _wait(self, op: PrefetchOp) -> None:
@@ -163,22 +188,8 @@ class HiRadixCache(RadixCache):
         self.storage_pages_loaded += len(pages)
         return num
 
-    def _alloc_protecting(self, node: TreeNode, num: int) -> torch.Tensor | None:
-        allocator = self.token_to_kv_pool_allocator
-        self.inc_lock_ref(node)
-        try:
-            if allocator.available_size() < num:
-                self.evict(num - allocator.available_size())
-            return allocator.alloc(num) if allocator.available_size() >= num else None
-        finally:
-            self.dec_lock_ref(node)
-
     def _scatter(self, slots: torch.Tensor, data: torch.Tensor) -> None:
-        pool = self.kv_pool
-        index = slots.to(pool.k_buffer[0].device)
-        for layer in range(pool.layer_num):
-            pool.k_buffer[layer][index] = data[layer, 0].to(pool.k_buffer[layer].device)
-            pool.v_buffer[layer][index] = data[layer, 1].to(pool.v_buffer[layer].device)
+        scatter_device(self.kv_pool, slots, data)
 
     # ---- writing ----
 
@@ -227,12 +238,7 @@ class HiRadixCache(RadixCache):
             self._stored.clear()
 
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
-        pool = self.kv_pool
-        index = slots.to(pool.k_buffer[0].device)
-        layers = [
-            torch.stack((pool.k_buffer[i][index], pool.v_buffer[i][index])) for i in range(pool.layer_num)
-        ]
-        return torch.stack(layers).cpu()
+        return gather_device(self.kv_pool, slots).cpu()
 
     def _path_for(self, tokens: tuple[int, ...]) -> tuple[list[TreeNode], torch.Tensor]:
         """The nodes of the tree's longest match of `tokens` and the slots of the match, without
@@ -241,7 +247,7 @@ class HiRadixCache(RadixCache):
         nodes: list[TreeNode] = []
         while i < len(tokens):
             child = node.children.get(self._child_key(tokens, i))
-            matched = 0 if child is None else self._match_len(child.key, tokens, i)
+            matched = 0 if child is None or child.value is None else self._match_len(child.key, tokens, i)
             if not matched:
                 break
             nodes.append(child)
@@ -252,10 +258,10 @@ class HiRadixCache(RadixCache):
         slots = torch.cat([n.value for n in nodes])[:i] if nodes else self._empty()
         return nodes, slots
 
-    def _delete_leaf(self, node: TreeNode) -> None:
+    def _evict_leaf(self, node: TreeNode) -> torch.Tensor:
         if self.write_policy == "write_back":
             self._write_back(node)
-        super()._delete_leaf(node)
+        return super()._evict_leaf(node)
 
     def _write_back(self, leaf: TreeNode) -> None:
         """Before eviction frees `leaf`: write the pages that end inside it."""
@@ -281,21 +287,22 @@ class HiRadixCache(RadixCache):
         """Wait until every page handed to the writer is written."""
         self.writer.flush()
 
-    def set_pool_write_stream(self, stream: PoolWriteStream) -> None:
-        self.pool_write_stream = stream
-
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, timeout_s: float | None = None) -> None:
+        self.writer.close(timeout_s)
         self.prefetcher.close()
 
-    def storage_stats(self) -> dict:
+    def storage_stats(self) -> dict[str, int]:
         return {
             "storage_hit_tokens": self.storage_hit_tokens,
             "storage_pages_loaded": self.storage_pages_loaded,
             "storage_pages_written": self.writer.written,
             "storage_pages_dropped": self.writer.dropped,
             "storage_write_failures": self.writer.failed,
+            "storage_pages_queued": self.writer.queued(),
         }
+
+    def tier_stats(self) -> dict[str, int]:
+        return {**super().tier_stats(), **self.storage_stats()}
 
 
 def _node_ends(nodes: list[TreeNode]) -> list[int]:

@@ -56,6 +56,10 @@ class TreeNode:
     last_access_time: int = 0
     hit_count: int = 0  # distinct requests that inserted through the node (lfu, slru)
     priority: int = 0  # the highest priority of the requests that inserted it (priority eviction)
+    # The host tier (host_radix_cache.py): the node's slots in the host pool, if it has a copy
+    # there; `value` is None once the device copy is evicted (the node is on the host only).
+    host_value: torch.Tensor | None = None
+    host_lock_ref: int = 0  # copies from the host slots in flight
     id: int = field(default_factory=lambda: next(_node_ids))
 
     def __lt__(self, other: TreeNode) -> bool:
@@ -126,7 +130,7 @@ class RadixCache(BasePrefixCache):
         node.last_access_time = now
         while i < len(key):
             child = node.children.get(self._child_key(key, i))
-            if child is None:
+            if child is None or child.value is None:  # not cached, or on the host only
                 break
             matched = self._match_len(child.key, key, i)
             if matched < len(child.key):
@@ -168,6 +172,7 @@ class RadixCache(BasePrefixCache):
     ) -> int:
         now = self._tick()
         node, i = self.root_node, 0
+        present = -1  # where the path leaves the device (a node on the host only), if it does
         node.last_access_time = now
         while i < len(key):
             child = node.children.get(self._child_key(key, i))
@@ -178,10 +183,17 @@ class RadixCache(BasePrefixCache):
                 child = self._split_node(child, matched)
             child.last_access_time = now
             _record_insert(child, priority, i + matched > counted_len)
+            if child.value is None:  # on the host only: the new slots are its device copy again
+                present = i if present < 0 else present
+                self._revive(child, value[i : i + matched])
             node, i = child, i + matched
         if i < len(key):
             self._add_leaf(node, key[i:], value[i:], now, priority, int(len(key) > counted_len))
-        return i
+        return i if present < 0 else present
+
+    def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
+        """Give a node on the host only its device slots again (the host tier overrides it)."""
+        raise RuntimeError(f"node {node.id} has no device slots and this cache has no host tier")
 
     # ---- tree surgery ----
 
@@ -190,15 +202,18 @@ class RadixCache(BasePrefixCache):
         parent = child.parent
         upper = TreeNode(
             key=child.key[:split_len],
-            value=child.value[:split_len].clone(),
+            value=_head(child.value, split_len),
             parent=parent,
             lock_ref=child.lock_ref,
             last_access_time=child.last_access_time,
             hit_count=child.hit_count,
             priority=child.priority,
+            host_value=_head(child.host_value, split_len),
+            host_lock_ref=child.host_lock_ref,
         )
         child.key = child.key[split_len:]
-        child.value = child.value[split_len:].clone()
+        child.value = _tail(child.value, split_len)
+        child.host_value = _tail(child.host_value, split_len)
         child.parent = upper
         upper.children[self._child_key(child.key, 0)] = child
         parent.children[self._child_key(upper.key, 0)] = upper
@@ -228,8 +243,12 @@ class RadixCache(BasePrefixCache):
         node.parent = None
         self.evictable_size_ -= len(node.key)
         self._evictable_leaves.discard(node)
-        if not parent.children and parent.lock_ref == 0:
+        if parent.lock_ref == 0 and self._is_leaf(parent):
             self._mark_evictable(parent)
+
+    def _is_leaf(self, node: TreeNode) -> bool:
+        """No child holds device slots (the host tier keeps children on the host only)."""
+        return not node.children
 
     def _mark_evictable(self, node: TreeNode) -> None:
         self._evictable_leaves.add(node)
@@ -255,12 +274,17 @@ class RadixCache(BasePrefixCache):
                 heapq.heappush(self._leaf_heap, (current, node.id, node))
                 continue
             node = self._tail_to_evict(node, num_tokens - evicted)
-            freed.append(node.value)
             evicted += len(node.key)
-            self._delete_leaf(node)
+            freed.append(self._evict_leaf(node))
         if freed:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
         return evicted
+
+    def _evict_leaf(self, node: TreeNode) -> torch.Tensor:
+        """Take an unlocked leaf's device slots out of the tree; returns them (to be freed)."""
+        value = node.value
+        self._delete_leaf(node)
+        return value
 
     def _tail_to_evict(self, leaf: TreeNode, num_tokens: int) -> TreeNode:
         """The part of `leaf` to evict for `num_tokens`: all of it, or with `evict_leaf_tails`
@@ -296,7 +320,7 @@ class RadixCache(BasePrefixCache):
                 self.evictable_size_ += len(path_node.key)
                 self.protected_size_ -= len(path_node.key)
                 delta += len(path_node.key)
-                if not path_node.children:
+                if self._is_leaf(path_node):
                     self._mark_evictable(path_node)
             path_node.lock_ref -= 1
         return delta
@@ -320,7 +344,7 @@ class RadixCache(BasePrefixCache):
         return self.protected_size_
 
     def total_size(self) -> int:
-        return sum(len(node.key) for node in self._iter_nodes())
+        return sum(len(node.key) for node in self._iter_nodes() if node.value is not None)
 
     def _iter_nodes(self) -> Iterator[TreeNode]:
         stack = list(self.root_node.children.values())
@@ -419,6 +443,14 @@ class RadixCache(BasePrefixCache):
 
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
+
+
+def _head(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if slots is None else slots[:n].clone()
+
+
+def _tail(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if slots is None else slots[n:].clone()
 
 
 def _record_insert(node: TreeNode, priority: int, hit: bool) -> None:

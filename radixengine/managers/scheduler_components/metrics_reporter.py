@@ -171,4 +171,5 @@ class MetricsReporter:
             "gen_throughput": self.last_gen_throughput,
             "num_spec_verify_reqs": s.num_spec_verify_reqs,
             "avg_spec_accept_length": s.avg_spec_accept_length,
+            **m.tree_cache.tier_stats(),  # the hierarchical cache's host and storage counters
         }

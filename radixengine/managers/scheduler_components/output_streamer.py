@@ -76,12 +76,16 @@ def _batch_token_id_out(reqs: list[Req], speculative: bool, storage_counts: bool
         spaces_between_special_tokens=[r.sampling_params.spaces_between_special_tokens for r in reqs],
         queue_times=[_queue_time(r) for r in reqs],
         spec_verify_ct=[r.spec_verify_ct for r in reqs] if speculative else [],
-        # Of each request's cached tokens, those read from the storage tier.
-        cached_tokens_storage=[min(r.storage_hit_tokens, r.cached_tokens) for r in reqs]
-        if storage_counts
-        else [],
+        **(_tier_counts(reqs) if storage_counts else {}),
         **(logprobs.logprob_outputs() if logprobs is not None else {}),
     )
+
+
+def _tier_counts(reqs: list[Req]) -> dict[str, list[int]]:
+    """Of each request's cached tokens, those read from the storage tier and the host tier."""
+    storage = [min(r.storage_hit_tokens, r.cached_tokens) for r in reqs]
+    host = [min(r.host_hit_tokens, r.cached_tokens - s) for r, s in zip(reqs, storage)]
+    return {"cached_tokens_storage": storage, "cached_tokens_host": host}
 
 
 def _add_logprob_outputs(out: LogprobOutputs, req: Req, start: int) -> None:

@@ -95,6 +95,7 @@ class RequestIntake:
         eos_token_ids: frozenset[int],
         streamer: OutputStreamer,
         active_reqs: Callable[[], list[Req]],
+        on_queued: Callable[[Req], None] | None = None,
     ) -> None:
         self.limits = limits
         self.config = config
@@ -103,6 +104,9 @@ class RequestIntake:
         self.eos_token_ids = eos_token_ids
         self.streamer = streamer
         self.active_reqs = active_reqs  # requests admitted and not yet released
+        # Called as a request enters the waiting queue: the hierarchical cache starts reading its
+        # prefix from storage then (SGLang's _prefetch_kvcache), not at its first admission.
+        self.on_queued = on_queued
         # Admission orders it and takes from it in place (the list object never changes).
         self.waiting_queue: list[Req] = []
         # Answered at the end of the step, once its results are processed (under overlap a
@@ -186,6 +190,8 @@ class RequestIntake:
             self.waiting_queue.remove(worst)
             self.finish_at_once(worst, "The request is aborted by a higher priority request.", 503)
         self.waiting_queue.append(req)
+        if self.on_queued is not None:
+            self.on_queued(req)
 
     def remove_admitted(self, reqs: list[Req]) -> None:
         admitted = {id(r) for r in reqs}

@@ -68,14 +68,32 @@ class StorageWriter:
                         self.pending_bytes -= item[2].numel() * item[2].element_size()
                 self.queue.task_done()
 
-    def flush(self) -> None:
-        """Wait until every submitted page is written (or failed)."""
-        self.queue.join()
+    def queued(self) -> int:
+        """Pages submitted and not written yet."""
+        return self.queue.unfinished_tasks
 
-    def close(self) -> None:
-        self.flush()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted page is written (or failed), at most `timeout_s` (None: no
+        bound); returns whether the queue drained."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self.queue.all_tasks_done:
+            while self.queue.unfinished_tasks:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self.queue.all_tasks_done.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Write what is queued (at most `timeout_s`), then stop the thread."""
+        if not self.flush(timeout_s):
+            logger.warning(
+                "hicache storage: stopping with %d pages not written after %.1f s; they are lost",
+                self.queued(),
+                timeout_s,
+            )
         self.queue.put(None)
-        self.thread.join(5.0)
+        self.thread.join(1.0)
 
 
 @dataclass(eq=False)
