@@ -273,9 +273,8 @@ def extend_attention_reference(
     + extend_seq_lens[i]; its token j (absolute position seq_lens[i] - extend_seq_lens[i] + j)
     attends over positions 0..that position, all read through the pool (the new tokens' K/V
     already written). With `window_left` >= 0 it sees only positions from that position minus
-    `window_left`; `logit_cap` > 0 soft-caps the scores. Returns [T, H, D] in q's dtype.
-    ``use_amx`` is the native kernel's (AMX tiles for bf16 where the CPU has them); the reference
-    ignores it.
+    `window_left`; `logit_cap` > 0 soft-caps the scores. Returns [T, H, D] in q's dtype
+    (``use_amx``: the native kernel's AMX switch, ignored here).
     """
     out = torch.zeros_like(q)
     for row, length, ext, start in zip(
