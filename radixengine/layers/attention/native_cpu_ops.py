@@ -290,9 +290,8 @@ def extend_attention_reference(
         mask = key_pos <= query_pos  # [ext, length], True = visible
         if window_left >= 0:
             mask &= key_pos >= query_pos - window_left
-        out[start : start + ext] = _sdpa(q[start : start + ext].float(), k, v, scale, mask, logit_cap).to(
-            q.dtype
-        )
+        part = _sdpa(q[start : start + ext].float(), k, v, scale, mask, logit_cap)
+        out[start : start + ext] = part.to(q.dtype)
     return out
 
 
