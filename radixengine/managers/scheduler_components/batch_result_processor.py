@@ -156,29 +156,36 @@ class BatchResultProcessor:
         allocator.free_group_end()
         self.on_decode_batch(batch)
 
-    def process_batch_result_verify(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result_verify(self, batch: ScheduleBatch, result: BatchResult) -> None:
         """A verify step: each request takes its accepted drafts and the bonus token one by one,
-        up to a stop (the rest is dropped); the KV past what it keeps is freed."""
-        v = result.verify
+        up to a stop (the rest is dropped); the KV past what it keeps is freed, but for what a
+        verify step launched after this one (overlap) may write."""
+        v = self._host_verify(result)
         out_ids, accepted = v.output_ids.tolist(), v.accept_lens.tolist()
         invalid = set() if v.invalid_rows is None else set(v.invalid_rows.nonzero().view(-1).tolist())
         logprobs = _verify_logprobs(batch, v)
+        nodes = getattr(result, "spec_num_nodes", None) or batch.extend_lens
         self.ctx.allocator.free_group_begin()
         for i, req in enumerate(batch.reqs):
+            if req.is_retracted or req.finished():
+                continue  # overlap only: released (and its KV freed) while this batch ran
+            # What a later verify step in flight allocated ahead for it (0 in the normal loop).
+            ahead = req.kv_allocated_len - (finished_kv_len(req) + batch.extend_lens[i])
             # A row whose bonus node had nothing to sample still takes its accepted drafts (their
             # nodes were fine), as plain decoding would have emitted them before failing.
             tokens = out_ids[i][: accepted[i] + (0 if i in invalid else 1)]
             emitted = self._take_verified(req, tokens, logprobs, i)
-            if batch.extend_lens[i] > 1:  # it drafted (else this was its decode step)
+            if nodes[i] > 1:  # it drafted (else this was its decode step)
                 req.spec_verify_ct += 1
                 self.stats.add_spec_verify(emitted)
                 self.drafter.on_verified(req, emitted)
             if i in invalid and not req.finished():
                 self._abort_invalid_verify_row(batch, i)
-            else:
+            elif req.finished():
                 batch.free_verify_tail(i, finished_kv_len(req))
-                if req.finished():
-                    self._finish(req)
+                self._finish(req)
+            else:
+                batch.free_verify_tail(i, finished_kv_len(req) + max(ahead, 0))
             self.streamer.add(req)
         batch.finish_verify(
             [finished_kv_len(r) for r in batch.reqs],
@@ -186,6 +193,13 @@ class BatchResultProcessor:
         )
         self.ctx.allocator.free_group_end()
         self.on_decode_batch(batch)
+
+    def _host_verify(self, result: BatchResult) -> VerifyResult:
+        copy_done = getattr(result, "copy_done", None)
+        if copy_done is not None:
+            with self.timer.phase("wait"):
+                copy_done.synchronize()  # raises if the forward failed
+        return result.verify
 
     def _take_verified(self, req: Req, tokens: list[int], logprobs: VerifyLogprobs | None, row: int) -> int:
         """Append the verified tokens until one finishes the request; returns how many."""
