@@ -11,18 +11,19 @@ import json
 
 import numpy as np
 import pytest
+import sched_utils
 from sched_utils import (
     assert_matches_oracle,
     assert_no_leak,
     collect,
     gen_req,
-    make_scheduler,
     oracle_greedy,
     random_prompts,
     run_to_completion,
 )
 from test_scheduler_equivalence import SYSTEM_A, run_in_waves, workload
 
+from radixengine.managers.io_struct import AbortReq
 from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter, _trim
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft
@@ -31,6 +32,13 @@ SPEC = dict(speculative_algorithm="NGRAM")
 # Both step orders: the normal one, and the overlap loop (verify steps launched before the result
 # of the step before them is processed, speculative/spec_overlap.py).
 LOOPS = pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+
+
+def make_scheduler(overlap: bool = False, **kw):
+    """sched_utils' scheduler, checked to run the loop asked for."""
+    sched = sched_utils.make_scheduler(overlap=overlap, **kw)
+    assert sched.enable_overlap == overlap
+    return sched
 
 
 class ScriptedIndex:
@@ -401,3 +409,59 @@ def test_nan_logits_inside_a_verify_abort_that_request_alone(monkeypatch, page, 
     out = results["nan"].output_ids
     assert 1 <= len(out) <= 3 and out == oracle_greedy(dec_prompt, 12)[: len(out)]
     assert_matches_oracle(good, results)
+
+
+# Under the overlap loop too ----------------------------------------------------------------------
+
+
+@LOOPS
+def test_abort_in_the_middle_of_accepted_runs(monkeypatch, overlap):
+    """An abort while verify steps run (under overlap, one launched after the other): the request
+    ends with what it had, the others are exact, nothing leaks."""
+    prompts = random_prompts(612, 3, 10, 20)
+    script_drafts(monkeypatch, oracle_continuations(prompts, 60))
+    sched = make_scheduler(overlap=overlap, **SPEC)
+    reqs = [gen_req(f"ab{i}", p, 60, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched.io.put(*reqs)
+    for _ in range(4):
+        sched.process_input_requests(sched.recv_requests())
+        sched.run_step()
+    sched.io.put(AbortReq(rid="ab1"))
+    sched.run_until_idle()
+    results = collect(sched.io.take_outputs())
+    assert_no_leak(sched)
+    assert results["ab1"].finished_reason["type"] == "abort"
+    out = results["ab1"].output_ids
+    assert 0 < len(out) < 60 and out == oracle_greedy(prompts[1], 60, ignore_eos=True)[: len(out)]
+    assert_matches_oracle([reqs[0], reqs[2]], results)
+
+
+@LOOPS
+def test_a_stop_string_inside_an_accepted_run(monkeypatch, overlap):
+    from test_scheduler_features import CharTokenizer
+
+    prompt = random_prompts(613, 1, 12, 12)[0]
+    full = oracle_greedy(prompt, 30, ignore_eos=True)
+    script_drafts(monkeypatch, {tuple(prompt): full})
+    text = CharTokenizer.decode(full)
+    stop = text[9:12]  # inside the second verify step's run
+    end = text.index(stop) + len(stop)
+    sched = make_scheduler(tokenizer=CharTokenizer(), overlap=overlap, **SPEC)
+    results = run_to_completion(sched, [gen_req("s", prompt, 30, ignore_eos=True, stop=[stop])])
+    assert results["s"].output_ids == full[:end]
+    assert results["s"].finished_reason == {"type": "stop", "matched": stop}
+
+
+@LOOPS
+def test_mixed_chunk_penalties_and_seeds_with_speculation(monkeypatch, overlap):
+    """Chunked prefill with --enable-mixed-chunk (under overlap with speculation a prefill takes no
+    decode step), frequency penalties and seeded sampling: the tokens without speculation."""
+    prompts = random_prompts(614, 4, 20, 40)
+    params = dict(temperature=0.8, sampling_seed=11, frequency_penalty=0.5, ignore_eos=True)
+    reqs = [gen_req(f"m{i}", p, 30, **params) for i, p in enumerate(prompts)]
+    kw = dict(enable_mixed_chunk=True, chunked_prefill_size=16)
+    plain = _sampled(make_scheduler(**kw), reqs)
+    script_drafts(monkeypatch, {tuple(p): plain[f"m{i}"] for i, p in enumerate(prompts)}, corrupt=True)
+    sched = make_scheduler(overlap=overlap, **kw, **SPEC)
+    assert _sampled(sched, reqs) == plain
+    assert sched.stats.avg_spec_accept_length > 2.0
