@@ -96,8 +96,9 @@ class OverlapSpecStep:
         width = max(e - k for e, k in zip(ends, known))
         start = int64_tensor(known)
         positions = (start.view(-1, 1) + torch.arange(width)).clamp(max=batch.seq_lens_cpu.view(-1, 1) - 1)
-        rows = batch.req_pool_indices.cpu().view(-1, 1)
-        window = batch.req_to_token_pool.req_to_token[rows, positions].to(torch.int64)
+        table = batch.req_to_token_pool.req_to_token
+        rows = batch.req_pool_indices.to(table.device).view(-1, 1)
+        window = table[rows, positions.to(table.device)].to(torch.int64)
         e_width = max([len(e) for e in plan.expected if e is not None], default=1)
         expected = np.full((batch.batch_size(), e_width), -1, dtype=np.int64)
         for i, e in enumerate(plan.expected):
