@@ -300,18 +300,20 @@ class ScheduleBatch:
         for req, end in zip(self.reqs, seq.tolist()):
             req.kv_allocated_len = end
 
-    def free_verify_tail(self, index: int, kv_keep: int) -> None:
+    def free_verify_tail(self, index: int, kv_keep: int, end: int | None = None) -> None:
         """Free the slots verify steps gave request `index` past its first `kv_keep` tokens
-        (the rejected drafts, the accepted ones past a stop, what was allocated ahead): whole
-        pages only, the page holding position `kv_keep - 1` stays the request's."""
+        (the rejected drafts, the accepted ones past a stop, what was allocated ahead) up to
+        `end` (default: its allocation): whole pages only, the page holding position
+        `kv_keep - 1` stays the request's."""
         req = self.reqs[index]
-        end = req.kv_allocated_len
+        end = req.kv_allocated_len if end is None else end
         start = -(-kv_keep // self.page_size) * self.page_size
         if start < end:
             self.token_to_kv_pool_allocator.free(
                 self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].to(torch.int64)
             )
-        req.kv_allocated_len = min(end, kv_keep)
+        if req.kv_allocated_len:  # 0: a plain decode step is in flight, and it counts from seq_lens
+            req.kv_allocated_len = min(end, kv_keep)
 
     def finish_verify(self, kv_lens: list[int], last_ids: list[int]) -> None:
         """After a verify step: each request's KV length and its last sampled token (the next

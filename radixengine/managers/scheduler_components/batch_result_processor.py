@@ -169,23 +169,10 @@ class BatchResultProcessor:
         for i, req in enumerate(batch.reqs):
             if req.is_retracted or req.finished():
                 continue  # overlap only: released (and its KV freed) while this batch ran
-            # What a later verify step in flight allocated ahead for it (0 in the normal loop).
-            ahead = req.kv_allocated_len - (finished_kv_len(req) + batch.extend_lens[i])
             # A row whose bonus node had nothing to sample still takes its accepted drafts (their
             # nodes were fine), as plain decoding would have emitted them before failing.
             tokens = out_ids[i][: accepted[i] + (0 if i in invalid else 1)]
-            emitted = self._take_verified(req, tokens, logprobs, i)
-            if nodes[i] > 1:  # it drafted (else this was its decode step)
-                req.spec_verify_ct += 1
-                self.stats.add_spec_verify(emitted)
-                self.drafter.on_verified(req, emitted)
-            if i in invalid and not req.finished():
-                self._abort_invalid_verify_row(batch, i)
-            elif req.finished():
-                batch.free_verify_tail(i, finished_kv_len(req))
-                self._finish(req)
-            else:
-                batch.free_verify_tail(i, finished_kv_len(req) + max(ahead, 0))
+            self._take_verify_row(batch, i, tokens, logprobs, nodes[i] > 1, i in invalid)
             self.streamer.add(req)
         batch.finish_verify(
             [finished_kv_len(r) for r in batch.reqs],
@@ -193,6 +180,35 @@ class BatchResultProcessor:
         )
         self.ctx.allocator.free_group_end()
         self.on_decode_batch(batch)
+
+    def _take_verify_row(
+        self,
+        batch: ScheduleBatch,
+        i: int,
+        tokens: list[int],
+        logprobs: VerifyLogprobs | None,
+        drafted: bool,
+        invalid: bool,
+    ) -> None:
+        req = batch.reqs[i]
+        # Its slots end at its allocation; what a later verify step in flight allocated ahead
+        # for it stays (0 in the normal loop). A plain decode step launched after this one reset
+        # the allocation (its slot is its own), which it does only when this step verified the
+        # request's root alone, at its known KV length.
+        known = finished_kv_len(req) + batch.extend_lens[i]
+        end = req.kv_allocated_len or known
+        emitted = self._take_verified(req, tokens, logprobs, i)
+        if drafted:  # else this was its decode step
+            req.spec_verify_ct += 1
+            self.stats.add_spec_verify(emitted)
+            self.drafter.on_verified(req, emitted)
+        if invalid and not req.finished():
+            self._abort_invalid_verify_row(batch, i, end)
+        elif req.finished():
+            batch.free_verify_tail(i, finished_kv_len(req), end)
+            self._finish(req)
+        else:
+            batch.free_verify_tail(i, finished_kv_len(req) + end - known, end)
 
     def _host_verify(self, result: BatchResult) -> VerifyResult:
         copy_done = getattr(result, "copy_done", None)
@@ -210,12 +226,12 @@ class BatchResultProcessor:
                 return j + 1
         return len(tokens)
 
-    def _abort_invalid_verify_row(self, batch: ScheduleBatch, row: int) -> None:
+    def _abort_invalid_verify_row(self, batch: ScheduleBatch, row: int, end: int) -> None:
         req = batch.reqs[row]
         self._abort_invalid_row(req)
         req.time_stats.finish_time = time.perf_counter()
         kv_len = finished_kv_len(req)
-        batch.free_verify_tail(row, kv_len)
+        batch.free_verify_tail(row, kv_len, end)
         with req.as_prefilled_upto(kv_len):  # the verify's KV may hold NaN: freed, not inserted
             self.ctx.tree_cache.cache_finished_req(req, is_insert=False)
 

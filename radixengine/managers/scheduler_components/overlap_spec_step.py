@@ -85,7 +85,7 @@ class OverlapSpecStep:
             if extra is None:  # nothing in flight: drafts after its known tokens
                 drafts.append(tokens)
                 expected.append(None)
-            else:  # no proposal: an empty expectation (never met; it verifies its root alone)
+            else:  # after its step in flight; no proposal: an empty expectation, never met
                 drafts.append(tokens[1:])
                 expected.append(extra + tokens[:1] if tokens else [])
         return _Plan(drafts, expected, exact)
