@@ -465,3 +465,16 @@ def test_mixed_chunk_penalties_and_seeds_with_speculation(monkeypatch, overlap):
     sched = make_scheduler(overlap=overlap, **kw, **SPEC)
     assert _sampled(sched, reqs) == plain
     assert sched.stats.avg_spec_accept_length > 2.0
+
+
+@LOOPS
+@pytest.mark.parametrize("page", [1, 16])
+def test_requests_that_finish_before_their_verify_step_runs(monkeypatch, page, overlap):
+    """max_new_tokens of 1 to 3: under overlap a verify step (its slots allocated ahead) is
+    launched before the prefill or decode step that finishes the request is processed; those
+    slots go with the request (the accounting checked by run_to_completion)."""
+    prompts = random_prompts(615, 6, 10, 20)
+    script_drafts(monkeypatch, oracle_continuations(prompts, 20))
+    reqs = [gen_req(f"f{i}", p, 1 + i % 3, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched = make_scheduler(page_size=page, overlap=overlap, **SPEC)
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))

@@ -257,7 +257,9 @@ class BatchResultProcessor:
             req.time_stats.finish_time = time.perf_counter()
             # Its KV covers every token this batch computed (no new token is appended) and may
             # hold NaN: freed, not inserted.
-            with req.as_prefilled_upto(int(batch.seq_lens_cpu[row])):
+            kv_len = int(batch.seq_lens_cpu[row])
+            self._free_ahead(req, kv_len)
+            with req.as_prefilled_upto(kv_len):
                 self.ctx.tree_cache.cache_finished_req(req, is_insert=False)
             return
         self._append_token(req, res.next_ids[row], _logprob_entry(req, res.logprobs, row))
@@ -266,9 +268,20 @@ class BatchResultProcessor:
 
     def _finish(self, req: Req) -> None:
         req.time_stats.finish_time = time.perf_counter()
+        self._free_ahead(req, finished_kv_len(req))
         self.ctx.tree_cache.cache_finished_req(req)
         if self.drafter is not None:
             self.drafter.on_finished(req)
+
+    def _free_ahead(self, req: Req, kv_len: int) -> None:
+        """A request released here: the slots a verify step launched after this batch allocated
+        for it past its KV (overlap; whole pages past the one holding position kv_len - 1)."""
+        page = self.ctx.page_size
+        start, end = -(-kv_len // page) * page, req.kv_allocated_len
+        if start < end:
+            row = self.ctx.tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx, start:end]
+            self.ctx.allocator.free(row.to(torch.int64))
+        req.kv_allocated_len = 0
 
     def _append_token(self, req: Req, token: int, logprob: LogprobEntry | None) -> None:
         if req.sampling_params.max_new_tokens == 0:  # prefill only
