@@ -136,9 +136,8 @@ class Scheduler:
             args.speculative_algorithm is not None,
             args.enable_hierarchical_cache,
         )
-        self.grammar_manager = GrammarManager(
-            *(args.grammar_backend, not args.constrained_json_disable_any_whitespace, self.tokenizer),
-            *(self.vocab_size, self.eos_token_ids, args.tp_size > 1),  # wait for compiles under TP
+        self.grammar_manager = GrammarManager.from_server_args(
+            args, self.tokenizer, self.vocab_size, self.eos_token_ids
         )
         self.intake = self._new_intake(args)
         memory = MemoryView(self.token_to_kv_pool_allocator, self.tree_cache, self.max_total_num_tokens)
