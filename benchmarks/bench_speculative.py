@@ -167,6 +167,8 @@ def make_engines(args) -> dict:
         log_level="warning",
         max_total_tokens=args.max_total_tokens,
         **({"num_threads": args.threads} if args.threads else {}),
+        cpu_forward_stream=args.cpu_forward_stream,
+        disable_overlap_schedule=args.disable_overlap_schedule,
     )
     spec = dict(
         speculative_algorithm="NGRAM",
@@ -266,6 +268,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="the engine's --num-threads (default: all cores)"
     )
     parser.add_argument("--max-total-tokens", type=int, default=65536, help="each engine's KV pool")
+    parser.add_argument(
+        "--cpu-forward-stream",
+        default="auto",
+        help="both engines' --cpu-forward-stream (thread: the overlap loop runs even when the forward's "
+        "threads use every core)",
+    )
+    parser.add_argument(
+        "--disable-overlap-schedule", action="store_true", help="both engines run the normal step order"
+    )
     parser.add_argument("--output", default=str(REPO / "bench_results" / "bench_speculative.json"))
     parser.add_argument("--docs-copy", action="store_true", help="also copy the JSON to docs/results/")
     parser.add_argument("--plot", default=str(REPO / "docs" / "results" / "bench_speculative.png"))
@@ -312,6 +323,8 @@ def _meta(args, load_before) -> dict:
         "num_draft_tokens": args.num_draft_tokens,
         "max_verify_tokens": args.max_verify_tokens,
         "repeats": args.repeats,
+        "cpu_forward_stream": args.cpu_forward_stream,
+        "disable_overlap_schedule": args.disable_overlap_schedule,
         "standalone": STANDALONE_NOTE,
     }
 

@@ -5,7 +5,8 @@ SERVER_ARGS_HELP = {
         "Speculative decoding. NGRAM drafts each request's next tokens from its own prompt and output (what "
         "followed earlier occurrences of its last tokens); STANDALONE from a smaller draft model of the same "
         "tokenizer (--speculative-draft-model-path). The drafts are verified in one forward: greedy output is "
-        "unchanged, sampling keeps the model's distribution. Runs the normal step order."
+        "unchanged, sampling keeps the model's distribution. Runs in the overlap loop unless "
+        "--disable-overlap-schedule."
     ),
     "speculative_num_draft_tokens": (
         "Tokens verified per request per step, its last token included (NGRAM default 8; STANDALONE: "

@@ -386,10 +386,11 @@ def test_a_grammar_complete_before_min_new_tokens_ends_with_stop(model_dir, toke
         assert results[r.rid].output_ids == free_alone[r.rid].output_ids, r.rid
 
 
-def test_speculation_beside_constrained_requests(model_dir, tokenizer, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_speculation_beside_constrained_requests(model_dir, tokenizer, monkeypatch, overlap):
     """With NGRAM speculation, a request with a grammar takes no draft (its verify node is its
-    decode step, under its mask) while the free requests of the same verify batches draft: every
-    output equals the one without speculation."""
+    decode step, under its mask; under overlap its sample waits for the masks) while the free
+    requests of the same verify batches draft: every output equals the one without speculation."""
     from test_speculative_scheduler import script_drafts
 
     reqs = constrained_reqs(tokenizer, "sp")[:8] + free_reqs(tokenizer, "sp")
@@ -400,7 +401,8 @@ def test_speculation_beside_constrained_requests(model_dir, tokenizer, monkeypat
         if r.sampling_params.grammar_key is None
     }
     script_drafts(monkeypatch, free)
-    sched = make_scheduler(model_dir, tokenizer, overlap=False, speculative_algorithm="NGRAM")
+    sched = make_scheduler(model_dir, tokenizer, overlap=overlap, speculative_algorithm="NGRAM")
+    assert sched.enable_overlap == overlap
     spec = run(sched, reqs)
     assert {rid: r.output_ids for rid, r in spec.items()} == {rid: r.output_ids for rid, r in plain.items()}
     assert sched.stats.num_spec_verify_reqs > 0 and sched.stats.avg_spec_accept_length > 2.0

@@ -59,6 +59,39 @@ def test_future_map_slots_are_per_row_so_in_flight_tokens_survive():
         assert fm.resolve_future(pending).tolist() == tokens
 
 
+def test_a_verify_step_launched_ahead_resolves_from_the_future_map():
+    """Speculation under overlap (speculative/spec_overlap.py): the root, the prefix length, the
+    slots and the sampling steps come from what the step before stored; the drafts stay only
+    where that step emitted what the host assumed."""
+    from radixengine.speculative.spec_overlap import FutureVerify, resolve_future_verify
+    from radixengine.speculative.spec_verify import VerifyResult
+
+    fm = FutureMap(4, "cpu", spec_width=4)
+    rows = torch.tensor([0, 2, 3])
+    # Row 0: a verify step at prefix 10 accepted 2 drafts (emitted 21, 22 and the bonus 23);
+    # row 2: one that accepted nothing (bonus 30); row 3: a decode step (KV 7 after it, token 40).
+    out = torch.tensor([[21, 22, 23, -1], [30, -1, -1, -1]])
+    fm.store_verify(
+        torch.tensor([0, 2]), VerifyResult(torch.tensor([2, 0]), out, out), torch.tensor([10, 20])
+    )
+    fm.store_to_map(torch.tensor([3]), torch.tensor([40]), torch.tensor([7]))
+    fv = FutureVerify(
+        drafts=torch.tensor([[0, 24, 25], [0, 31, 32], [0, 41, 0]]),
+        num_nodes=torch.tensor([3, 3, 2]),
+        expected=torch.tensor([[21, 22, 23], [30, 99, -1], [-1, -1, -1]]),
+        expected_len=torch.tensor([3, 2, -1]),  # row 2 assumed two tokens; row 3: nothing in flight
+        window=torch.arange(300).view(3, 100),
+        window_start=torch.tensor([10, 20, 7]),
+        steps_base=torch.tensor([5, 6, 7]),
+    )
+    r = resolve_future_verify(fv, rows, fm.spec)
+    assert r.trees.tokens[:, 0].tolist() == [23, 30, 40]
+    assert r.prefix_lens.tolist() == [13, 21, 7]
+    assert r.trees.num_nodes_cpu == [3, 1, 2]  # row 2's drafts assumed an accepted draft
+    assert r.out_cache_loc.tolist() == [3, 4, 5, 101, 200, 201]  # window[prefix - start + j]
+    assert r.steps.tolist() == [5 + 3, 6 + 1, 7]
+
+
 # Streams -----------------------------------------------------------------------------------------
 
 

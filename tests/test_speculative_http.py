@@ -1,6 +1,6 @@
-"""Speculative decoding through the real server and the official `openai` client: greedy answers
-equal transformers', streamed or not; meta_info.spec_verify_ct; the accept length in
-/get_server_info and /metrics; no KV leaked."""
+"""Speculative decoding through the real server and the official `openai` client (the server runs
+the overlap loop with it): greedy answers equal transformers', streamed or not, n > 1;
+meta_info.spec_verify_ct; the accept length in /get_server_info and /metrics; no KV leaked."""
 
 from __future__ import annotations
 
@@ -60,4 +60,20 @@ def test_a_stop_string_inside_an_accepted_run_cuts_the_text(server, oracle):  # 
     body = post(server, "/generate", {"input_ids": ids, "sampling_params": params}).json()
     assert body["text"] == expected[: expected.index(stop)]
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert_idle_accounting(server)
+
+
+def test_the_server_runs_the_overlap_loop_and_n_samples(server, oracle):  # noqa: F811
+    """Speculation no longer turns the overlap loop off (--disable-overlap-schedule still does);
+    n = 2 greedy choices are both transformers' answer."""
+    assert "runs the CPU forward on a worker thread" in server.log.read_text()
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "red blue red blue red blue red blue red"}]
+    _, expected = oracle(oracle.chat_ids(messages), MAX_NEW)
+    kw = dict(
+        model=model, messages=messages, max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True}
+    )
+    choices = client.chat.completions.create(n=2, **kw).choices
+    assert [c.message.content for c in choices] == [expected, expected]
     assert_idle_accounting(server)

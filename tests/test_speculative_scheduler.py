@@ -11,36 +11,50 @@ import json
 
 import numpy as np
 import pytest
+import sched_utils
 from sched_utils import (
     assert_matches_oracle,
     assert_no_leak,
     collect,
     gen_req,
-    make_scheduler,
     oracle_greedy,
     random_prompts,
     run_to_completion,
 )
 from test_scheduler_equivalence import SYSTEM_A, run_in_waves, workload
 
+from radixengine.managers.io_struct import AbortReq
 from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter, _trim
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft
 
 SPEC = dict(speculative_algorithm="NGRAM")
+# Both step orders: the normal one, and the overlap loop (verify steps launched before the result
+# of the step before them is processed, speculative/spec_overlap.py).
+LOOPS = pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+
+
+def make_scheduler(overlap: bool = False, **kw):
+    """sched_utils' scheduler, checked to run the loop asked for."""
+    sched = sched_utils.make_scheduler(overlap=overlap, **kw)
+    assert sched.enable_overlap == overlap
+    return sched
 
 
 class ScriptedIndex:
     """Drafts the next tokens of a known continuation, optionally with one token corrupted."""
 
-    def __init__(self, req, continuations: dict[tuple, list[int]], corrupt: bool, width: int = 8) -> None:
+    def __init__(
+        self, req, continuations: dict[tuple, list[int]], corrupt: bool, width: int = 8, ahead: int = 0
+    ) -> None:
         self.req, self.continuations, self.corrupt, self.width = req, continuations, corrupt, width
+        self.ahead = ahead  # tokens of a step in flight the draft follows (overlap)
 
     def draft(self, shared=None) -> NgramDraft:
         req = self.req
-        done = len(req.output_ids)
+        done = len(req.output_ids) + self.ahead
         full = self.continuations[tuple(req.origin_input_ids)]
-        tokens = [req.output_ids[-1], *full[done : done + self.width - 1]]
+        tokens = [(req.output_ids or [0])[-1], *full[done : done + self.width - 1]]
         if self.corrupt and len(tokens) > 2:
             j = int(np.random.default_rng(done).integers(1, len(tokens)))
             tokens[j] = (tokens[j] + 1) % 200 + 2
@@ -53,7 +67,13 @@ def script_drafts(monkeypatch, continuations: dict[tuple, list[int]], corrupt: b
     def draft_one(self, req, limit):
         return _trim(ScriptedIndex(req, continuations, corrupt).draft(), limit)
 
+    def propose_one(self, req, extra, limit):  # the overlap loop's: after the step in flight
+        width = limit if extra is None else limit + 1
+        index = ScriptedIndex(req, continuations, corrupt, width + 1, len(extra or ()))
+        return _trim(index.draft(), width).tokens[1:].tolist()
+
     monkeypatch.setattr(SpeculativeDrafter, "_draft_one", draft_one)
+    monkeypatch.setattr(SpeculativeDrafter, "_propose_one", propose_one)
 
 
 def oracle_continuations(prompts: list[list[int]], n: int) -> dict[tuple, list[int]]:
@@ -64,8 +84,10 @@ def oracle_continuations(prompts: list[list[int]], n: int) -> dict[tuple, list[i
     "policy,page,chunk,radix",
     [("fcfs", 1, -1, True), ("lpm", 16, 32, True), ("dfs-weight", 1, 16, False), ("lpm", 16, -1, False)],
 )
-def test_ngram_greedy_equals_transformers_across_the_matrix(policy, page, chunk, radix):
+@LOOPS
+def test_ngram_greedy_equals_transformers_across_the_matrix(policy, page, chunk, radix, overlap):
     sched = make_scheduler(
+        overlap=overlap,
         schedule_policy=policy,
         page_size=page,
         chunked_prefill_size=chunk,
@@ -80,10 +102,12 @@ def test_ngram_greedy_equals_transformers_across_the_matrix(policy, page, chunk,
 
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("corrupt", [False, True], ids=["perfect", "corrupted"])
-def test_scripted_drafts_stay_exact(monkeypatch, page, corrupt):
+@LOOPS
+def test_scripted_drafts_stay_exact(monkeypatch, page, corrupt, overlap):
     prompts = random_prompts(600, 4, 10, 30)
     script_drafts(monkeypatch, oracle_continuations(prompts, 90), corrupt)
-    sched = make_scheduler(page_size=page, **SPEC)
+    sched = make_scheduler(page_size=page, overlap=overlap, **SPEC)
+    assert sched.enable_overlap == overlap
     reqs = [gen_req(f"r{i}", p, 50 + 7 * i, ignore_eos=True) for i, p in enumerate(prompts)]
     results = run_to_completion(sched, reqs)
     assert_matches_oracle(reqs, results)
@@ -93,8 +117,10 @@ def test_scripted_drafts_stay_exact(monkeypatch, page, corrupt):
 
 
 @pytest.mark.parametrize("page", [1, 16])
-def test_retraction_under_speculation_stays_exact(page):
+@LOOPS
+def test_retraction_under_speculation_stays_exact(page, overlap):
     sched = make_scheduler(
+        overlap=overlap,
         page_size=page,
         max_total_tokens=256,
         chunked_prefill_size=64,
@@ -110,7 +136,8 @@ def test_retraction_under_speculation_stays_exact(page):
 
 
 @pytest.mark.parametrize("page", [1, 16])
-def test_stops_and_max_new_tokens_inside_an_accepted_run(monkeypatch, page):
+@LOOPS
+def test_stops_and_max_new_tokens_inside_an_accepted_run(monkeypatch, page, overlap):
     """Drafts that run past a stop token, past max_new_tokens, and over a stop token that
     min_new_tokens masks: the output is cut exactly where plain decoding stops."""
     prompts = random_prompts(602, 3, 12, 12)
@@ -124,7 +151,9 @@ def test_stops_and_max_new_tokens_inside_an_accepted_run(monkeypatch, page):
         gen_req("len", prompts[1], 11),  # ends in the middle of a run of 8
         gen_req("min", prompts[2], 30, stop_token_ids=[min_stop], min_new_tokens=5),
     ]
-    spec = run_to_completion(make_scheduler(page_size=page, eos_token_ids=no_eos, **SPEC), reqs)
+    spec = run_to_completion(
+        make_scheduler(page_size=page, eos_token_ids=no_eos, overlap=overlap, **SPEC), reqs
+    )
     plain = run_to_completion(make_scheduler(page_size=page, eos_token_ids=no_eos), reqs)
     cont = conts[tuple(prompts[0])]
     assert spec["stop"].output_ids == cont[: cont.index(stop_tok) + 1]
@@ -143,7 +172,8 @@ def _sampled(sched, reqs):
     return {rid: r.output_ids for rid, r in run_to_completion(sched, reqs).items()}
 
 
-def test_seeded_sampling_emits_the_same_tokens_with_speculation(monkeypatch):
+@LOOPS
+def test_seeded_sampling_emits_the_same_tokens_with_speculation(monkeypatch, overlap):
     """A seeded request draws node j's uniform from (seed, step + depth), the one plain decoding
     draws at that step: its tokens do not change, whatever the drafts."""
     prompts = random_prompts(603, 3, 8, 16)
@@ -151,12 +181,13 @@ def test_seeded_sampling_emits_the_same_tokens_with_speculation(monkeypatch):
     reqs = [gen_req(f"s{i}", p, 40, **params) for i, p in enumerate(prompts)]
     plain = _sampled(make_scheduler(), reqs)
     script_drafts(monkeypatch, {tuple(p): plain[f"s{i}"] for i, p in enumerate(prompts)}, corrupt=True)
-    sched = make_scheduler(**SPEC)
+    sched = make_scheduler(overlap=overlap, **SPEC)
     assert _sampled(sched, reqs) == plain
     assert sched.stats.avg_spec_accept_length > 2.0
 
 
-def test_logprobs_of_every_accepted_token(monkeypatch):
+@LOOPS
+def test_logprobs_of_every_accepted_token(monkeypatch, overlap):
     prompts = random_prompts(604, 2, 8, 16)
     script_drafts(monkeypatch, oracle_continuations(prompts, 30))
     reqs = [gen_req(f"l{i}", p, 20, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -176,38 +207,40 @@ def test_logprobs_of_every_accepted_token(monkeypatch):
         assert_no_leak(sched)
         return out
 
-    plain, spec = logprobs(make_scheduler()), logprobs(make_scheduler(**SPEC))
+    plain, spec = logprobs(make_scheduler()), logprobs(make_scheduler(overlap=overlap, **SPEC))
     for rid in plain:
         assert len(spec[rid][0]) == len(plain[rid][0]) == 20
         np.testing.assert_allclose(spec[rid][0], plain[rid][0], atol=2e-4)
         np.testing.assert_allclose(np.array(spec[rid][1]), np.array(plain[rid][1]), atol=2e-4)
 
 
-def test_large_batches_decode_plainly():
+@LOOPS
+def test_large_batches_decode_plainly(overlap):
     """The verify budget (32 tokens a step by default) leaves a batch of 40 fewer than 2 a
     request: it decodes plainly, and its outputs are the plain ones."""
     prompts = random_prompts(605, 40, 4, 12)
     reqs = [gen_req(f"b{i}", p, 6) for i, p in enumerate(prompts)]
-    sched = make_scheduler(**SPEC)
+    sched = make_scheduler(overlap=overlap, **SPEC)
     results = run_to_completion(sched, reqs)
     assert_matches_oracle(reqs, results)
     steps_at_40 = sched.stats.num_spec_verify_reqs
     assert steps_at_40 < 40 * 5  # only once requests have left the batch
 
 
-def test_requests_whose_drafts_fail_stop_drafting_for_a_while():
+@LOOPS
+def test_requests_whose_drafts_fail_stop_drafting_for_a_while(overlap):
     """Random text (the tiny model's outputs never repeat its prompt): after a verify step gives
     too few tokens a request pauses, longer after each miss, so most of its steps are plain."""
     prompts = random_prompts(606, 2, 30, 30)
     reqs = [gen_req(f"a{i}", p, 120, ignore_eos=True) for i, p in enumerate(prompts)]
-    sched = make_scheduler(**SPEC)
+    sched = make_scheduler(overlap=overlap, **SPEC)
     assert_matches_oracle(reqs, run_to_completion(sched, reqs))
     assert 0 < sched.stats.num_spec_verify_reqs < 2 * 120 // 8
 
 
-def test_speculation_runs_the_normal_step_order():
-    sched = make_scheduler(overlap=True, **SPEC)
-    assert not sched.enable_overlap
+def test_speculation_runs_the_overlap_loop_unless_it_is_disabled():
+    assert make_scheduler(overlap=True, **SPEC).enable_overlap
+    assert not make_scheduler(overlap=False, **SPEC).enable_overlap  # --disable-overlap-schedule
 
 
 @pytest.mark.parametrize(
@@ -246,7 +279,8 @@ def test_unusable_speculative_configurations_are_refused(kwargs, message):
 
 
 @pytest.mark.parametrize("interval", [1, 3])
-def test_streaming_sends_each_token_once(monkeypatch, interval):
+@LOOPS
+def test_streaming_sends_each_token_once(monkeypatch, interval, overlap):
     """A verify step adds several tokens at once: every message carries what is new, each token
     exactly once, the first at once and then at least every `interval` tokens."""
     prompts = random_prompts(607, 2, 10, 20)
@@ -254,7 +288,7 @@ def test_streaming_sends_each_token_once(monkeypatch, interval):
     reqs = [gen_req(f"st{i}", p, 33, ignore_eos=True) for i, p in enumerate(prompts)]
     for r in reqs:
         r.stream = True
-    sched = make_scheduler(stream_interval=interval, **SPEC)
+    sched = make_scheduler(stream_interval=interval, overlap=overlap, **SPEC)
     sched.io.put(*reqs)
     sched.run_until_idle()
     msgs = sched.io.take_outputs()
@@ -267,11 +301,12 @@ def test_streaming_sends_each_token_once(monkeypatch, interval):
     assert max(sizes[1:]) <= 8  # sent the step they were taken (a verify gives at most 8)
 
 
-def test_the_trace_shows_draft_verify_and_accept(monkeypatch, tmp_path):
+@LOOPS
+def test_the_trace_shows_draft_verify_and_accept(monkeypatch, tmp_path, overlap):
     prompts = random_prompts(608, 2, 10, 20)
     script_drafts(monkeypatch, oracle_continuations(prompts, 30))
     trace = tmp_path / "trace.json"
-    sched = make_scheduler(trace_file=str(trace), **SPEC)
+    sched = make_scheduler(trace_file=str(trace), overlap=overlap, **SPEC)
     run_to_completion(sched, [gen_req(f"t{i}", p, 24, ignore_eos=True) for i, p in enumerate(prompts)])
     sched.write_trace()
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
@@ -306,12 +341,13 @@ def standalone(draft: str, steps: int = 3, **kw):
 
 
 @pytest.mark.parametrize("page", [1, 16])
-def test_a_draft_equal_to_the_target_accepts_everything(page):
+@LOOPS
+def test_a_draft_equal_to_the_target_accepts_everything(page, overlap):
     from sched_utils import tiny_model_dir
 
     prompts = random_prompts(610, 4, 10, 30)
     reqs = [gen_req(f"d{i}", p, 30 + 5 * i, ignore_eos=True) for i, p in enumerate(prompts)]
-    sched = standalone(tiny_model_dir(), page_size=page)
+    sched = standalone(tiny_model_dir(), page_size=page, overlap=overlap)
     assert_matches_oracle(reqs, run_to_completion(sched, reqs))
     assert sched.stats.avg_spec_accept_length > 3.8  # 3 drafts + the bonus a step
     draft = sched.drafter.runner  # every draft slot and row back once the requests finished
@@ -319,19 +355,25 @@ def test_a_draft_equal_to_the_target_accepts_everything(page):
     assert draft.req_to_token_pool.available_size() == draft.req_to_token_pool.size
 
 
-def test_an_unrelated_draft_still_gives_exact_output(unrelated_draft):
-    sched = standalone(unrelated_draft, steps=4, chunked_prefill_size=32)
+@LOOPS
+def test_an_unrelated_draft_still_gives_exact_output(unrelated_draft, overlap):
+    sched = standalone(unrelated_draft, steps=4, chunked_prefill_size=32, overlap=overlap)
     reqs = workload("u")
     results = run_in_waves(sched, reqs)
     assert_matches_oracle(reqs, results)
     assert sched.stats.num_spec_verify_reqs > 0
 
 
-def test_draft_model_retraction_and_seeded_sampling(unrelated_draft):
+@LOOPS
+def test_draft_model_retraction_and_seeded_sampling(unrelated_draft, overlap):
     from sched_utils import tiny_model_dir
 
     sched = standalone(
-        tiny_model_dir(), max_total_tokens=256, chunked_prefill_size=64, init_new_token_ratio=0.05
+        tiny_model_dir(),
+        max_total_tokens=256,
+        chunked_prefill_size=64,
+        init_new_token_ratio=0.05,
+        overlap=overlap,
     )
     prompts = random_prompts(11, 8, 20, 50, shared=[SYSTEM_A[:24]])
     reqs = [gen_req(f"rt{i}", p, max_new_tokens=32) for i, p in enumerate(prompts)]
@@ -340,11 +382,13 @@ def test_draft_model_retraction_and_seeded_sampling(unrelated_draft):
     assert_matches_oracle(reqs, results)
     params = dict(temperature=0.9, top_p=0.95, sampling_seed=5, ignore_eos=True)
     sampled = [gen_req(f"x{i}", p, 30, **params) for i, p in enumerate(random_prompts(611, 3, 8, 16))]
-    assert _sampled(standalone(tiny_model_dir()), sampled) == _sampled(make_scheduler(), sampled)
+    spec = standalone(tiny_model_dir(), overlap=overlap)
+    assert _sampled(spec, sampled) == _sampled(make_scheduler(), sampled)
 
 
 @pytest.mark.parametrize("page", [1, 16])
-def test_nan_logits_inside_a_verify_abort_that_request_alone(monkeypatch, page):
+@LOOPS
+def test_nan_logits_inside_a_verify_abort_that_request_alone(monkeypatch, page, overlap):
     """A draft run that reaches a token whose embedding is NaN: the request's bonus token comes
     from a node with nothing to sample, so it is aborted with a 500 (its verify KV freed, not
     cached) after the drafts accepted from fine nodes; the other requests and the token
@@ -353,7 +397,7 @@ def test_nan_logits_inside_a_verify_abort_that_request_alone(monkeypatch, page):
 
     poison, dec_prompt, clean = pick_poison_token()
     script_drafts(monkeypatch, oracle_continuations([dec_prompt, *clean], 16))
-    sched = make_scheduler(page_size=page, **SPEC)
+    sched = make_scheduler(page_size=page, overlap=overlap, **SPEC)
     good = [gen_req(f"good{i}", p, 12) for i, p in enumerate(clean)]
     reqs = [gen_req("nan", dec_prompt, 12), *good]
     with nan_embedding(sched, poison):
@@ -365,3 +409,72 @@ def test_nan_logits_inside_a_verify_abort_that_request_alone(monkeypatch, page):
     out = results["nan"].output_ids
     assert 1 <= len(out) <= 3 and out == oracle_greedy(dec_prompt, 12)[: len(out)]
     assert_matches_oracle(good, results)
+
+
+# Under the overlap loop too ----------------------------------------------------------------------
+
+
+@LOOPS
+def test_abort_in_the_middle_of_accepted_runs(monkeypatch, overlap):
+    """An abort while verify steps run (under overlap, one launched after the other): the request
+    ends with what it had, the others are exact, nothing leaks."""
+    prompts = random_prompts(612, 3, 10, 20)
+    script_drafts(monkeypatch, oracle_continuations(prompts, 60))
+    sched = make_scheduler(overlap=overlap, **SPEC)
+    reqs = [gen_req(f"ab{i}", p, 60, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched.io.put(*reqs)
+    for _ in range(4):
+        sched.process_input_requests(sched.recv_requests())
+        sched.run_step()
+    sched.io.put(AbortReq(rid="ab1"))
+    sched.run_until_idle()
+    results = collect(sched.io.take_outputs())
+    assert_no_leak(sched)
+    assert results["ab1"].finished_reason["type"] == "abort"
+    out = results["ab1"].output_ids
+    assert 0 < len(out) < 60 and out == oracle_greedy(prompts[1], 60, ignore_eos=True)[: len(out)]
+    assert_matches_oracle([reqs[0], reqs[2]], results)
+
+
+@LOOPS
+def test_a_stop_string_inside_an_accepted_run(monkeypatch, overlap):
+    from test_scheduler_features import CharTokenizer
+
+    prompt = random_prompts(613, 1, 12, 12)[0]
+    full = oracle_greedy(prompt, 30, ignore_eos=True)
+    script_drafts(monkeypatch, {tuple(prompt): full})
+    text = CharTokenizer.decode(full)
+    stop = text[9:12]  # inside the second verify step's run
+    end = text.index(stop) + len(stop)
+    sched = make_scheduler(tokenizer=CharTokenizer(), overlap=overlap, **SPEC)
+    results = run_to_completion(sched, [gen_req("s", prompt, 30, ignore_eos=True, stop=[stop])])
+    assert results["s"].output_ids == full[:end]
+    assert results["s"].finished_reason == {"type": "stop", "matched": stop}
+
+
+@LOOPS
+def test_mixed_chunk_penalties_and_seeds_with_speculation(monkeypatch, overlap):
+    """Chunked prefill with --enable-mixed-chunk (under overlap with speculation a prefill takes no
+    decode step), frequency penalties and seeded sampling: the tokens without speculation."""
+    prompts = random_prompts(614, 4, 20, 40)
+    params = dict(temperature=0.8, sampling_seed=11, frequency_penalty=0.5, ignore_eos=True)
+    reqs = [gen_req(f"m{i}", p, 30, **params) for i, p in enumerate(prompts)]
+    kw = dict(enable_mixed_chunk=True, chunked_prefill_size=16)
+    plain = _sampled(make_scheduler(**kw), reqs)
+    script_drafts(monkeypatch, {tuple(p): plain[f"m{i}"] for i, p in enumerate(prompts)}, corrupt=True)
+    sched = make_scheduler(overlap=overlap, **kw, **SPEC)
+    assert _sampled(sched, reqs) == plain
+    assert sched.stats.avg_spec_accept_length > 2.0
+
+
+@LOOPS
+@pytest.mark.parametrize("page", [1, 16])
+def test_requests_that_finish_before_their_verify_step_runs(monkeypatch, page, overlap):
+    """max_new_tokens of 1 to 3: under overlap a verify step (its slots allocated ahead) is
+    launched before the prefill or decode step that finishes the request is processed; those
+    slots go with the request (the accounting checked by run_to_completion)."""
+    prompts = random_prompts(615, 6, 10, 20)
+    script_drafts(monkeypatch, oracle_continuations(prompts, 20))
+    reqs = [gen_req(f"f{i}", p, 1 + i % 3, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched = make_scheduler(page_size=page, overlap=overlap, **SPEC)
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))

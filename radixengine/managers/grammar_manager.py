@@ -11,6 +11,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from radixengine.constrained.backend_factory import create_grammar_backend
 from radixengine.constrained.base_grammar_backend import InvalidGrammarObject
 from radixengine.managers.req import Req, Tokenizer
+from radixengine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,16 @@ class GrammarManager:
     """The backend is built on the first constrained request (its tokenizer info costs time and
     memory a server that never sees one need not pay); a tokenizer it cannot read fails those
     requests with the reason, never the scheduler."""
+
+    @classmethod
+    def from_server_args(
+        cls, args: ServerArgs, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: frozenset[int]
+    ) -> GrammarManager:
+        """Under tensor parallelism a compile is waited for (every rank must see the same queue)."""
+        any_whitespace = not args.constrained_json_disable_any_whitespace
+        return cls(
+            args.grammar_backend, any_whitespace, tokenizer, vocab_size, eos_token_ids, args.tp_size > 1
+        )
 
     def __init__(
         self,

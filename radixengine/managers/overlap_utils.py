@@ -19,10 +19,24 @@ from pathlib import Path
 
 import torch
 
+from radixengine.speculative.spec_overlap import FutureMapView
+from radixengine.speculative.spec_verify import VerifyResult
+
 
 class FutureMap:
-    def __init__(self, num_rows: int, device: torch.device | str) -> None:
+    def __init__(self, num_rows: int, device: torch.device | str, spec_width: int = 0) -> None:
+        """`spec_width` > 0 (speculative decoding): also each row's KV length and the tokens its
+        last step emitted (at most `spec_width`), which a verify step launched before that
+        result was processed resolves (speculative/spec_overlap.py)."""
         self.token_ids_buf = torch.zeros(num_rows + 1, dtype=torch.int64, device=device)
+        self.spec: FutureMapView | None = None
+        if spec_width > 0:
+            self.spec = FutureMapView(
+                self.token_ids_buf,
+                torch.zeros(num_rows + 1, dtype=torch.int64, device=device),
+                torch.full((num_rows + 1, spec_width), -1, dtype=torch.int64, device=device),
+                torch.zeros(num_rows + 1, dtype=torch.int64, device=device),
+            )
 
     @staticmethod
     def placeholders(req_pool_indices: torch.Tensor) -> torch.Tensor:
@@ -34,9 +48,31 @@ class FutureMap:
         placeholder tensor may be shared with the scheduler's batch). Run on the forward stream."""
         return torch.where(input_ids < 0, self.token_ids_buf[(-input_ids).clamp(min=0)], input_ids)
 
-    def store_to_map(self, req_pool_indices: torch.Tensor, next_token_ids: torch.Tensor) -> None:
-        """Run on the forward stream, after sampling."""
-        self.token_ids_buf[req_pool_indices + 1] = next_token_ids
+    def store_to_map(
+        self,
+        req_pool_indices: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+    ) -> None:
+        """Run on the forward stream, after sampling; `seq_lens`: the rows' KV lengths after it."""
+        idx = req_pool_indices + 1
+        self.token_ids_buf[idx] = next_token_ids
+        if self.spec is not None and seq_lens is not None:
+            self.spec.kv_lens[idx] = seq_lens
+            self.spec.emitted[idx, 0] = next_token_ids
+            self.spec.emitted_len[idx] = 1
+
+    def store_verify(
+        self, req_pool_indices: torch.Tensor, result: VerifyResult, prefix_lens: torch.Tensor
+    ) -> None:
+        """A verify step's results: the bonus, the KV length after its accepted path, and the
+        tokens it emitted (the accepted drafts and the bonus)."""
+        idx = req_pool_indices + 1
+        accepted = result.accept_lens
+        self.token_ids_buf[idx] = result.output_ids.gather(1, accepted.view(-1, 1)).view(-1)
+        self.spec.kv_lens[idx] = prefix_lens + accepted + 1
+        self.spec.emitted[idx, : result.output_ids.shape[1]] = result.output_ids
+        self.spec.emitted_len[idx] = accepted + 1
 
 
 # Timing -----------------------------------------------------------------------------------------

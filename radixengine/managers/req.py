@@ -22,7 +22,7 @@ from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.radix_cache import TreeNode
 from radixengine.sampling.sampling_params import SamplingParams
 from radixengine.sampling.stop_regex import stop_regex_window
-from radixengine.speculative.request_state import RequestSpecState
+from radixengine.speculative.request_state import InflightStep, RequestSpecState
 
 _EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
 
@@ -100,6 +100,10 @@ class Req:
         # retractions: its output ids are).
         self.spec_verify_ct = 0
         self.spec_state: RequestSpecState | None = None
+        # Verify steps allocate KV ahead (all drafts, and under overlap the step in flight's
+        # worst case): the row's slots cover positions [0, kv_allocated_len) (0: its seq_len).
+        self.kv_allocated_len = 0
+        self.spec_inflight: InflightStep | None = None
         self.storage_hit_tokens = 0  # of cached_tokens, those read from the storage tier
         self.host_hit_tokens = 0  # of cached_tokens, those loaded back from the host tier
 
@@ -307,6 +311,7 @@ class Req:
     def reset_for_retract(self) -> None:
         self._clear_round_state()
         self.is_retracted = self.retracted_stain = True
+        self.kv_allocated_len, self.spec_inflight = 0, None
         if self.grammar is not None:  # its matcher, rebuilt from the output ids
             self.grammar = self.grammar.copy()
             for token in self.output_ids:

@@ -25,11 +25,12 @@ from radixengine.managers.batch_slots import int64_tensor as _int64
 from radixengine.managers.req import Req, TimeStats
 from radixengine.managers.retraction_policy import retraction_order
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
-from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache, finished_kv_len
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 from radixengine.sampling.output_token_counts import OutputTokenCounts
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
+from radixengine.speculative.spec_overlap import FutureVerify
 from radixengine.speculative.spec_tree import DraftTrees
 
 __all__ = ["Req", "ScheduleBatch", "TimeStats"]
@@ -80,6 +81,7 @@ class ScheduleBatch:
     output_token_counts: OutputTokenCounts | None = None
     # TARGET_VERIFY: the draft tree of each request (node 0: its last token).
     spec_trees: DraftTrees | None = None
+    future_verify: FutureVerify | None = None  # TARGET_VERIFY under overlap: resolved on the stream
     _sampling_base: SamplingBatchInfo | None = field(default=None, repr=False)
 
     @classmethod
@@ -229,6 +231,7 @@ class ScheduleBatch:
     def prepare_for_decode(self) -> None:
         self.forward_mode = ForwardMode.DECODE
         self.num_decoding_reqs = 0
+        self.spec_trees = self.future_verify = None
         self.input_ids, self.output_ids = self.output_ids, None
         self.prefix_lens, self.extend_lens, self.extend_num_tokens = [], [], 0
         self.input_logprob_indices = self.input_logprob_token_ids = self.input_logprob_counts = None
@@ -273,6 +276,7 @@ class ScheduleBatch:
         node 0 being its last sampled token, and every node's logits are verified."""
         self.forward_mode = ForwardMode.TARGET_VERIFY
         self.num_decoding_reqs = 0
+        self.future_verify = None
         self.input_logprob_indices = self.input_logprob_token_ids = self.input_logprob_counts = None
         prefix = self.seq_lens_cpu  # the tokens with KV: all but the last sampled one
         seq = prefix + _int64(trees.num_nodes_cpu)
@@ -293,18 +297,23 @@ class ScheduleBatch:
         self.spec_trees = trees
         self.seq_lens_cpu = seq
         self.seq_lens = seq.to(self.device)
+        for req, end in zip(self.reqs, seq.tolist()):
+            req.kv_allocated_len = end
 
-    def free_verify_tail(self, index: int, kv_keep: int) -> None:
-        """Free the slots a verify step gave request `index` past its first `kv_keep` tokens
-        (the rejected drafts, and the accepted ones past a stop): whole pages only, the page
-        holding position `kv_keep - 1` stays the request's."""
-        end = int(self.seq_lens_cpu[index])
+    def free_verify_tail(self, index: int, kv_keep: int, end: int | None = None) -> None:
+        """Free the slots verify steps gave request `index` past its first `kv_keep` tokens
+        (the rejected drafts, the accepted ones past a stop, what was allocated ahead) up to
+        `end` (default: its allocation): whole pages only, the page holding position
+        `kv_keep - 1` stays the request's."""
+        req = self.reqs[index]
+        end = req.kv_allocated_len if end is None else end
         start = -(-kv_keep // self.page_size) * self.page_size
         if start < end:
-            row = self.reqs[index].req_pool_idx
             self.token_to_kv_pool_allocator.free(
-                self.req_to_token_pool.req_to_token[row, start:end].to(torch.int64)
+                self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].to(torch.int64)
             )
+        if req.kv_allocated_len:  # 0: a plain decode step is in flight, and it counts from seq_lens
+            req.kv_allocated_len = min(end, kv_keep)
 
     def finish_verify(self, kv_lens: list[int], last_ids: list[int]) -> None:
         """After a verify step: each request's KV length and its last sampled token (the next
@@ -386,6 +395,7 @@ class ScheduleBatch:
         cache, evictable like any cached prefix, so what is not evicted meanwhile is reused when
         the request comes back; and room is made for the remaining requests' next steps."""
         req = self.reqs[idx]
+        self.free_verify_tail(idx, finished_kv_len(req))  # what verify steps allocated ahead
         self.tree_cache.cache_finished_req(req, is_insert=keep_prefix)
         self._evict_for(remaining_req_count * retract_decode_steps)
         req.reset_for_retract()
@@ -409,6 +419,7 @@ class ScheduleBatch:
         if len(order) == 1 and not self.check_decode_mem(_int64(order)):
             idx = order.pop()
             req = self.reqs[idx]
+            self.free_verify_tail(idx, finished_kv_len(req))
             self.tree_cache.cache_finished_req(req, is_insert=False)
             req.abort(
                 "Out of memory even after retracting all other requests in the decode batch: "
@@ -474,4 +485,5 @@ class ScheduleBatch:
             input_logprob_indices=self.input_logprob_indices if is_extend else None,
             input_logprob_token_ids=self.input_logprob_token_ids if is_extend else None,
             spec_trees=self.spec_trees,
+            future_verify=self.future_verify,
         )

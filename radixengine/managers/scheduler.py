@@ -33,6 +33,7 @@ from radixengine.managers.scheduler_components.batch_result_processor import (
 from radixengine.managers.scheduler_components.metrics_reporter import MemoryView, MetricsReporter, QueueView
 from radixengine.managers.scheduler_components.new_token_ratio import NewTokenRatioTracker
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
+from radixengine.managers.scheduler_components.overlap_spec_step import OverlapSpecStep
 from radixengine.managers.scheduler_components.prefill_admission import (
     AdmissionConfig,
     AdmissionPeers,
@@ -57,6 +58,7 @@ from radixengine.managers.worker_client import (
 )
 from radixengine.mem_cache.accounting import TokenAccountingError, check_token_accounting
 from radixengine.server_args import ServerArgs
+from radixengine.speculative.spec_args import max_verify_nodes
 
 if TYPE_CHECKING:
     from radixengine.model_executor.tp_worker import GenerationBatchResult
@@ -91,6 +93,20 @@ class Scheduler:
             server_args, self.req_to_token_pool, self.token_to_kv_pool_allocator
         )
         self.timer = StepTimer(trace=server_args.trace_file is not None)
+        self.model_worker = make_worker_client(  # the one overlap switch: how a batch runs
+            self.tp_worker,
+            self.timer,
+            self.device,
+            overlap=not server_args.disable_overlap_schedule,
+            cpu_forward_stream=server_args.cpu_forward_stream,
+            num_rows=self.req_to_token_pool.size,
+            trace=server_args.trace_file is not None,
+            spec_width=max_verify_nodes(server_args),
+            on_forward_stream=self.tree_cache.set_pool_write_stream,  # cache loads after the forward
+        )
+        # Launched batches whose results are not processed yet (at most two, under overlap).
+        self.result_queue: deque[tuple[ScheduleBatch, OverlapResult]] = deque()
+        self.enable_overlap = isinstance(self.model_worker, TpModelWorkerClient)
         self._init_components(server_args)
         self._init_loop_state(server_args)
 
@@ -120,7 +136,9 @@ class Scheduler:
             args.speculative_algorithm is not None,
             args.enable_hierarchical_cache,
         )
-        self.grammar_manager = self._new_grammar_manager(args)
+        self.grammar_manager = GrammarManager.from_server_args(
+            args, self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
         self.intake = self._new_intake(args)
         memory = MemoryView(self.token_to_kv_pool_allocator, self.tree_cache, self.max_total_num_tokens)
         graph_runner = getattr(getattr(self.tp_worker, "model_runner", None), "cuda_graph_runner", None)
@@ -129,6 +147,9 @@ class Scheduler:
         )
         self.admission = self._new_admission(args)
         self.drafter = make_drafter(args)
+        overlap_spec = None
+        if self.enable_overlap and self.drafter is not None:  # verify steps launched ahead
+            overlap_spec = OverlapSpecStep(self.drafter, self.result_queue, self.timer)
         retraction = RetractionConfig(
             args.retract_decode_steps, args.retraction_policy, args.schedule_low_priority_values_first
         )
@@ -141,6 +162,7 @@ class Scheduler:
             self.admission.note_departures,
             self.drafter,
             self.timer,
+            overlap_spec,
         )
         self.result_processor = self._new_result_processor()
 
@@ -172,16 +194,6 @@ class Scheduler:
             self.drafter,
         )
 
-    def _new_grammar_manager(self, args: ServerArgs) -> GrammarManager:
-        return GrammarManager(
-            args.grammar_backend,
-            not args.constrained_json_disable_any_whitespace,
-            self.tokenizer,
-            self.vocab_size,
-            self.eos_token_ids,
-            wait_for_compile=args.tp_size > 1,
-        )
-
     def _new_admission(self, args: ServerArgs) -> PrefillAdmission:
         in_batch_prefix_caching = not args.disable_in_batch_prefix_caching and has_prefix_tree(
             self.tree_cache
@@ -200,7 +212,8 @@ class Scheduler:
             max_running_requests=self.max_running_requests,
             max_prefill_tokens=args.max_prefill_tokens,
             chunked_prefill_size=args.effective_chunked_prefill_size,
-            enable_mixed_chunk=args.enable_mixed_chunk,
+            enable_mixed_chunk=args.enable_mixed_chunk
+            and not (self.enable_overlap and args.speculative_algorithm),
             try_preemption=args.enable_priority_scheduling,
             priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
             schedule_low_priority_values_first=args.schedule_low_priority_values_first,
@@ -229,22 +242,6 @@ class Scheduler:
         self._shutdown = False
         self.step_ct = 0  # event-loop steps run (the watchdog's progress counter)
         self._trace_written_at = time.perf_counter()
-        # Launched batches whose results are not processed yet (at most two, under overlap).
-        self.result_queue: deque[tuple[ScheduleBatch, OverlapResult]] = deque()
-        # The one overlap switch: how a batch runs (inline, or launched on the forward stream).
-        self.model_worker = make_worker_client(
-            self.tp_worker,
-            self.timer,
-            self.device,
-            # Speculative decoding runs the normal step order (its next step needs the accepted lengths).
-            overlap=not args.disable_overlap_schedule and self.drafter is None,
-            cpu_forward_stream=args.cpu_forward_stream,
-            num_rows=self.req_to_token_pool.size,
-            trace=args.trace_file is not None,
-        )
-        self.enable_overlap = isinstance(self.model_worker, TpModelWorkerClient)
-        if self.enable_overlap:  # the cache's loads write the pool after the forward in flight
-            self.tree_cache.set_pool_write_stream(self.model_worker.forward_stream)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch.init_new(

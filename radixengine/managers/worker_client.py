@@ -12,17 +12,21 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from radixengine.layers.forward_logprobs import ForwardLogprobs, tensor_to_host
+from radixengine.layers.sampler import TopLogprobs
 from radixengine.managers.overlap_utils import FutureMap, StepTimer
 from radixengine.managers.schedule_batch import ScheduleBatch
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
+from radixengine.speculative.spec_overlap import resolve_future_verify
+from radixengine.speculative.spec_verify import VerifyResult
 from radixengine.utils.streams import (
     CpuStream,
     CudaStream,
@@ -125,6 +129,10 @@ class OverlapResult:
     # and the forward's result, whose delay_sample_func samples it.
     delayed_sample: tuple[ScheduleBatch, ModelWorkerBatch] | None = None
     forward_out: GenerationBatchResult | None = None
+    # A verify step: its result on the host, and the nodes each request verified (resolved on
+    # the forward stream: a request whose drafts no longer held verified its root alone).
+    verify: VerifyResult | None = None
+    spec_num_nodes: list[int] | None = None
 
 
 class TpModelWorkerClient(_WorkerClientBase):
@@ -138,11 +146,12 @@ class TpModelWorkerClient(_WorkerClientBase):
         device: torch.device,
         forward_stream: CpuStream | CudaStream,
         num_rows: int,
+        spec_width: int = 0,
     ) -> None:
         super().__init__(worker, timer, device)
         self.forward_stream = forward_stream
         self.default_stream = get_default_stream(device)
-        self.future_map = FutureMap(num_rows, device)
+        self.future_map = FutureMap(num_rows, device, spec_width)
         # Keeps the inputs of the last two launched batches alive while the device reads them.
         self.batch_record_buf: deque[ModelWorkerBatch] = deque(maxlen=2)
         if isinstance(forward_stream, CpuStream):
@@ -157,10 +166,9 @@ class TpModelWorkerClient(_WorkerClientBase):
         self.forward_stream.submit(
             self._forward_on_stream,
             mwb,
-            batch.req_pool_indices,
             result,
             delay_sample,
-            label=batch.forward_mode.name.lower(),
+            label="verify" if mwb.future_verify is not None else batch.forward_mode.name.lower(),
         )
         if delay_sample:
             result.delayed_sample = (batch, mwb)
@@ -178,7 +186,7 @@ class TpModelWorkerClient(_WorkerClientBase):
         result.delayed_sample = None
         batch, mwb = pending
         self.update_vocab_mask(batch, mwb)
-        self.forward_stream.submit(self._sample_on_stream, batch.req_pool_indices, result, label="sample")
+        self.forward_stream.submit(self._sample_on_stream, mwb, result, label="sample")
         result.copy_done = self.forward_stream.record_event()
 
     def device_intervals(self, scheduler_events: list[tuple[str, float, float]]) -> list:
@@ -191,32 +199,70 @@ class TpModelWorkerClient(_WorkerClientBase):
     def _forward_on_stream(
         self,
         mwb: ModelWorkerBatch,
-        req_pool_indices: torch.Tensor,
         result: OverlapResult,
         delay_sample: bool = False,
     ) -> None:
-        mwb.input_ids = self.future_map.resolve_future(mwb.input_ids)
+        if mwb.future_verify is not None:
+            self._resolve_verify(mwb)
+        else:
+            mwb.input_ids = self.future_map.resolve_future(mwb.input_ids)
         if delay_sample:
             result.forward_out = self.worker.forward_batch_generation(mwb, delay_sample=True)
             return
         out = self.worker.forward_batch_generation(mwb)
-        self._publish_on_stream(out, req_pool_indices, result)
+        self._publish_on_stream(out, mwb, result)
 
-    def _sample_on_stream(self, req_pool_indices: torch.Tensor, result: OverlapResult) -> None:
+    def _resolve_verify(self, mwb: ModelWorkerBatch) -> None:
+        """A verify step launched before its predecessor's result: its root, lengths, node counts,
+        slots and sampling steps from what the predecessor stored in the FutureMap."""
+        r = resolve_future_verify(mwb.future_verify, mwb.req_pool_indices, self.future_map.spec)
+        trees = r.trees
+        mwb.spec_trees = trees
+        mwb.input_ids = trees.tokens[trees.valid()]
+        mwb.seq_lens = r.prefix_lens + trees.num_nodes
+        mwb.seq_lens_cpu = mwb.seq_lens.tolist()
+        mwb.extend_prefix_lens = r.prefix_lens.tolist()
+        mwb.extend_seq_lens = list(trees.num_nodes_cpu)
+        mwb.out_cache_loc = r.out_cache_loc
+        mwb.sampling_info.steps = r.steps
+
+    def _sample_on_stream(self, mwb: ModelWorkerBatch, result: OverlapResult) -> None:
         out, result.forward_out = result.forward_out, None
         if out is None:
             raise RuntimeError("the forward of a batch with a delayed sample did not run")
-        self._publish_on_stream(out.delay_sample_func(), req_pool_indices, result)
+        self._publish_on_stream(out.delay_sample_func(), mwb, result)
 
     def _publish_on_stream(
-        self, out: GenerationBatchResult, req_pool_indices: torch.Tensor, result: OverlapResult
+        self, out: GenerationBatchResult, mwb: ModelWorkerBatch, result: OverlapResult
     ) -> None:
-        self.future_map.store_to_map(req_pool_indices, out.next_token_ids)
+        rows = mwb.req_pool_indices
+        if out.verify is not None:
+            trees = mwb.spec_trees
+            self.future_map.store_verify(rows, out.verify, mwb.seq_lens - trees.num_nodes)
+            result.verify = _verify_to_host(out.verify)
+            result.spec_num_nodes = list(trees.num_nodes_cpu)
+        else:
+            self.future_map.store_to_map(rows, out.next_token_ids, mwb.seq_lens)
         result.next_token_ids = tensor_to_host(out.next_token_ids)
         if out.invalid_rows is not None:
             result.invalid_rows = tensor_to_host(out.invalid_rows)
         if out.logprobs is not None:
             result.logprobs = out.logprobs.to_host()
+
+
+def _verify_to_host(v: VerifyResult) -> VerifyResult:
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else tensor_to_host(t)
+
+    top = v.top_logprobs
+    return VerifyResult(
+        host(v.accept_lens),
+        host(v.output_ids),
+        host(v.path_nodes),
+        host(v.logprobs),
+        None if top is None else TopLogprobs(host(top.val), host(top.idx)),
+        host(v.invalid_rows),
+    )
 
 
 def make_worker_client(
@@ -227,6 +273,8 @@ def make_worker_client(
     cpu_forward_stream: str,
     num_rows: int,
     trace: bool,
+    spec_width: int = 0,
+    on_forward_stream: Callable[[Stream], None] | None = None,
 ) -> InlineWorkerClient | TpModelWorkerClient:
     """The one overlap switch: the overlapped client, unless overlap is off or the forward stream
     runs inline (a CPU forward whose threads use every core: nothing could run alongside it, so
@@ -247,4 +295,6 @@ def make_worker_client(
         )
     elif trace and isinstance(stream, CudaStream):
         stream.enable_timing()
-    return TpModelWorkerClient(worker, timer, device, stream, num_rows)
+    if on_forward_stream is not None:  # e.g. the cache's pool writes, ordered after the forward
+        on_forward_stream(stream)
+    return TpModelWorkerClient(worker, timer, device, stream, num_rows, spec_width)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from radixengine.speculative.spec_overlap import FutureVerify
 from radixengine.speculative.spec_tree import DraftTrees
 
 if TYPE_CHECKING:
@@ -80,6 +81,9 @@ class ModelWorkerBatch:
     input_logprob_token_ids: torch.Tensor | None = None
     # TARGET_VERIFY: each request's draft tree (node 0 its last token), padded to one width.
     spec_trees: DraftTrees | None = None
+    # TARGET_VERIFY under the overlap loop: what the forward stream resolves before the forward
+    # (speculative/spec_overlap.py); spec_trees, the lengths and out_cache_loc are then set.
+    future_verify: FutureVerify | None = None
 
     @property
     def batch_size(self) -> int:

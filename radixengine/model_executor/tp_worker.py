@@ -96,9 +96,13 @@ class TpModelWorker:
             time.sleep(self.test_forward_stall_s)
         forward_batch = ForwardBatch.init_new(model_worker_batch, self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
-        if model_worker_batch.spec_trees is not None:
-            return self._verify(logits_output, forward_batch, model_worker_batch.spec_trees)
         result = GenerationBatchResult(next_token_ids=None)
+        trees = model_worker_batch.spec_trees
+        if trees is not None:
+            if delay_sample:
+                result.delay_sample_func = lambda: self._verify(logits_output, forward_batch, trees)
+                return result
+            return self._verify(logits_output, forward_batch, trees)
 
         def sample() -> GenerationBatchResult:
             result.next_token_ids = self.model_runner.sample(logits_output, forward_batch)

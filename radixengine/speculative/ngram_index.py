@@ -138,6 +138,16 @@ class NgramIndex:
             _merge_shared(found, shared.match(self.tokens, self.params))
         return build_draft_tree(int(self.tokens[-1]), found, self.params)
 
+    def draft_after(self, extra: Sequence[int], shared: SharedNgramIndex | None = None) -> NgramDraft:
+        """The draft as if `extra` followed the context (tokens not accepted yet); the index is
+        left as it was."""
+        length = self._len
+        self.append(extra)
+        try:
+            return self.draft(shared)
+        finally:
+            self._len = length
+
 
 def suffix_matches(ctx: np.ndarray, params: NgramParams, limit: int) -> tuple[np.ndarray, np.ndarray]:
     """(end positions, match lengths) of earlier occurrences of the context's suffix with at least

@@ -90,3 +90,12 @@ def ngram_params(args: SpeculativeArgs) -> NgramParams:
         max_branch_length=args.speculative_ngram_branch_length,
         capacity=args.speculative_ngram_capacity,
     )
+
+
+def max_verify_nodes(args: SpeculativeArgs) -> int:
+    """The most nodes (the root included) a request verifies in one step; 0 without speculation."""
+    if args.speculative_algorithm is None:
+        return 0
+    if args.speculative_algorithm == "STANDALONE":
+        return standalone_num_steps(args) + 1
+    return ngram_params(args).num_draft_tokens

@@ -156,29 +156,23 @@ class BatchResultProcessor:
         allocator.free_group_end()
         self.on_decode_batch(batch)
 
-    def process_batch_result_verify(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result_verify(self, batch: ScheduleBatch, result: BatchResult) -> None:
         """A verify step: each request takes its accepted drafts and the bonus token one by one,
-        up to a stop (the rest is dropped); the KV past what it keeps is freed."""
-        v = result.verify
+        up to a stop (the rest is dropped); the KV past what it keeps is freed, but for what a
+        verify step launched after this one (overlap) may write."""
+        v = self._host_verify(result)
         out_ids, accepted = v.output_ids.tolist(), v.accept_lens.tolist()
         invalid = set() if v.invalid_rows is None else set(v.invalid_rows.nonzero().view(-1).tolist())
         logprobs = _verify_logprobs(batch, v)
+        nodes = getattr(result, "spec_num_nodes", None) or batch.extend_lens
         self.ctx.allocator.free_group_begin()
         for i, req in enumerate(batch.reqs):
+            if req.is_retracted or req.finished():
+                continue  # overlap only: released (and its KV freed) while this batch ran
             # A row whose bonus node had nothing to sample still takes its accepted drafts (their
             # nodes were fine), as plain decoding would have emitted them before failing.
             tokens = out_ids[i][: accepted[i] + (0 if i in invalid else 1)]
-            emitted = self._take_verified(req, tokens, logprobs, i)
-            if batch.extend_lens[i] > 1:  # it drafted (else this was its decode step)
-                req.spec_verify_ct += 1
-                self.stats.add_spec_verify(emitted)
-                self.drafter.on_verified(req, emitted)
-            if i in invalid and not req.finished():
-                self._abort_invalid_verify_row(batch, i)
-            else:
-                batch.free_verify_tail(i, finished_kv_len(req))
-                if req.finished():
-                    self._finish(req)
+            self._take_verify_row(batch, i, tokens, logprobs, nodes[i] > 1, i in invalid)
             self.streamer.add(req)
         batch.finish_verify(
             [finished_kv_len(r) for r in batch.reqs],
@@ -186,6 +180,42 @@ class BatchResultProcessor:
         )
         self.ctx.allocator.free_group_end()
         self.on_decode_batch(batch)
+
+    def _take_verify_row(
+        self,
+        batch: ScheduleBatch,
+        i: int,
+        tokens: list[int],
+        logprobs: VerifyLogprobs | None,
+        drafted: bool,
+        invalid: bool,
+    ) -> None:
+        req = batch.reqs[i]
+        # Its slots end at its allocation; what a later verify step in flight allocated ahead
+        # for it stays (0 in the normal loop). A plain decode step launched after this one reset
+        # the allocation (its slot is its own), which it does only when this step verified the
+        # request's root alone, at its known KV length.
+        known = finished_kv_len(req) + batch.extend_lens[i]
+        end = req.kv_allocated_len or known
+        emitted = self._take_verified(req, tokens, logprobs, i)
+        if drafted:  # else this was its decode step
+            req.spec_verify_ct += 1
+            self.stats.add_spec_verify(emitted)
+            self.drafter.on_verified(req, emitted)
+        if invalid and not req.finished():
+            self._abort_invalid_verify_row(batch, i, end)
+        elif req.finished():
+            batch.free_verify_tail(i, finished_kv_len(req), end)
+            self._finish(req)
+        else:
+            batch.free_verify_tail(i, finished_kv_len(req) + end - known, end)
+
+    def _host_verify(self, result: BatchResult) -> VerifyResult:
+        copy_done = getattr(result, "copy_done", None)
+        if copy_done is not None:
+            with self.timer.phase("wait"):
+                copy_done.synchronize()  # raises if the forward failed
+        return result.verify
 
     def _take_verified(self, req: Req, tokens: list[int], logprobs: VerifyLogprobs | None, row: int) -> int:
         """Append the verified tokens until one finishes the request; returns how many."""
@@ -196,12 +226,12 @@ class BatchResultProcessor:
                 return j + 1
         return len(tokens)
 
-    def _abort_invalid_verify_row(self, batch: ScheduleBatch, row: int) -> None:
+    def _abort_invalid_verify_row(self, batch: ScheduleBatch, row: int, end: int) -> None:
         req = batch.reqs[row]
         self._abort_invalid_row(req)
         req.time_stats.finish_time = time.perf_counter()
         kv_len = finished_kv_len(req)
-        batch.free_verify_tail(row, kv_len)
+        batch.free_verify_tail(row, kv_len, end)
         with req.as_prefilled_upto(kv_len):  # the verify's KV may hold NaN: freed, not inserted
             self.ctx.tree_cache.cache_finished_req(req, is_insert=False)
 
@@ -227,7 +257,9 @@ class BatchResultProcessor:
             req.time_stats.finish_time = time.perf_counter()
             # Its KV covers every token this batch computed (no new token is appended) and may
             # hold NaN: freed, not inserted.
-            with req.as_prefilled_upto(int(batch.seq_lens_cpu[row])):
+            kv_len = int(batch.seq_lens_cpu[row])
+            self._free_ahead(req, kv_len)
+            with req.as_prefilled_upto(kv_len):
                 self.ctx.tree_cache.cache_finished_req(req, is_insert=False)
             return
         self._append_token(req, res.next_ids[row], _logprob_entry(req, res.logprobs, row))
@@ -236,9 +268,20 @@ class BatchResultProcessor:
 
     def _finish(self, req: Req) -> None:
         req.time_stats.finish_time = time.perf_counter()
+        self._free_ahead(req, finished_kv_len(req))
         self.ctx.tree_cache.cache_finished_req(req)
         if self.drafter is not None:
             self.drafter.on_finished(req)
+
+    def _free_ahead(self, req: Req, kv_len: int) -> None:
+        """A request released here: the slots a verify step launched after this batch allocated
+        for it past its KV (overlap; whole pages past the one holding position kv_len - 1)."""
+        page = self.ctx.page_size
+        start, end = -(-kv_len // page) * page, req.kv_allocated_len
+        if start < end:
+            row = self.ctx.tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx, start:end]
+            self.ctx.allocator.free(row.to(torch.int64))
+        req.kv_allocated_len = 0
 
     def _append_token(self, req: Req, token: int, logprob: LogprobEntry | None) -> None:
         if req.sampling_params.max_new_tokens == 0:  # prefill only

@@ -13,6 +13,7 @@ from radixengine.managers.overlap_utils import StepTimer
 from radixengine.managers.schedule_batch import ScheduleBatch
 from radixengine.managers.scheduler_components.new_token_ratio import NewTokenRatioTracker
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
+from radixengine.managers.scheduler_components.overlap_spec_step import OverlapSpecStep, refresh_upper_lens
 from radixengine.managers.scheduler_components.request_intake import RequestIntake
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
 from radixengine.managers.scheduler_components.speculative_drafter import Drafter
@@ -38,6 +39,7 @@ class RunningBatchUpdater:
         note_departures: Callable[[int, ScheduleBatch], None],
         drafter: Drafter | None = None,
         timer: StepTimer | None = None,
+        overlap_spec: OverlapSpecStep | None = None,
     ) -> None:
         self.config = config
         self.ratio = ratio
@@ -47,12 +49,15 @@ class RunningBatchUpdater:
         self.note_departures = note_departures  # admission's batch_is_full bookkeeping
         self.drafter = drafter  # speculative decoding: a verify step instead of a decode step
         self.timer = timer or StepTimer()
+        self.overlap_spec = overlap_spec  # speculative decoding under the overlap loop
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
         # Measured before the filter: requests that finished last step free their rows and
         # tokens, and the next prefill round must see it (else batching turns static).
         initial_bs = batch.batch_size()
         batch.filter_batch()
+        if self.overlap_spec is not None and not batch.is_empty():
+            refresh_upper_lens(batch)
         if not batch.is_empty():
             if batch.check_decode_mem():
                 self.ratio.decay()
@@ -65,6 +70,9 @@ class RunningBatchUpdater:
 
     def _prepare_next_step(self, batch: ScheduleBatch) -> None:
         """A verify step when the drafter has drafts and they fit; else a decode step."""
+        if self.overlap_spec is not None:
+            self.overlap_spec.prepare(batch)
+            return
         trees = None
         if self.drafter is not None:
             with self.timer.phase("draft"):

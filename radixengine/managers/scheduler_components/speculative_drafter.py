@@ -41,6 +41,8 @@ class Drafter(Protocol):
 
     def draft(self, batch: ScheduleBatch) -> DraftTrees | None: ...
 
+    def propose(self, batch: ScheduleBatch, extras: list[list[int] | None]) -> list[list[int]]: ...
+
     def on_verified(self, req: Req, tokens: int) -> None: ...
 
     def on_finished(self, req: Req) -> None: ...
@@ -70,6 +72,27 @@ class SpeculativeDrafter:
         if width == 1:
             return None
         return DraftTrees.from_drafts([(d.tokens, d.parents) for d in drafts], width, batch.device)
+
+    def propose(self, batch: ScheduleBatch, extras: list[list[int] | None]) -> list[list[int]]:
+        """Under the overlap loop, each request's proposed tokens: after its known tokens (extra
+        None: its drafts), or after them and `extra` (the drafts of its step in flight): the
+        predicted bonus of that step, then the drafts. Empty: no draft."""
+        limit = min(self.config.params.num_draft_tokens, self.config.max_verify_tokens // batch.batch_size())
+        if limit < 2:
+            return [[] for _ in batch.reqs]
+        return [
+            [] if req.grammar is not None else self._propose_one(req, extra, limit)
+            for req, extra in zip(batch.reqs, extras)
+        ]
+
+    def _propose_one(self, req: Req, extra: list[int] | None, limit: int) -> list[int]:
+        state = self._state_of(req)
+        if state.skip_steps > 0:
+            state.skip_steps -= 1
+            return []
+        if extra is None:
+            return _trim(state.index.draft(self.shared), limit).tokens[1:].tolist()
+        return _trim(state.index.draft_after(extra, self.shared), limit + 1).tokens[1:].tolist()
 
     def on_verified(self, req: Req, tokens: int) -> None:
         """A verify step gave `req` `tokens` tokens for its draft."""

@@ -32,6 +32,22 @@ class DraftKV:
     tokens: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Context:
+    """A request's tokens, followed by `extra` (tokens of a step in flight, not accepted yet)."""
+
+    req: Req
+    extra: list[int] | None = None
+
+    @property
+    def seqlen(self) -> int:
+        return self.req.seqlen + len(self.extra or ())
+
+    def tokens_from(self, start: int) -> list[int]:
+        n = self.req.seqlen
+        return self.req.tokens_from(min(start, n)) + list(self.extra or ())[max(start - n, 0) :]
+
+
 class StandaloneDrafter:
     def __init__(self, runner: ModelRunner, num_steps: int, max_verify_tokens: int) -> None:
         self.runner = runner
@@ -40,16 +56,28 @@ class StandaloneDrafter:
         self.states: dict[int, tuple[Req, DraftKV]] = {}  # id(req) -> its draft KV
 
     def draft(self, batch: ScheduleBatch) -> DraftTrees | None:
-        self._release_finished()
-        limit = min(self.num_steps + 1, self.max_verify_tokens // batch.batch_size())
-        drafting = [r for r in batch.reqs if r.grammar is None] if limit >= 2 else []
-        if not drafting or not self._make_room(drafting, limit):
+        drafted = self._drafts(batch, [None] * batch.batch_size())
+        if drafted is None:
             return None
-        drafted = self._run_draft_model(drafting, limit - 1)
-        rows = [[r.output_ids[-1], *drafted.get(id(r), [])] for r in batch.reqs]
+        rows = [[r.output_ids[-1], *d] for r, d in zip(batch.reqs, drafted)]
         width = max(len(t) for t in rows)
         chains = [(np.array(t, dtype=np.int64), np.arange(-1, len(t) - 1)) for t in rows]
         return DraftTrees.from_drafts(chains, width, batch.device)
+
+    def propose(self, batch: ScheduleBatch, extras: list[list[int] | None]) -> list[list[int]]:
+        """Under the overlap loop (see SpeculativeDrafter.propose): the draft model continues each
+        request's known tokens and `extra`, one token further when `extra` is given."""
+        return self._drafts(batch, extras) or [[] for _ in batch.reqs]
+
+    def _drafts(self, batch: ScheduleBatch, extras: list[list[int] | None]) -> list[list[int]] | None:
+        self._release_finished()
+        limit = min(self.num_steps + 1, self.max_verify_tokens // batch.batch_size())
+        drafting = [_Context(r, e) for r, e in zip(batch.reqs, extras) if r.grammar is None]
+        if limit < 2 or not drafting or not self._make_room(drafting, limit):
+            return None
+        steps = limit if any(c.extra is not None for c in drafting) else limit - 1
+        drafted = self._run_draft_model(drafting, steps)
+        return [drafted.get(id(r), [])[: limit - (1 if e is None else 0)] for r, e in zip(batch.reqs, extras)]
 
     def on_verified(self, req: Req, tokens: int) -> None:
         """Nothing now: the next draft drops what the verify rejected."""
@@ -68,11 +96,12 @@ class StandaloneDrafter:
             entry = self.states[id(req)] = (req, DraftKV(row))
         return entry[1]
 
-    def _sync(self, req: Req, state: DraftKV) -> list[int]:
+    def _sync(self, req: _Context, state: DraftKV) -> list[int]:
         """Drop the draft KV past the longest prefix it shares with the request's tokens (never
         the last token: its logits give the first draft); returns the tokens to extend by."""
         keep = min(len(state.tokens), req.seqlen - 1)
-        start = max(keep - self.num_steps - 1, 0)  # only the last step's drafts can differ
+        # Only the drafts of the last two steps can differ (one, without overlap).
+        start = max(keep - 3 * (self.num_steps + 1), 0)
         for offset, token in enumerate(req.tokens_from(start)[: keep - start]):
             if state.tokens[start + offset] != token:
                 keep = start + offset
@@ -97,22 +126,22 @@ class StandaloneDrafter:
                 del self.states[key]
                 self._drop(state)
 
-    def _fits(self, reqs: list[Req], limit: int) -> bool:
+    def _fits(self, reqs: list[_Context], limit: int) -> bool:
         need = 0
         for r in reqs:
-            entry = self.states.get(id(r))
+            entry = self.states.get(id(r.req))
             have = len(entry[1].tokens) if entry is not None else 0
             need += r.seqlen - have + limit
-        fresh = sum(1 for r in reqs if id(r) not in self.states)
+        fresh = sum(1 for r in reqs if id(r.req) not in self.states)
         runner = self.runner
         return runner.token_to_kv_pool_allocator.available_size() >= need and (
             runner.req_to_token_pool.available_size() >= fresh
         )
 
-    def _make_room(self, reqs: list[Req], limit: int) -> bool:
+    def _make_room(self, reqs: list[_Context], limit: int) -> bool:
         """Rows and slots for these requests' drafts; the draft KV of requests not in the batch
         is dropped first when short (it is rebuilt when they come back)."""
-        keys = {id(r) for r in reqs}
+        keys = {id(r.req) for r in reqs}
         for key, (_, state) in list(self.states.items()):
             if self._fits(reqs, limit):
                 return True
@@ -123,8 +152,8 @@ class StandaloneDrafter:
 
     # Forwards ----------------------------------------------------------------------------------
 
-    def _run_draft_model(self, reqs: list[Req], steps: int) -> dict[int, list[int]]:
-        states = [self._state_of(r) for r in reqs]
+    def _run_draft_model(self, reqs: list[_Context], steps: int) -> dict[int, list[int]]:
+        states = [self._state_of(r.req) for r in reqs]
         new_tokens = [self._sync(r, s) for r, s in zip(reqs, states)]
         last = self._forward(ForwardMode.EXTEND, states, new_tokens)
         drafted = [[t] for t in last]
@@ -132,7 +161,7 @@ class StandaloneDrafter:
             last = self._forward(ForwardMode.DECODE, states, [[t] for t in last])
             for d, t in zip(drafted, last):
                 d.append(t)
-        return {id(r): d for r, d in zip(reqs, drafted)}
+        return {id(r.req): d for r, d in zip(reqs, drafted)}
 
     @torch.no_grad()
     def _forward(self, mode: ForwardMode, states: list[DraftKV], new_tokens: list[list[int]]) -> list[int]:
