@@ -129,3 +129,29 @@ def test_host_tier_through_the_engine(model_path):
     hf = load_hf_model(model_path, dtype=torch.float32)
     assert warm["output_ids"] == hf_greedy(hf, [PROMPT_IDS], MAX_NEW)[0]
     assert info["host_pool_size"] == 1024 and info["host_tokens_loaded"] >= 192  # /get_server_info
+
+
+def test_speculation_with_the_host_and_storage_tiers(model_path, tmp_path):
+    """NGRAM speculation under the overlap loop beside both tiers: a prompt evicted to the host
+    pool comes back and verify steps run on top of its loaded KV, with transformers' tokens."""
+    pattern = [(i * 7 + 5) % 250 + 3 for i in range(40)]
+    prompt = pattern * 5  # repeats: the n-gram index drafts its continuation
+    others = [[(i * 13 + k * 29) % 250 + 3 for i in range(200)] for k in range(3)]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    kw = dict(
+        hicache_storage_dir=str(tmp_path),
+        hicache_host_tier_on_cpu=True,
+        max_total_tokens=512,
+        speculative_algorithm="NGRAM",
+    )
+    with _engine(model_path, **kw) as engine:
+        assert not engine.get_server_info()["disable_overlap_schedule"]
+        cold = engine.generate(input_ids=prompt, sampling_params=params)
+        for ids in others:
+            engine.generate(input_ids=ids, sampling_params=GREEDY)
+        warm = engine.generate(input_ids=prompt, sampling_params=params)
+    details = warm["meta_info"]["cached_tokens_details"]
+    assert details["host"] + details["storage"] == warm["meta_info"]["cached_tokens"] >= 192
+    assert cold["meta_info"]["spec_verify_ct"] > 0 and warm["meta_info"]["spec_verify_ct"] > 0
+    hf = load_hf_model(model_path, dtype=torch.float32)
+    assert warm["output_ids"] == cold["output_ids"] == hf_greedy(hf, [prompt], 24)[0]
