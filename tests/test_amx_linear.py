@@ -138,3 +138,18 @@ def test_worker_info_reports_the_packed_linears(folder):
     if amx_linear_unavailable_reason() is None:
         bf16 = TpModelWorker(make_runner(folder, dtype="bfloat16").server_args)
         assert bf16.get_worker_info().amx_linear_layers == bf16.model_runner.amx_linears > 0
+
+
+@needs_amx
+def test_an_untied_embedding_is_not_packed(tmp_path):
+    save_tiny_model("llama", tmp_path, tie_word_embeddings=False)
+    model = make_runner(tmp_path, dtype="bfloat16").model
+    assert model.model.embed_tokens.amx_weight is None and model.model.embed_tokens.weight is not None
+    assert model.lm_head.amx_weight is not None and model.lm_head.weight is None
+
+
+@needs_amx
+def test_a_tied_lm_head_is_packed_and_keeps_the_table(folder):
+    model = make_runner(folder, dtype="bfloat16").model
+    assert model.lm_head is model.model.embed_tokens
+    assert model.lm_head.amx_weight is not None and model.lm_head.weight is not None

@@ -93,12 +93,13 @@ class AmxWeight:
 
 
 def pack_amx_linears(model: nn.Module) -> int:
-    """Pack the bf16 weight of every module that takes an ``amx_weight`` (linears, LM heads) and
-    whose weight fits the kernel; a module's float weight is dropped unless it also serves as an
-    embedding (a tied LM head). Returns how many were packed."""
+    """Pack the bf16 weight of every module that takes an ``amx_weight`` (linears, the LM head:
+    ``model.lm_head``, an embedding table when tied) and whose weight fits the kernel; a module's
+    float weight is dropped unless it also serves as an embedding. Returns how many were packed."""
+    lm_head = getattr(model, "lm_head", None)
     count = 0
     for module in model.modules():
-        if not hasattr(module, "amx_weight") or not module.accepts_amx_weight():
+        if not hasattr(module, "amx_weight") or not (module.accepts_amx_weight() or module is lm_head):
             continue
         weight = module.weight
         if weight is None or not packable(weight):

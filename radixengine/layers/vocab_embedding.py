@@ -41,7 +41,7 @@ class VocabEmbedding(nn.Module):
         self.amx_weight: AmxWeight | None = None  # the weight packed for the LM head's use
 
     def accepts_amx_weight(self) -> bool:
-        return True
+        return False  # a table for lookups: packed only where it is the model's (tied) LM head
 
     def keeps_float_weight(self) -> bool:
         return True  # the embedding reads it
@@ -89,6 +89,9 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(VocabEmbedding):
     """Holds the output projection; the LogitsProcessor applies it to the selected hidden states."""
+
+    def accepts_amx_weight(self) -> bool:
+        return True
 
     def keeps_float_weight(self) -> bool:
         return False
