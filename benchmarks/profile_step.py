@@ -192,11 +192,12 @@ def main() -> None:
             timer,
             args.repeats,
         ),
-        "prefill": breakdown(
-            lambda: prefill_step(model, args.prefill_reqs, args.prefill_len), timer, args.repeats
-        ),
     }
-    for case in ("decode", "prefill"):
+    if args.prefill_reqs > 0:
+        results["prefill"] = breakdown(
+            lambda: prefill_step(model, args.prefill_reqs, args.prefill_len), timer, args.repeats
+        )
+    for case in [c for c in ("decode", "prefill") if c in results]:
         r = results[case]
         label = (
             f"decode bs {args.batch_size} x {args.cached_len} cached"

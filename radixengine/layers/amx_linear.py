@@ -4,9 +4,10 @@ decode step streams every weight from memory once, front to back, with fp32 sums
 
 ``pack_amx_linears(model)`` replaces the float weight of every linear it packs (the memory is not
 doubled); a tied LM head keeps the embedding's weight and packs a copy. The layers then compute
-with ``AmxWeight.linear`` for every batch size (the kernel is at least as fast as oneDNN's bf16
-matmul from 1 to 2048 rows on the 135M model's shapes). ``amx_linear_reference`` is the same
-product in pure torch, from the packed weight.
+with ``AmxWeight.linear`` for every batch size: about 2x oneDNN's bf16 matmul for a decode step's
+rows, a little slower than it on 2048-row prefill chunks (docs/benchmarks.md, "The rest of the
+step on AMX"), which is the price of holding each weight once. ``amx_linear_reference`` is the
+same product in pure torch, from the packed weight.
 """
 
 from __future__ import annotations

@@ -90,9 +90,6 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     """Holds the output projection; the LogitsProcessor applies it to the selected hidden states."""
 
-    def accepts_amx_weight(self) -> bool:
-        return True
-
     def keeps_float_weight(self) -> bool:
         return False
 
