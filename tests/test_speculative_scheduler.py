@@ -478,3 +478,42 @@ def test_requests_that_finish_before_their_verify_step_runs(monkeypatch, page, o
     reqs = [gen_req(f"f{i}", p, 1 + i % 3, ignore_eos=True) for i, p in enumerate(prompts)]
     sched = make_scheduler(page_size=page, overlap=overlap, **SPEC)
     assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+
+
+@LOOPS
+def test_a_draft_model_whose_drafts_fail_stops_running_for_a_while(unrelated_draft, overlap):
+    """The unrelated draft's tokens are rejected: each request pauses drafting (longer after each
+    miss) and a batch where no request drafts runs no draft forward and decodes plainly."""
+    prompts = random_prompts(612, 2, 30, 30)
+    reqs = [gen_req(f"p{i}", p, 120, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched = standalone(unrelated_draft, steps=3, overlap=overlap)
+    assert sched.drafter.min_tokens_per_verify > 1.3
+    calls = []
+    real_forward = sched.drafter._forward
+    sched.drafter._forward = lambda *a: calls.append(a[0]) or real_forward(*a)
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+    # Under overlap a miss shows earlier: the draft's first token predicts the bonus of the step
+    # in flight, so its drafts are dropped before they verify.
+    assert sched.stats.num_spec_verify_reqs < 2 * 120 // 8
+    assert 0 < len(calls) < 120 // 2  # 3 forwards a drafting step; 120 steps if it never paused
+    assert not sched.drafter.pacing and not sched.drafter.states  # forgotten once finished
+
+
+def test_the_draft_models_threshold_follows_the_weights_it_reads(tmp_path):
+    """A draft step costs its weights over the target's: a draft as large as the target can never
+    pay (the threshold is above the most a step can give: the drafts + the bonus)."""
+    import torch
+    import transformers
+    from sched_utils import TINY_LLAMA
+
+    from radixengine.model_loader import ModelConfig
+    from radixengine.speculative.spec_pacing import draft_model_min_tokens
+
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": True})
+    config.architectures = ["LlamaForCausalLM"]
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(tmp_path)
+    read = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
+    assert ModelConfig(str(tmp_path)).decode_weight_elements() == read  # the tied table is the LM head
+    assert draft_model_min_tokens(read, read, 3) > 3 + 1
+    assert draft_model_min_tokens(read // 10, read, 3) < 2

@@ -172,6 +172,10 @@ class BatchResultProcessor:
             # A row whose bonus node had nothing to sample still takes its accepted drafts (their
             # nodes were fine), as plain decoding would have emitted them before failing.
             tokens = out_ids[i][: accepted[i] + (0 if i in invalid else 1)]
+            if nodes[i] == 1 and batch.extend_lens[i] > 1:
+                # Overlap: its drafts were dropped, the step before emitted other tokens than the
+                # drafter assumed; to the drafter that is a miss.
+                self.drafter.on_verified(req, 1)
             self._take_verify_row(batch, i, tokens, logprobs, nodes[i] > 1, i in invalid)
             self.streamer.add(req)
         batch.finish_verify(

@@ -7,10 +7,9 @@ When speculation pays (the rule, deterministic: it depends on the tokens, never 
   `max_verify_tokens` a step: a request drafts at most `budget // batch size` tokens (up to
   `--speculative-num-draft-tokens`); when that leaves fewer than 2 (its last token and one draft)
   the batch decodes plainly.
-- Each request keeps the mean of the tokens its verify steps gave it (an EMA). Below
-  `MIN_TOKENS_PER_VERIFY` its drafts are mostly rejected (random text): it stops drafting for
-  `BACKOFF_STEPS` steps, twice as long after each further miss (up to `MAX_BACKOFF_STEPS`), then
-  drafts once to probe (a hit resumes drafting, a miss pauses again).
+- A request whose drafts are mostly rejected (random text: fewer than
+  `NGRAM_MIN_TOKENS_PER_VERIFY` tokens a verify step) pauses drafting, longer after each miss
+  (speculative/spec_pacing.py).
 - A request with a grammar does not draft (its verify node is its decode step, under its mask);
   a batch whose requests draft nothing decodes plainly."""
 
@@ -25,15 +24,17 @@ import numpy as np
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.scheduler_components.standalone_drafter import StandaloneDrafter
 from radixengine.model_executor.model_runner import ModelRunner
+from radixengine.model_loader import ModelConfig
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft, NgramIndex, NgramParams, SharedNgramIndex
-from radixengine.speculative.request_state import BACKOFF_STEPS, RequestSpecState
+from radixengine.speculative.request_state import RequestSpecState
 from radixengine.speculative.spec_args import ngram_params, standalone_num_steps
+from radixengine.speculative.spec_pacing import (
+    NGRAM_MIN_TOKENS_PER_VERIFY,
+    SpecPacing,
+    draft_model_min_tokens,
+)
 from radixengine.speculative.spec_tree import DraftTrees
-
-MIN_TOKENS_PER_VERIFY = 1.3
-EMA_DECAY = 0.7
-MAX_BACKOFF_STEPS = 64
 
 
 class Drafter(Protocol):
@@ -87,8 +88,7 @@ class SpeculativeDrafter:
 
     def _propose_one(self, req: Req, extra: list[int] | None, limit: int) -> list[int]:
         state = self._state_of(req)
-        if state.skip_steps > 0:
-            state.skip_steps -= 1
+        if state.pacing.skips_this_step():
             return []
         if extra is None:
             return _trim(state.index.draft(self.shared), limit).tokens[1:].tolist()
@@ -96,18 +96,8 @@ class SpeculativeDrafter:
 
     def on_verified(self, req: Req, tokens: int) -> None:
         """A verify step gave `req` `tokens` tokens for its draft."""
-        state = req.spec_state
-        if state is None:
-            return
-        state.tokens_per_verify = EMA_DECAY * state.tokens_per_verify + (1 - EMA_DECAY) * tokens
-        if state.tokens_per_verify >= MIN_TOKENS_PER_VERIFY:
-            state.backoff = BACKOFF_STEPS
-            return
-        state.skip_steps = state.backoff
-        state.backoff = min(2 * state.backoff, MAX_BACKOFF_STEPS)
-        state.tokens_per_verify = (
-            MIN_TOKENS_PER_VERIFY  # after the pause one draft probes: a miss pauses again
-        )
+        if req.spec_state is not None:
+            req.spec_state.pacing.record(tokens)
 
     def on_finished(self, req: Req) -> None:
         """A finished request's tokens join the shared index of recent requests."""
@@ -117,15 +107,15 @@ class SpeculativeDrafter:
 
     def _draft_one(self, req: Req, limit: int) -> NgramDraft:
         state = self._state_of(req)
-        if state.skip_steps > 0:
-            state.skip_steps -= 1
+        if state.pacing.skips_this_step():
             return _root_only(req)
         return _trim(state.index.draft(self.shared), limit)
 
     def _state_of(self, req: Req) -> RequestSpecState:
         state = req.spec_state
         if state is None:
-            state = req.spec_state = RequestSpecState(NgramIndex(self.config.params, req.tokens_from(0)))
+            index = NgramIndex(self.config.params, req.tokens_from(0))
+            state = req.spec_state = RequestSpecState(index, SpecPacing(NGRAM_MIN_TOKENS_PER_VERIFY))
         elif len(state.index) < req.seqlen:
             state.index.append(req.tokens_from(len(state.index)))
         return state
@@ -136,7 +126,12 @@ def make_drafter(args: ServerArgs) -> Drafter | None:
         return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
     if args.speculative_algorithm == "STANDALONE":
         runner = ModelRunner(draft_model_args(args))
-        return StandaloneDrafter(runner, standalone_num_steps(args), args.speculative_max_verify_tokens)
+        steps = standalone_num_steps(args)
+        target = ModelConfig(args.model_path, None, args.dtype, args.device, revision=args.revision)
+        min_tokens = draft_model_min_tokens(
+            runner.model_config.decode_weight_elements(), target.decode_weight_elements(), steps
+        )
+        return StandaloneDrafter(runner, steps, args.speculative_max_verify_tokens, min_tokens)
     return None
 
 

@@ -8,7 +8,11 @@ Positions whose tokens the verify rejected are dropped before that, so the draft
 a prefix of the request's tokens. The drafts are deterministic (the draft model's argmax), so the
 verify step accepts them by the target's own draws (`verify_tree`): greedy output is unchanged
 and sampling keeps the target's distribution. The per-step budget is the NGRAM drafter's
-(`--speculative-max-verify-tokens`); requests with a grammar take no draft."""
+(`--speculative-max-verify-tokens`); requests with a grammar take no draft. A request whose drafts
+return less than they cost (`min_tokens_per_verify`, from the two models' weights) pauses
+drafting as under NGRAM (speculative/spec_pacing.py); a batch where no request drafts runs no
+draft forward and decodes plainly, and a request that drafts again first extends the draft KV by
+the tokens it missed."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
+from radixengine.speculative.spec_pacing import SpecPacing
 from radixengine.speculative.spec_tree import DraftTrees
 
 
@@ -49,11 +54,15 @@ class _Context:
 
 
 class StandaloneDrafter:
-    def __init__(self, runner: ModelRunner, num_steps: int, max_verify_tokens: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, num_steps: int, max_verify_tokens: int, min_tokens_per_verify: float
+    ) -> None:
         self.runner = runner
         self.num_steps = num_steps  # draft tokens a request proposes per step
         self.max_verify_tokens = max_verify_tokens
+        self.min_tokens_per_verify = min_tokens_per_verify
         self.states: dict[int, tuple[Req, DraftKV]] = {}  # id(req) -> its draft KV
+        self.pacing: dict[int, tuple[Req, SpecPacing]] = {}  # id(req) -> how its drafts fared
 
     def draft(self, batch: ScheduleBatch) -> DraftTrees | None:
         drafted = self._drafts(batch, [None] * batch.batch_size())
@@ -72,20 +81,34 @@ class StandaloneDrafter:
     def _drafts(self, batch: ScheduleBatch, extras: list[list[int] | None]) -> list[list[int]] | None:
         self._release_finished()
         limit = min(self.num_steps + 1, self.max_verify_tokens // batch.batch_size())
-        drafting = [_Context(r, e) for r, e in zip(batch.reqs, extras) if r.grammar is None]
-        if limit < 2 or not drafting or not self._make_room(drafting, limit):
+        if limit < 2:
+            return None
+        drafting = [
+            _Context(r, e)
+            for r, e in zip(batch.reqs, extras)
+            if r.grammar is None and not self._pacing_of(r).skips_this_step()
+        ]
+        if not drafting or not self._make_room(drafting, limit):
             return None
         steps = limit if any(c.extra is not None for c in drafting) else limit - 1
         drafted = self._run_draft_model(drafting, steps)
         return [drafted.get(id(r), [])[: limit - (1 if e is None else 0)] for r, e in zip(batch.reqs, extras)]
 
     def on_verified(self, req: Req, tokens: int) -> None:
-        """Nothing now: the next draft drops what the verify rejected."""
+        """Paces the request's drafting; the next draft drops what the verify rejected."""
+        self._pacing_of(req).record(tokens)
 
     def on_finished(self, req: Req) -> None:
+        self.pacing.pop(id(req), None)
         entry = self.states.pop(id(req), None)
         if entry is not None:
             self._drop(entry[1])
+
+    def _pacing_of(self, req: Req) -> SpecPacing:
+        entry = self.pacing.get(id(req))
+        if entry is None or entry[0] is not req:
+            entry = self.pacing[id(req)] = (req, SpecPacing(self.min_tokens_per_verify))
+        return entry[1]
 
     # The draft model's KV ----------------------------------------------------------------------
 
@@ -125,6 +148,9 @@ class StandaloneDrafter:
             if req.finished():
                 del self.states[key]
                 self._drop(state)
+        for key, (req, _) in list(self.pacing.items()):
+            if req.finished():
+                del self.pacing[key]
 
     def _fits(self, reqs: list[_Context], limit: int) -> bool:
         need = 0
