@@ -28,7 +28,8 @@ from radixengine.managers.scheduler_components.speculative_drafter import Specul
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft
 
-SPEC = dict(speculative_algorithm="NGRAM")
+# A budget that lets the tests' batches (up to ~20 requests) verify; the default's rule has its own test.
+SPEC = dict(speculative_algorithm="NGRAM", speculative_max_verify_tokens=128)
 # Both step orders: the normal one, and the overlap loop (verify steps launched before the result
 # of the step before them is processed, speculative/spec_overlap.py).
 LOOPS = pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
@@ -214,17 +215,29 @@ def test_logprobs_of_every_accepted_token(monkeypatch, overlap):
         np.testing.assert_allclose(np.array(spec[rid][1]), np.array(plain[rid][1]), atol=2e-4)
 
 
+@pytest.mark.parametrize("batch", [16, 40])
 @LOOPS
-def test_large_batches_decode_plainly(overlap):
-    """The verify budget (32 tokens a step by default) leaves a batch of 40 fewer than 2 a
-    request: it decodes plainly, and its outputs are the plain ones."""
-    prompts = random_prompts(605, 40, 4, 12)
+def test_large_batches_decode_plainly(batch, overlap):
+    """The verify budget (32 tokens a step by default) leaves a batch of 16 or more fewer than 3
+    nodes (the last token and two drafts) a request: it decodes plainly, and its outputs are the
+    plain ones."""
+    prompts = random_prompts(605, batch, 4, 12)
     reqs = [gen_req(f"b{i}", p, 6) for i, p in enumerate(prompts)]
-    sched = make_scheduler(overlap=overlap, **SPEC)
+    sched = make_scheduler(overlap=overlap, speculative_algorithm="NGRAM")  # the default budget
     results = run_to_completion(sched, reqs)
     assert_matches_oracle(reqs, results)
-    steps_at_40 = sched.stats.num_spec_verify_reqs
-    assert steps_at_40 < 40 * 5  # only once requests have left the batch
+    assert sched.stats.num_spec_verify_reqs < batch * 5  # only once requests have left the batch
+
+
+def test_verify_nodes_per_request_follow_the_budget():
+    from radixengine.speculative.spec_pacing import verify_nodes_per_request
+
+    assert verify_nodes_per_request(32, 1, 8) == 8
+    assert verify_nodes_per_request(32, 8, 8) == 4
+    assert verify_nodes_per_request(32, 10, 8) == 3
+    assert verify_nodes_per_request(32, 11, 8) == 0  # two nodes: one draft a request does not pay
+    assert verify_nodes_per_request(32, 16, 2) == 2  # the drafter's own limit of one draft stands
+    assert verify_nodes_per_request(32, 17, 2) == 0
 
 
 @LOOPS
@@ -336,7 +349,7 @@ def standalone(draft: str, steps: int = 3, **kw):
         speculative_algorithm="STANDALONE",
         speculative_draft_model_path=draft,
         speculative_num_steps=steps,
-        **kw,
+        **{"speculative_max_verify_tokens": 128, **kw},
     )
 
 

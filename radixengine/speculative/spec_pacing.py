@@ -15,6 +15,10 @@ BACKOFF_STEPS = 8
 MAX_BACKOFF_STEPS = 64
 NGRAM_MIN_TOKENS_PER_VERIFY = 1.3  # a verify of a few tokens costs about a decode step
 INITIAL_MARGIN = 0.3  # a new request: two misses in a row pause it
+# A request verifies its last token and at least two drafts, or the batch decodes plainly: with
+# one draft each a step holds twice the tokens for less than one more token a request (batch 16
+# on the AMX Xeon of docs/benchmarks.md: 0.80x of plain decoding on W4 and W2).
+MIN_VERIFY_NODES = 3
 
 
 @dataclass
@@ -51,3 +55,10 @@ def draft_model_min_tokens(draft_weights: int, target_weights: int, num_steps: i
     times, each costing about draft_weights / target_weights of a target decode step at small
     batch (both read their weights once a step), on top of the verify's own cost."""
     return NGRAM_MIN_TOKENS_PER_VERIFY + num_steps * draft_weights / target_weights
+
+
+def verify_nodes_per_request(max_verify_tokens: int, batch_size: int, max_nodes: int) -> int:
+    """The nodes (last token + drafts) each request of the batch may verify this step, within the
+    step's budget and the drafter's own limit; 0: the batch decodes plainly."""
+    nodes = min(max_nodes, max_verify_tokens // batch_size)
+    return nodes if nodes >= min(MIN_VERIFY_NODES, max_nodes) else 0

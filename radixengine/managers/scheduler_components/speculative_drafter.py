@@ -5,8 +5,8 @@ When speculation pays (the rule, deterministic: it depends on the tokens, never 
 - A verify forward reads the weights once for all its tokens, so on a CPU at small batch it costs
   about one decode step; its cost grows with its tokens. The drafts share a budget of
   `max_verify_tokens` a step: a request drafts at most `budget // batch size` tokens (up to
-  `--speculative-num-draft-tokens`); when that leaves fewer than 2 (its last token and one draft)
-  the batch decodes plainly.
+  `--speculative-num-draft-tokens`); when that leaves fewer than 3 (its last token and two
+  drafts) the batch decodes plainly (`verify_nodes_per_request`).
 - A request whose drafts are mostly rejected (random text: fewer than
   `NGRAM_MIN_TOKENS_PER_VERIFY` tokens a verify step) pauses drafting, longer after each miss
   (speculative/spec_pacing.py).
@@ -33,6 +33,7 @@ from radixengine.speculative.spec_pacing import (
     NGRAM_MIN_TOKENS_PER_VERIFY,
     SpecPacing,
     draft_model_min_tokens,
+    verify_nodes_per_request,
 )
 from radixengine.speculative.spec_tree import DraftTrees
 
@@ -63,8 +64,8 @@ class SpeculativeDrafter:
 
     def draft(self, batch: ScheduleBatch) -> DraftTrees | None:
         """The batch's draft trees, or None when it should decode plainly."""
-        limit = min(self.config.params.num_draft_tokens, self.config.max_verify_tokens // batch.batch_size())
-        if limit < 2:
+        limit = self._limit(batch)
+        if limit == 0:
             return None
         drafts = [
             _root_only(req) if req.grammar is not None else self._draft_one(req, limit) for req in batch.reqs
@@ -78,13 +79,17 @@ class SpeculativeDrafter:
         """Under the overlap loop, each request's proposed tokens: after its known tokens (extra
         None: its drafts), or after them and `extra` (the drafts of its step in flight): the
         predicted bonus of that step, then the drafts. Empty: no draft."""
-        limit = min(self.config.params.num_draft_tokens, self.config.max_verify_tokens // batch.batch_size())
-        if limit < 2:
+        limit = self._limit(batch)
+        if limit == 0:
             return [[] for _ in batch.reqs]
         return [
             [] if req.grammar is not None else self._propose_one(req, extra, limit)
             for req, extra in zip(batch.reqs, extras)
         ]
+
+    def _limit(self, batch: ScheduleBatch) -> int:
+        c = self.config
+        return verify_nodes_per_request(c.max_verify_tokens, batch.batch_size(), c.params.num_draft_tokens)
 
     def _propose_one(self, req: Req, extra: list[int] | None, limit: int) -> list[int]:
         state = self._state_of(req)

@@ -24,7 +24,7 @@ import torch
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
-from radixengine.speculative.spec_pacing import SpecPacing
+from radixengine.speculative.spec_pacing import SpecPacing, verify_nodes_per_request
 from radixengine.speculative.spec_tree import DraftTrees
 
 
@@ -80,8 +80,8 @@ class StandaloneDrafter:
 
     def _drafts(self, batch: ScheduleBatch, extras: list[list[int] | None]) -> list[list[int]] | None:
         self._release_finished()
-        limit = min(self.num_steps + 1, self.max_verify_tokens // batch.batch_size())
-        if limit < 2:
+        limit = verify_nodes_per_request(self.max_verify_tokens, batch.batch_size(), self.num_steps + 1)
+        if limit == 0:
             return None
         drafting = [
             _Context(r, e)
