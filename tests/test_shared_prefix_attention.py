@@ -210,6 +210,22 @@ def test_cascade_with_soft_capping(dtype):
     )
 
 
+@needs_native
+def test_cascade_with_a_negative_scale():
+    """The AMX unit kernel takes the max of unscaled scores, so it needs scale > 0; any other
+    scale takes the fp32 path and still matches the plain decode."""
+    tree, own, heads, kv_heads, dim = CASES["one_prefix_bs32"]
+    q, k, v, table, idx, lens = _random_batch(
+        tree, own, heads, kv_heads, dim, torch.bfloat16, torch.bfloat16, 3
+    )
+    plan = build_cascade_plan(table, idx, lens.tolist(), min_shared_len=16)
+    expected = native_cpu_ops.decode_attention_reference(q, k, v, table, idx, lens, -0.125).float()
+    out = native_cpu_ops.decode_attention_cascade(
+        q, k, v, table, idx, lens, -0.125, *plan.kernel_args(), use_amx=True
+    )
+    torch.testing.assert_close(out.float(), expected, atol=1.6e-2, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nan_in_a_shared_key_reaches_every_member(dtype):
     tree, own, heads, kv_heads, dim = CASES["three_levels"]

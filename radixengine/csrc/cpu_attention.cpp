@@ -336,12 +336,14 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   }
 }
 
-// bf16 queries and KV on a CPU with AMX tiles, no sliding window: each (request, query block)
-// runs every kv head on the tiles (cpu_attention_amx.cpp).
-bool use_amx_extend(const at::Tensor& q, const at::Tensor& k_buffer, int64_t window_left) {
+// bf16 queries and KV on a CPU with AMX tiles, no sliding window, a positive scale (the tile
+// kernel takes the max of unscaled scores): each (request, query block) runs every kv head on
+// the tiles (cpu_attention_amx.cpp).
+bool use_amx_extend(const at::Tensor& q, const at::Tensor& k_buffer, int64_t window_left,
+                    double scale) {
   const int64_t D = q.size(2);
   return q.scalar_type() == at::kBFloat16 && k_buffer.scalar_type() == at::kBFloat16 &&
-         window_left < 0 && D % 32 == 0 && D <= 256 && cascade_amx_available();
+         window_left < 0 && D % 32 == 0 && D <= 256 && scale > 0.0 && cascade_amx_available();
 }
 
 AmxExtendBlock amx_block(const ExtendArgs& a, int64_t b, int64_t q_block) {
@@ -525,7 +527,7 @@ at::Tensor extend_attention(const at::Tensor& q_in, const at::Tensor& k_buffer,
   std::stable_sort(blocks.begin(), blocks.end(),
                    [](const Block& x, const Block& y) { return x.cost > y.cost; });
 
-  if (use_amx && use_amx_extend(q, k_buffer, window_left)) {
+  if (use_amx && use_amx_extend(q, k_buffer, window_left, scale)) {
     run_tasks(static_cast<int64_t>(blocks.size()), [&](int64_t task) {
       extend_block_amx(amx_block(args, blocks[task].b, blocks[task].q_block),
                        reinterpret_cast<const bf16*>(q.data_ptr()),

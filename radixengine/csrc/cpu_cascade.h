@@ -32,10 +32,12 @@ struct CascadeUnits {
   float* partial_lse;
 };
 
-// Writes unit u's result for kv head `kv_head`: acc [M][D] (M = members x group, member-major)
-// divided by row_sum, and the log-sum-exp row_max + log(row_sum), into each member's slot.
-void store_unit_partials(const CascadeUnits& a, int64_t u, int64_t kv_head, const float* acc,
-                         const float* row_max, const float* row_sum);
+// Writes a part's result for kv head `kv_head`: acc [M][D] (M = num_members x group,
+// member-major) divided by row_sum, and the log-sum-exp row_max + log(row_sum), into slot
+// slots[j] of member j (batch index members[j]).
+void store_partials(const CascadeUnits& a, const int64_t* members, const int64_t* slots,
+                    int64_t num_members, int64_t kv_head, const float* acc, const float* row_max,
+                    const float* row_sum);
 
 // Whether this process can run the AMX unit kernel: a build with AVX-512, a CPU with AMX-BF16
 // (and AVX512-BF16), and the kernel's permission to use the tile registers. Checked once.
@@ -45,5 +47,6 @@ bool cascade_amx_available();
 // 256); call only when cascade_amx_available().
 void cascade_unit_task_amx(const CascadeUnits& a, const bf16* q, const bf16* k_buf,
                            const bf16* v_buf, int64_t u);
+
 
 }  // namespace radixengine::cpu

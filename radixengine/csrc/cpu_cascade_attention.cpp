@@ -45,7 +45,8 @@ void unit_task(const CascadeUnits& a, const QT* q, const KVT* k_buf, const KVT* 
     blk.scores(a.pool, k_buf, v_buf, a.unit_rows[u], start, n, kv_head, a.logit_cap);
     blk.accumulate(n, /*floor_max=*/false, start == begin);
   }
-  store_unit_partials(a, u, kv_head, blk.acc, blk.row_max, blk.row_sum);
+  store_partials(a, a.members + m0, a.member_slots + m0, num_members, kv_head, blk.acc,
+                 blk.row_max, blk.row_sum);
 }
 
 // One task of the units: on AMX a whole unit (every kv head, so a pool row is read once), else
@@ -94,16 +95,16 @@ void check_plan(const CascadeUnits& a, int64_t bs, const int64_t* seq_lens, int6
 
 }  // namespace
 
-void store_unit_partials(const CascadeUnits& a, int64_t u, int64_t kv_head, const float* acc,
-                         const float* row_max, const float* row_sum) {
+void store_partials(const CascadeUnits& a, const int64_t* members, const int64_t* slots,
+                    int64_t num_members, int64_t kv_head, const float* acc, const float* row_max,
+                    const float* row_sum) {
   const int64_t D = a.pool.head_dim;
   const int64_t G = a.group;
-  const int64_t m0 = a.member_ptr[u];
-  for (int64_t j = 0; j < a.member_ptr[u + 1] - m0; ++j) {
-    const int64_t b = a.members[m0 + j];
+  for (int64_t j = 0; j < num_members; ++j) {
+    const int64_t b = members[j];
     for (int64_t g = 0; g < G; ++g) {
       const int64_t m = j * G + g;
-      const int64_t idx = (b * a.num_heads + kv_head * G + g) * a.num_slots + a.member_slots[m0 + j];
+      const int64_t idx = (b * a.num_heads + kv_head * G + g) * a.num_slots + slots[j];
       store_scaled(acc + m * D, a.partial_out + idx * D, D, 1.0f / row_sum[m]);
       a.partial_lse[idx] = row_max[m] + std::log(row_sum[m]);
     }
@@ -181,9 +182,10 @@ at::Tensor decode_attention_cascade(
     };
     return cost(x) > cost(y);
   });
+  // The AMX unit kernel keeps scores in log2 units and needs scale > 0 for their max.
   const bool amx = use_amx && q.scalar_type() == at::kBFloat16 &&
                    k_buffer.scalar_type() == at::kBFloat16 && D % 32 == 0 && D <= 256 &&
-                   cascade_amx_available();
+                   scale > 0.0 && cascade_amx_available();
   std::function<void(int64_t)> run_unit_task;
   RADIX_DISPATCH_FLOAT_BF16(q.scalar_type(), "decode_attention_cascade", QT, [&] {
     RADIX_DISPATCH_KV(k_buffer.scalar_type(), "decode_attention_cascade", KVT, [&] {

@@ -111,7 +111,13 @@ def _sorted_lcp(table: np.ndarray, seq_lens: list[int]) -> tuple[np.ndarray, np.
     width = table.shape[1]
     past_end = np.arange(width)[None, :] >= np.asarray(seq_lens)[:, None]
     table[past_end] = -1 - np.nonzero(past_end)[0]
-    order = np.lexsort(table.T[::-1])
+    # Rows as big-endian unsigned bytes (sign bit flipped) compare as their integers do, so one
+    # sort of byte strings is the lexicographic order (np.lexsort would sort once per column).
+    keys = (table.view(np.uint64) ^ np.uint64(1 << 63)).astype(">u8").tobytes()
+    row_bytes = width * 8
+    order = np.array(
+        sorted(range(len(table)), key=lambda i: keys[i * row_bytes : (i + 1) * row_bytes]), dtype=np.int64
+    )
     ordered = table[order]
     differs = ordered[1:] != ordered[:-1]
     lcp = np.where(differs.any(axis=1), differs.argmax(axis=1), width)
