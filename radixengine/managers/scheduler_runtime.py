@@ -12,6 +12,7 @@ import time
 from radixengine.managers.scheduler import Scheduler
 from radixengine.managers.scheduler_exit import WATCHDOG_EXIT_CODE
 from radixengine.managers.scheduler_io import SchedulerIO
+from radixengine.managers.scheduler_ranks import scheduler_digest
 from radixengine.managers.served_model import load_tokenizer
 from radixengine.model_executor.tp_worker import TpModelWorker
 from radixengine.server_args import ServerArgs
@@ -23,6 +24,8 @@ def build_scheduler(server_args: ServerArgs, io: SchedulerIO) -> Scheduler:
     """The TpModelWorker and the Scheduler, with the scheduler's outputs going to `io`."""
     tp_worker = TpModelWorker(server_args)
     scheduler = Scheduler(server_args, tp_worker=tp_worker, tokenizer=load_tokenizer(server_args), io=io)
+    if server_args.test_mode and server_args.tp_size > 1:  # io: a TpRankIO (rank 1..'s is __main__'s)
+        io.digest = lambda: scheduler_digest(scheduler)
     return scheduler
 
 

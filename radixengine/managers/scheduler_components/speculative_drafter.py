@@ -12,7 +12,10 @@ When speculation pays (the rule, deterministic: it depends on the tokens, never 
   `BACKOFF_STEPS` steps, twice as long after each further miss (up to `MAX_BACKOFF_STEPS`), then
   drafts once to probe (a hit resumes drafting, a miss pauses again).
 - A request with a grammar does not draft (its verify node is its decode step, under its mask);
-  a batch whose requests draft nothing decodes plainly."""
+  a batch whose requests draft nothing decodes plainly.
+
+Under tensor parallelism every rank drafts alike: the drafts and this rule depend only on the
+requests' tokens, the same on every rank (the shared index takes them at the same steps)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
+from radixengine.distributed import get_tp_group, single_rank_group
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.scheduler_components.standalone_drafter import StandaloneDrafter
 from radixengine.model_executor.model_runner import ModelRunner
@@ -30,6 +34,7 @@ from radixengine.speculative.ngram_index import NgramDraft, NgramIndex, NgramPar
 from radixengine.speculative.request_state import BACKOFF_STEPS, RequestSpecState
 from radixengine.speculative.spec_args import ngram_params, standalone_num_steps
 from radixengine.speculative.spec_tree import DraftTrees
+from radixengine.utils.random_seed import preserved_random_state
 
 MIN_TOKENS_PER_VERIFY = 1.3
 EMA_DECAY = 0.7
@@ -135,14 +140,21 @@ def make_drafter(args: ServerArgs) -> Drafter | None:
     if args.speculative_algorithm == "NGRAM":
         return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
     if args.speculative_algorithm == "STANDALONE":
-        runner = ModelRunner(draft_model_args(args))
+        runner = make_draft_runner(args) if get_tp_group().is_first_rank else None
         return StandaloneDrafter(runner, standalone_num_steps(args), args.speculative_max_verify_tokens)
     return None
 
 
+def make_draft_runner(args: ServerArgs) -> ModelRunner:
+    """The draft model, whole on this rank (under tensor parallelism rank 0 alone builds it:
+    loading it must not move the random generators the ranks sample with)."""
+    with single_rank_group(), preserved_random_state():
+        return ModelRunner(draft_model_args(args))
+
+
 def draft_model_args(args: ServerArgs) -> ServerArgs:
     """The draft model's runner: the target's device, dtype and threads; its own pools of the
-    target's size (page size 1); no speculation, no CUDA graphs."""
+    target's size (page size 1); one rank; no speculation, no CUDA graphs."""
     return dataclasses.replace(
         args,
         model_path=args.speculative_draft_model_path,
@@ -152,6 +164,10 @@ def draft_model_args(args: ServerArgs) -> ServerArgs:
         speculative_draft_model_path=None,
         speculative_num_draft_tokens=None,
         page_size=1,
+        tp_size=1,
+        nnodes=1,
+        node_rank=0,
+        dist_init_addr=None,
         disable_cuda_graph=True,
         context_length=None,
     )

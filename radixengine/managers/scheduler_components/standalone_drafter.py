@@ -8,7 +8,11 @@ Positions whose tokens the verify rejected are dropped before that, so the draft
 a prefix of the request's tokens. The drafts are deterministic (the draft model's argmax), so the
 verify step accepts them by the target's own draws (`verify_tree`): greedy output is unchanged
 and sampling keeps the target's distribution. The per-step budget is the NGRAM drafter's
-(`--speculative-max-verify-tokens`); requests with a grammar take no draft."""
+(`--speculative-max-verify-tokens`); requests with a grammar take no draft.
+
+Under tensor parallelism rank 0 alone holds the draft model, whole (built in a one-rank group, so
+its forward runs no collective beside the target's), and broadcasts its drafts: every rank then
+verifies the same tokens. The other ranks' drafters have no runner."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from radixengine.distributed import broadcast_pyobj, single_rank_group
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
@@ -49,8 +54,8 @@ class _Context:
 
 
 class StandaloneDrafter:
-    def __init__(self, runner: ModelRunner, num_steps: int, max_verify_tokens: int) -> None:
-        self.runner = runner
+    def __init__(self, runner: ModelRunner | None, num_steps: int, max_verify_tokens: int) -> None:
+        self.runner = runner  # None on a tensor-parallel rank other than 0
         self.num_steps = num_steps  # draft tokens a request proposes per step
         self.max_verify_tokens = max_verify_tokens
         self.states: dict[int, tuple[Req, DraftKV]] = {}  # id(req) -> its draft KV
@@ -73,10 +78,19 @@ class StandaloneDrafter:
         self._release_finished()
         limit = min(self.num_steps + 1, self.max_verify_tokens // batch.batch_size())
         drafting = [_Context(r, e) for r, e in zip(batch.reqs, extras) if r.grammar is None]
-        if limit < 2 or not drafting or not self._make_room(drafting, limit):
+        if limit < 2 or not drafting:
+            return None
+        drafted = None if self.runner is None else self._drafts_on_rank0(batch, extras, drafting, limit)
+        return broadcast_pyobj(drafted, src=0)
+
+    def _drafts_on_rank0(
+        self, batch: ScheduleBatch, extras: list[list[int] | None], drafting: list[_Context], limit: int
+    ) -> list[list[int]] | None:
+        if not self._make_room(drafting, limit):
             return None
         steps = limit if any(c.extra is not None for c in drafting) else limit - 1
-        drafted = self._run_draft_model(drafting, steps)
+        with single_rank_group():
+            drafted = self._run_draft_model(drafting, steps)
         return [drafted.get(id(r), [])[: limit - (1 if e is None else 0)] for r, e in zip(batch.reqs, extras)]
 
     def on_verified(self, req: Req, tokens: int) -> None:
