@@ -14,7 +14,7 @@ dies ends its parent with `TP_RANK_EXIT_BASE + rank`, and the tokenizer manager 
 --watchdog-timeout (gloo's timeout).
 
 With --test-mode the ranks also compare, before every receive, a digest of their schedulers'
-requests and tokens (`scheduler_digest`): ranks that stopped making the same decisions raise at
+requests and tokens (`scheduler_runtime.scheduler_digest`): ranks that stopped making the same decisions raise at
 the first step where they differ instead of hanging in a collective or answering wrongly."""
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,15 +77,6 @@ class TpFollowerIO(TpRankIO):
 
     def send(self, msg: object) -> None:
         pass
-
-
-def scheduler_digest(scheduler) -> int:
-    """What every rank's scheduler must hold alike after a step: its step count, the requests of
-    its running, last and waiting batches, their output tokens and verify steps."""
-    batches = (scheduler.running_batch, scheduler.last_batch)
-    reqs = [r for b in batches if b is not None for r in b.reqs] + list(scheduler.waiting_queue)
-    state = (scheduler.step_ct, [(r.rid, r.output_ids, r.spec_verify_ct) for r in reqs])
-    return zlib.crc32(repr(state).encode())
 
 
 @dataclass(frozen=True)
