@@ -1,22 +1,26 @@
-"""Speculative decoding (NGRAM) against speculation off, in one run: the copy-heavy workload W4
-(benchmarks/workloads, made by make_copy_workload.py) and W2, at several batch sizes.
+"""Speculative decoding (NGRAM, STANDALONE) against speculation off, in one run: the copy-heavy
+workload W4 (benchmarks/workloads, made by make_copy_workload.py) and W2, at several batch sizes.
 
     python benchmarks/bench_speculative.py                          # W4, W2; batch 1, 4, 8, 16, 32
     python benchmarks/bench_speculative.py --workloads W4 --batch-sizes 1,8 --repeats 3
     python benchmarks/bench_speculative.py --num-draft-tokens 12 --max-verify-tokens 128
+    python benchmarks/bench_speculative.py --modes off,NGRAM        # no draft model
 
-Two offline `Engine`s stay up side by side (the default model unless --model-path, greedy as in
-the workloads): one with speculation off, one with `speculative_algorithm="NGRAM"`. For each
-workload, batch size and repeat both run the same requests, alternating which goes first, with
-the prefix cache flushed before each run. Batch b: the workload's first b requests submitted at
+One offline `Engine` per mode stays up side by side (the default model unless --model-path,
+greedy as in the workloads): speculation off, `speculative_algorithm="NGRAM"`, and
+`"STANDALONE"` with --draft-model-path, by default a draft made here: the target's config with
+--random-draft-layers layers and seeded random weights (its tokenizer is the target's). A random
+draft's tokens are almost never accepted, so its row measures what drafting costs, the floor of
+STANDALONE; a trained draft of the same shape costs the same per step and gains with its accept
+length. For each workload, batch size and repeat every mode runs the same requests, the order
+rotating between repeats, with the prefix cache flushed before each run. Batch b: the workload's first b requests submitted at
 once; batch 1: the first --batch1-requests requests one after the other. Reported per run (the
 fastest repeat): output tok/s, TPOT (mean over requests of the time per output token after the
 first, streamed), the accept length (tokens a request takes from a verify step: the scheduler's
 avg_spec_accept_length over this run), the share of decode steps that verified, the ratio
-on/off, and how many requests gave the same tokens on and off (all of them, for greedy).
-
-STANDALONE (a draft model) is not measured here: no smaller model of the default model's
-tokenizer is at hand. Writes --output (JSON), a copy in docs/results/ with --docs-copy, and --plot (PNG)."""
+on/off, how many requests gave the same tokens on and off (all of them, for greedy), the mean
+time to first token and the spread of the requests' finish times (the run ends with the slowest).
+Writes --output (JSON), a copy in docs/results/ with --docs-copy, and --plot (PNG)."""
 
 from __future__ import annotations
 
@@ -36,8 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import WORKLOADS_DIR, _cpu_name, load_workload, workload_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("off", "NGRAM")
-STANDALONE_NOTE = "STANDALONE (a draft model) is not measured: no smaller model of this tokenizer is at hand."
+MODES = ("off", "NGRAM", "STANDALONE")
 
 
 @dataclass
@@ -45,6 +48,8 @@ class RunResult:
     elapsed_s: float
     output_tokens: int
     tpots: list[float]
+    ttfts: list[float]
+    finishes: list[float]  # seconds from the run's start
     output_ids: list[list[int]]
     spec_reqs: int
     spec_tokens: float
@@ -55,9 +60,23 @@ class RunResult:
         return self.output_tokens / self.elapsed_s
 
 
-async def _stream_one(engine, item: dict, sampling_params: dict) -> tuple[float, list[int], int]:
-    """One streamed request: (TPOT, output ids, completion tokens)."""
-    first, ids, meta = None, [], {}
+@dataclass
+class Streamed:
+    start: float
+    first: float | None
+    end: float
+    ids: list[int]
+    tokens: int
+
+    @property
+    def tpot(self) -> float:
+        if self.first is None or self.tokens < 2:
+            return float("nan")
+        return (self.end - self.first) / (self.tokens - 1)
+
+
+async def _stream_one(engine, item: dict, sampling_params: dict) -> Streamed:
+    start, first, ids, meta = time.perf_counter(), None, [], {}
     stream = await engine.async_generate(
         messages=item.get("messages"), prompt=item.get("text"), sampling_params=sampling_params, stream=True
     )
@@ -66,13 +85,10 @@ async def _stream_one(engine, item: dict, sampling_params: dict) -> tuple[float,
             first = time.perf_counter()
         ids += chunk["output_ids"]
         meta = chunk["meta_info"]
-    end = time.perf_counter()
-    n = meta.get("completion_tokens", len(ids))
-    tpot = (end - first) / (n - 1) if first is not None and n > 1 else float("nan")
-    return tpot, ids, n
+    return Streamed(start, first, time.perf_counter(), ids, meta.get("completion_tokens", len(ids)))
 
 
-async def _run_batch(engine, items: list[dict], params: list[dict]) -> list[tuple[float, list[int], int]]:
+async def _run_batch(engine, items: list[dict], params: list[dict]) -> list[Streamed]:
     return await asyncio.gather(*(_stream_one(engine, i, p) for i, p in zip(items, params)))
 
 
@@ -94,9 +110,11 @@ def run_once(engine, items: list[dict], params: list[dict], sequential: bool) ->
     reqs1, tokens1, steps1 = _spec_counters(engine)
     return RunResult(
         elapsed_s=elapsed,
-        output_tokens=sum(r[2] for r in results),
-        tpots=[r[0] for r in results],
-        output_ids=[r[1] for r in results],
+        output_tokens=sum(r.tokens for r in results),
+        tpots=[r.tpot for r in results],
+        ttfts=[r.first - r.start for r in results if r.first is not None],
+        finishes=[r.end - start for r in results],
+        output_ids=[r.ids for r in results],
         spec_reqs=reqs1 - reqs0,
         spec_tokens=tokens1 - tokens0,
         decode_steps=steps1 - steps0,
@@ -113,43 +131,48 @@ def _params(items: list[dict], max_new_tokens: int | None) -> list[dict]:
     return out
 
 
-def bench_point(engines: dict, name: str, items: list[dict], bs: int, args, flip: bool) -> list[dict]:
+def _mode_order(modes: list[str], repeat: int, shift: int) -> list[str]:
+    k = (repeat + shift) % len(modes)
+    return modes[k:] + modes[:k]
+
+
+def bench_point(engines: dict, name: str, items: list[dict], bs: int, args, shift: int) -> list[dict]:
     sequential = bs == 1
     batch = items[: args.batch1_requests] if sequential else items[:bs]
     params = _params(batch, args.max_new_tokens)
-    runs: dict[str, list[RunResult]] = {m: [] for m in MODES}
+    modes = list(engines)
+    runs: dict[str, list[RunResult]] = {m: [] for m in modes}
     for r in range(args.repeats):
-        for mode in MODES if (r + flip) % 2 == 0 else MODES[::-1]:
+        for mode in _mode_order(modes, r, shift):
             print(f"[{name} bs={bs} repeat {r + 1}] {mode} ...", file=sys.stderr, flush=True)
             runs[mode].append(run_once(engines[mode], batch, params, sequential))
-    best = {m: max(runs[m], key=lambda x: x.output_tok_s) for m in MODES}
+    best = {m: max(runs[m], key=lambda x: x.output_tok_s) for m in modes}
     off = best["off"]
-    rows = []
-    for mode in MODES:
-        b = best[mode]
-        rows.append(
-            {
-                "workload": name,
-                "batch_size": bs,
-                "requests": len(batch),
-                "sequential": sequential,
-                "speculative_algorithm": None if mode == "off" else mode,
-                "output_tokens": b.output_tokens,
-                "elapsed_s": b.elapsed_s,
-                "output_tok_s": b.output_tok_s,
-                "output_tok_s_all_repeats": [x.output_tok_s for x in runs[mode]],
-                "tpot_mean_s": statistics.mean(t for t in b.tpots if t == t) if b.output_tokens else None,
-                "avg_spec_accept_length": b.spec_tokens / b.spec_reqs if b.spec_reqs else None,
-                "spec_verify_reqs": b.spec_reqs,
-                "forward_steps": b.decode_steps,
-                "ratio_vs_off": b.output_tok_s / off.output_tok_s,
-                "same_tokens_as_off": sum(a == o for a, o in zip(b.output_ids, off.output_ids)),
-                "first_difference_at": [
-                    _first_difference(a, o) for a, o in zip(b.output_ids, off.output_ids)
-                ],
-            }
-        )
-    return rows
+    return [_row(name, bs, len(batch), sequential, mode, best[mode], runs[mode], off) for mode in modes]
+
+
+def _row(name: str, bs: int, requests: int, sequential: bool, mode: str, b: RunResult, runs, off) -> dict:
+    return {
+        "workload": name,
+        "batch_size": bs,
+        "requests": requests,
+        "sequential": sequential,
+        "speculative_algorithm": None if mode == "off" else mode,
+        "output_tokens": b.output_tokens,
+        "elapsed_s": b.elapsed_s,
+        "output_tok_s": b.output_tok_s,
+        "output_tok_s_all_repeats": [x.output_tok_s for x in runs],
+        "tpot_mean_s": statistics.mean(t for t in b.tpots if t == t) if b.output_tokens else None,
+        "ttft_mean_s": statistics.mean(b.ttfts) if b.ttfts else None,
+        "finish_first_s": min(b.finishes),
+        "finish_last_s": max(b.finishes),
+        "avg_spec_accept_length": b.spec_tokens / b.spec_reqs if b.spec_reqs else None,
+        "spec_verify_reqs": b.spec_reqs,
+        "forward_steps": b.decode_steps,
+        "ratio_vs_off": b.output_tok_s / off.output_tok_s,
+        "same_tokens_as_off": sum(a == o for a, o in zip(b.output_ids, off.output_ids)),
+        "first_difference_at": [_first_difference(a, o) for a, o in zip(b.output_ids, off.output_ids)],
+    }
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -157,6 +180,29 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     if a == b:
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def random_draft(target_path: str | None, layers: int, root: Path) -> str:
+    """A draft of the target's tokenizer and config with `layers` layers and seeded random weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from radixengine.model_loader.default_model import default_model_path
+    from radixengine.model_loader.gguf_loader import convert_gguf, is_gguf
+
+    source = Path(target_path or default_model_path())
+    if is_gguf(source):
+        source = convert_gguf(source)
+    folder = root / f"random_draft_{layers}_layers"
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf", ".index.json", ".done")):
+            shutil.copy(f, folder / f.name)
+    config = AutoConfig.from_pretrained(source)
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+    return str(folder)
 
 
 def make_engines(args) -> dict:
@@ -170,12 +216,20 @@ def make_engines(args) -> dict:
         cpu_forward_stream=args.cpu_forward_stream,
         disable_overlap_schedule=args.disable_overlap_schedule,
     )
-    spec = dict(
-        speculative_algorithm="NGRAM",
-        speculative_num_draft_tokens=args.num_draft_tokens,
-        speculative_max_verify_tokens=args.max_verify_tokens,
-    )
-    engines = {"off": Engine(**common), "NGRAM": Engine(**common, **spec)}
+    budget = dict(speculative_max_verify_tokens=args.max_verify_tokens)
+    specs = {
+        "off": {},
+        "NGRAM": dict(
+            speculative_algorithm="NGRAM", speculative_num_draft_tokens=args.num_draft_tokens, **budget
+        ),
+        "STANDALONE": dict(
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=args.draft_model_path,
+            speculative_num_steps=args.draft_steps,
+            **budget,
+        ),
+    }
+    engines = {mode: Engine(**common, **specs[mode]) for mode in args.modes}
     for engine in engines.values():
         engine.generate("Warm-up.", {"max_new_tokens": 8, "temperature": 0})
     return engines
@@ -193,7 +247,7 @@ def run_all(args, save) -> list[dict]:
         for name, path in paths.items():
             items = load_workload(path)
             for bs in args.batch_sizes:
-                rows += bench_point(engines, name, items, bs, args, flip=len(rows) % 4 == 2)
+                rows += bench_point(engines, name, items, bs, args, shift=len(rows) // len(engines))
                 save(rows)
         return rows
     finally:
@@ -207,15 +261,19 @@ def _fmt(x, spec: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     print(
-        "| workload | batch | speculation | output tok/s | TPOT (ms) | accept length | × off | same tokens as off |"
+        "| workload | batch | speculation | output tok/s | TPOT (ms) | TTFT (ms) | finish first–last (s) "
+        "| accept length | × off | same tokens as off |"
     )
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 10)
     for r in rows:
         batch = f"1 (×{r['requests']} in turn)" if r["sequential"] else str(r["batch_size"])
         tpot = _fmt(r["tpot_mean_s"] and r["tpot_mean_s"] * 1000, ".1f")
+        ttft = _fmt(r["ttft_mean_s"] and r["ttft_mean_s"] * 1000, ".0f")
+        finish = f"{r['finish_first_s']:.2f}–{r['finish_last_s']:.2f}"
         same = f"{r['same_tokens_as_off']}/{r['requests']}" if r["speculative_algorithm"] else "–"
         print(f"| {r['workload']} | {batch} | {r['speculative_algorithm'] or 'off'} | {r['output_tok_s']:.1f} | "
-              f"{tpot} | {_fmt(r['avg_spec_accept_length'], '.2f')} | {r['ratio_vs_off']:.2f} | {same} |")  # fmt: skip
+              f"{tpot} | {ttft} | {finish} | {_fmt(r['avg_spec_accept_length'], '.2f')} | "
+              f"{r['ratio_vs_off']:.2f} | {same} |")  # fmt: skip
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -224,20 +282,22 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name in workloads:
-        on = [r for r in rows if r["workload"] == name and r["speculative_algorithm"]]
-        off = [r for r in rows if r["workload"] == name and not r["speculative_algorithm"]]
-        bss = [r["batch_size"] for r in on]
-        (line,) = axes[0].plot(bss, [r["output_tok_s"] for r in on], "o-", label=f"{name} NGRAM")
-        axes[0].plot(
-            bss, [r["output_tok_s"] for r in off], "s--", color=line.get_color(), label=f"{name} off"
-        )
-        axes[1].plot(bss, [r["ratio_vs_off"] for r in on], "o-", color=line.get_color(), label=name)
+    series = dict.fromkeys((r["workload"], r["speculative_algorithm"] or "off") for r in rows)
+    styles = {"off": "s--", "NGRAM": "o-", "STANDALONE": "^-"}
+    for workload, mode in series:
+        points = [
+            r for r in rows if r["workload"] == workload and (r["speculative_algorithm"] or "off") == mode
+        ]
+        bss = [r["batch_size"] for r in points]
+        axes[0].plot(bss, [r["output_tok_s"] for r in points], styles[mode], label=f"{workload} {mode}")
+        if mode != "off":
+            axes[1].plot(bss, [r["ratio_vs_off"] for r in points], styles[mode], label=f"{workload} {mode}")
     axes[0].set(xscale="log", xlabel="batch size", ylabel="output tok/s", title="throughput")
     axes[1].axhline(1.0, color="gray", lw=0.8)
-    axes[1].set(xscale="log", xlabel="batch size", ylabel="NGRAM / off", title="speed-up (output tok/s)")
+    axes[1].set(
+        xscale="log", xlabel="batch size", ylabel="× speculation off", title="speed-up (output tok/s)"
+    )
     for ax in axes:
         ax.legend(fontsize=8)
         ax.set_xticks(sorted({r["batch_size"] for r in rows}), labels=None)
@@ -259,7 +319,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch1-requests", type=int, default=4, help="batch 1: requests run one after another"
     )
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the workload's")
-    parser.add_argument("--num-draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens")
+    parser.add_argument("--modes", default="off,NGRAM,STANDALONE", help="off plus any of NGRAM, STANDALONE")
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=8, help="NGRAM: --speculative-num-draft-tokens"
+    )
+    parser.add_argument(
+        "--draft-model-path",
+        default=None,
+        help="STANDALONE's draft (default: a random one, --random-draft-layers)",
+    )
+    parser.add_argument("--random-draft-layers", type=int, default=4, help="layers of the random draft")
+    parser.add_argument("--draft-steps", type=int, default=3, help="STANDALONE: --speculative-num-steps")
     parser.add_argument("--max-verify-tokens", type=int, default=32, help="--speculative-max-verify-tokens")
     parser.add_argument(
         "--repeats", type=int, default=2, help="alternating runs per point; the fastest is kept"
@@ -283,6 +353,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    args.modes = [m for m in args.modes.split(",") if m]
+    if (
+        args.modes[:1] != ["off"]
+        or not set(args.modes) <= set(MODES)
+        or len(set(args.modes)) != len(args.modes)
+    ):
+        parser.error(f"--modes: off first, then any of {', '.join(MODES[1:])}")
     if args.repeats < 1 or not args.batch_sizes or min(args.batch_sizes) < 1:
         parser.error("--repeats and every batch size must be >= 1")
     return args
@@ -298,9 +375,12 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.output, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
 
+    if "STANDALONE" in args.modes and args.draft_model_path is None:
+        args.draft_model_path = random_draft(
+            args.model_path, args.random_draft_layers, Path(args.output).parent
+        )
     rows = run_all(args, save)
     print_table(rows)
-    print(f"\n{STANDALONE_NOTE}")
     save(rows)
     print(f"\nwrote {args.output}", file=sys.stderr)
     if args.docs_copy:
@@ -325,7 +405,10 @@ def _meta(args, load_before) -> dict:
         "repeats": args.repeats,
         "cpu_forward_stream": args.cpu_forward_stream,
         "disable_overlap_schedule": args.disable_overlap_schedule,
-        "standalone": STANDALONE_NOTE,
+        "modes": args.modes,
+        "draft_model_path": args.draft_model_path,
+        "draft_steps": args.draft_steps,
+        "random_draft_layers": args.random_draft_layers,
     }
 
 

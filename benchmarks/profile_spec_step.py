@@ -1,9 +1,10 @@
-"""Where a speculative (NGRAM) step goes against a plain decode step, at batch 1 on the default
-model: the scheduler runs in this process, each forward is timed by its kind (decode or verify),
+"""Where a speculative (NGRAM) step goes against a plain decode step, at batch 1 (or
+--batch-size requests submitted together) on the default model: the scheduler runs in this process, each forward is timed by its kind (decode or verify),
 and so are the drafting and the scheduler's own phases.
 
     python benchmarks/profile_spec_step.py                       # W4's first 3 requests, one at a time
     python benchmarks/profile_spec_step.py --requests 1 --max-new-tokens 64
+    python benchmarks/profile_spec_step.py --requests 8 --batch-size 8      # W4's batch-8 point
 
 Per run (speculation off, then NGRAM): wall time, output tok/s, steps, and per step the mean
 milliseconds of the forward (decode steps and verify steps apart, with the tokens a verify step
@@ -54,7 +55,12 @@ class KindTimedWorker:
 
 
 def run(
-    worker: KindTimedWorker, model_args: dict, prompts: list[list[int]], max_new: int, spec: bool
+    worker: KindTimedWorker,
+    model_args: dict,
+    prompts: list[list[int]],
+    max_new: int,
+    spec: bool,
+    batch_size: int = 1,
 ) -> dict:
     extra = dict(speculative_algorithm="NGRAM") if spec else {}
     req_pool, allocator = worker.get_memory_pool()
@@ -79,10 +85,13 @@ def run(
     worker.tokens.clear()
     sched.timer.reset()
     start = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        sched.io.put(
-            TokenizedGenerateReqInput(f"r{i}", None, ids, params, return_logprob=True, top_logprobs_num=2)
-        )
+    for first in range(0, len(prompts), batch_size):
+        for i in range(first, min(first + batch_size, len(prompts))):
+            sched.io.put(
+                TokenizedGenerateReqInput(
+                    f"r{i}", None, prompts[i], params, return_logprob=True, top_logprobs_num=2
+                )
+            )
         sched.run_until_idle()
         for msg in sched.io.take_outputs():
             for j, rid in enumerate(getattr(msg, "rids", [])):
@@ -138,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-path", default=None, help="default: the bundled SmolLM2 GGUF")
     p.add_argument("--workload", default="W4")
     p.add_argument("--workloads-dir", default=str(WORKLOADS_DIR))
-    p.add_argument("--requests", type=int, default=3, help="the workload's first N requests, one at a time")
+    p.add_argument("--requests", type=int, default=3, help="the workload's first N requests")
+    p.add_argument("--batch-size", type=int, default=1, help="requests submitted together (1: one at a time)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -149,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     model_args = dict(model_path=args.model_path, max_total_tokens=16384, log_level="warning")
     worker = KindTimedWorker(TpModelWorker(ServerArgs(**model_args)))
     run(worker, model_args, prompts[:1], 8, spec=False)  # warm-up
-    rows = [run(worker, model_args, prompts, args.max_new_tokens, spec) for spec in (False, True)]
+    rows = [
+        run(worker, model_args, prompts, args.max_new_tokens, spec, args.batch_size) for spec in (False, True)
+    ]
     rows[1]["differences"] = differences(rows[0], rows[1])
     for row in rows:
         del row["top2_logprobs"]

@@ -28,7 +28,8 @@ from radixengine.managers.scheduler_components.speculative_drafter import Specul
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft
 
-SPEC = dict(speculative_algorithm="NGRAM")
+# A budget that lets the tests' batches (up to ~20 requests) verify; the default's rule has its own test.
+SPEC = dict(speculative_algorithm="NGRAM", speculative_max_verify_tokens=128)
 # Both step orders: the normal one, and the overlap loop (verify steps launched before the result
 # of the step before them is processed, speculative/spec_overlap.py).
 LOOPS = pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
@@ -214,17 +215,29 @@ def test_logprobs_of_every_accepted_token(monkeypatch, overlap):
         np.testing.assert_allclose(np.array(spec[rid][1]), np.array(plain[rid][1]), atol=2e-4)
 
 
+@pytest.mark.parametrize("batch", [16, 40])
 @LOOPS
-def test_large_batches_decode_plainly(overlap):
-    """The verify budget (32 tokens a step by default) leaves a batch of 40 fewer than 2 a
-    request: it decodes plainly, and its outputs are the plain ones."""
-    prompts = random_prompts(605, 40, 4, 12)
+def test_large_batches_decode_plainly(batch, overlap):
+    """The verify budget (32 tokens a step by default) leaves a batch of 16 or more fewer than 3
+    nodes (the last token and two drafts) a request: it decodes plainly, and its outputs are the
+    plain ones."""
+    prompts = random_prompts(605, batch, 4, 12)
     reqs = [gen_req(f"b{i}", p, 6) for i, p in enumerate(prompts)]
-    sched = make_scheduler(overlap=overlap, **SPEC)
+    sched = make_scheduler(overlap=overlap, speculative_algorithm="NGRAM")  # the default budget
     results = run_to_completion(sched, reqs)
     assert_matches_oracle(reqs, results)
-    steps_at_40 = sched.stats.num_spec_verify_reqs
-    assert steps_at_40 < 40 * 5  # only once requests have left the batch
+    assert sched.stats.num_spec_verify_reqs < batch * 5  # only once requests have left the batch
+
+
+def test_verify_nodes_per_request_follow_the_budget():
+    from radixengine.speculative.spec_pacing import verify_nodes_per_request
+
+    assert verify_nodes_per_request(32, 1, 8) == 8
+    assert verify_nodes_per_request(32, 8, 8) == 4
+    assert verify_nodes_per_request(32, 10, 8) == 3
+    assert verify_nodes_per_request(32, 11, 8) == 0  # two nodes: one draft a request does not pay
+    assert verify_nodes_per_request(32, 16, 2) == 2  # the drafter's own limit of one draft stands
+    assert verify_nodes_per_request(32, 17, 2) == 0
 
 
 @LOOPS
@@ -341,7 +354,7 @@ def standalone(draft: str, steps: int = 3, **kw):
         speculative_algorithm="STANDALONE",
         speculative_draft_model_path=draft,
         speculative_num_steps=steps,
-        **kw,
+        **{"speculative_max_verify_tokens": 128, **kw},
     )
 
 
@@ -483,3 +496,42 @@ def test_requests_that_finish_before_their_verify_step_runs(monkeypatch, page, o
     reqs = [gen_req(f"f{i}", p, 1 + i % 3, ignore_eos=True) for i, p in enumerate(prompts)]
     sched = make_scheduler(page_size=page, overlap=overlap, **SPEC)
     assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+
+
+@LOOPS
+def test_a_draft_model_whose_drafts_fail_stops_running_for_a_while(unrelated_draft, overlap):
+    """The unrelated draft's tokens are rejected: each request pauses drafting (longer after each
+    miss) and a batch where no request drafts runs no draft forward and decodes plainly."""
+    prompts = random_prompts(612, 2, 30, 30)
+    reqs = [gen_req(f"p{i}", p, 120, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched = standalone(unrelated_draft, steps=3, overlap=overlap)
+    assert sched.drafter.min_tokens_per_verify > 1.3
+    calls = []
+    real_forward = sched.drafter._forward
+    sched.drafter._forward = lambda *a: calls.append(a[0]) or real_forward(*a)
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+    # Under overlap a miss shows earlier: the draft's first token predicts the bonus of the step
+    # in flight, so its drafts are dropped before they verify.
+    assert sched.stats.num_spec_verify_reqs < 2 * 120 // 8
+    assert 0 < len(calls) < 120 // 2  # 3 forwards a drafting step; 120 steps if it never paused
+    assert not sched.drafter.pacing and not sched.drafter.states  # forgotten once finished
+
+
+def test_the_draft_models_threshold_follows_the_weights_it_reads(tmp_path):
+    """A draft step costs its weights over the target's: a draft as large as the target can never
+    pay (the threshold is above the most a step can give: the drafts + the bonus)."""
+    import torch
+    import transformers
+    from sched_utils import TINY_LLAMA
+
+    from radixengine.model_loader import ModelConfig
+    from radixengine.speculative.spec_pacing import draft_model_min_tokens
+
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": True})
+    config.architectures = ["LlamaForCausalLM"]
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(tmp_path)
+    read = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
+    assert ModelConfig(str(tmp_path)).decode_weight_elements() == read  # the tied table is the LM head
+    assert draft_model_min_tokens(read, read, 3) > 3 + 1
+    assert draft_model_min_tokens(read // 10, read, 3) < 2

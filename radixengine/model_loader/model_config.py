@@ -39,6 +39,16 @@ class ModelConfig:
         self.context_len: int = self._context_len(context_length)
         self.eos_token_ids: list[int] = self._eos_token_ids()
 
+    def decode_weight_elements(self) -> int:
+        """Weights a decode step reads: each layer's attention and MLP (the experts a token uses)
+        and the LM head; the embedding table is only looked up."""
+        c = self.hf_config
+        h = self.hidden_size
+        attention = h * self.head_dim * 2 * (self.num_attention_heads + self.num_key_value_heads)
+        inter = getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None) or 4 * h
+        experts = getattr(c, "num_experts_per_tok", None) or 1
+        return self.num_hidden_layers * (attention + 3 * h * inter * experts) + self.vocab_size * h
+
     def _context_len(self, requested: int | None) -> int:
         limit = int(self.hf_config.max_position_embeddings)
         if requested is not None and requested > limit:

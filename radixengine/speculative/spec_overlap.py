@@ -21,6 +21,7 @@ against the target, so a guessed draft only costs a wasted node."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,9 @@ class FutureVerify:
     window: torch.Tensor  # int64 [bs, w]: the row's KV slots from position `window_start` on
     window_start: torch.Tensor  # int64 [bs]: the KV length known on the host
     steps_base: torch.Tensor  # int64 [bs]: output tokens known on the host
+    # On the host: the row's expectation is one token, the bonus of its step in flight (that step
+    # had no drafts, or its drafts did not hold), i.e. the first drafted token itself.
+    expects_bonus_only: list[bool] = dataclasses.field(default_factory=list)
 
 
 @dataclass

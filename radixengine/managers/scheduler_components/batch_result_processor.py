@@ -172,6 +172,8 @@ class BatchResultProcessor:
             # A row whose bonus node had nothing to sample still takes its accepted drafts (their
             # nodes were fine), as plain decoding would have emitted them before failing.
             tokens = out_ids[i][: accepted[i] + (0 if i in invalid else 1)]
+            if _first_draft_missed(batch, i, nodes[i]):
+                self.drafter.on_verified(req, 1)
             self._take_verify_row(batch, i, tokens, logprobs, nodes[i] > 1, i in invalid)
             self.streamer.add(req)
         batch.finish_verify(
@@ -369,3 +371,11 @@ def _offsets(counts: list[int] | None) -> list[int] | None:
     for c in counts:
         offsets.append(offsets[-1] + c)
     return offsets
+
+
+def _first_draft_missed(batch: ScheduleBatch, i: int, nodes: int) -> bool:
+    """Overlap: row i's drafts were dropped because the step before it emitted another bonus than
+    the drafter's first token (a miss of that token; a miss inside the drafts of the step before
+    is that step's own verify result)."""
+    future = batch.future_verify
+    return nodes == 1 and batch.extend_lens[i] > 1 and future is not None and future.expects_bonus_only[i]

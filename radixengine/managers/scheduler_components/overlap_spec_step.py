@@ -113,6 +113,7 @@ class OverlapSpecStep:
             window=window.to(device),
             window_start=start.to(device),
             steps_base=int64_tensor([len(r.output_ids) for r in batch.reqs], device),
+            expects_bonus_only=[e is not None and len(e) == 1 for e in plan.expected],
         )
 
 

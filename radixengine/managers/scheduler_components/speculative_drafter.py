@@ -5,12 +5,11 @@ When speculation pays (the rule, deterministic: it depends on the tokens, never 
 - A verify forward reads the weights once for all its tokens, so on a CPU at small batch it costs
   about one decode step; its cost grows with its tokens. The drafts share a budget of
   `max_verify_tokens` a step: a request drafts at most `budget // batch size` tokens (up to
-  `--speculative-num-draft-tokens`); when that leaves fewer than 2 (its last token and one draft)
-  the batch decodes plainly.
-- Each request keeps the mean of the tokens its verify steps gave it (an EMA). Below
-  `MIN_TOKENS_PER_VERIFY` its drafts are mostly rejected (random text): it stops drafting for
-  `BACKOFF_STEPS` steps, twice as long after each further miss (up to `MAX_BACKOFF_STEPS`), then
-  drafts once to probe (a hit resumes drafting, a miss pauses again).
+  `--speculative-num-draft-tokens`); when that leaves fewer than 3 (its last token and two
+  drafts) the batch decodes plainly (`verify_nodes_per_request`).
+- A request whose drafts are mostly rejected (random text: fewer than
+  `NGRAM_MIN_TOKENS_PER_VERIFY` tokens a verify step) pauses drafting, longer after each miss
+  (speculative/spec_pacing.py).
 - A request with a grammar does not draft (its verify node is its decode step, under its mask);
   a batch whose requests draft nothing decodes plainly.
 
@@ -29,16 +28,19 @@ from radixengine.distributed import get_tp_group, single_rank_group
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.scheduler_components.standalone_drafter import StandaloneDrafter
 from radixengine.model_executor.model_runner import ModelRunner
+from radixengine.model_loader import ModelConfig
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft, NgramIndex, NgramParams, SharedNgramIndex
-from radixengine.speculative.request_state import BACKOFF_STEPS, RequestSpecState
+from radixengine.speculative.request_state import RequestSpecState
 from radixengine.speculative.spec_args import ngram_params, standalone_num_steps
+from radixengine.speculative.spec_pacing import (
+    NGRAM_MIN_TOKENS_PER_VERIFY,
+    SpecPacing,
+    draft_model_min_tokens,
+    verify_nodes_per_request,
+)
 from radixengine.speculative.spec_tree import DraftTrees
 from radixengine.utils.random_seed import preserved_random_state
-
-MIN_TOKENS_PER_VERIFY = 1.3
-EMA_DECAY = 0.7
-MAX_BACKOFF_STEPS = 64
 
 
 class Drafter(Protocol):
@@ -67,8 +69,8 @@ class SpeculativeDrafter:
 
     def draft(self, batch: ScheduleBatch) -> DraftTrees | None:
         """The batch's draft trees, or None when it should decode plainly."""
-        limit = min(self.config.params.num_draft_tokens, self.config.max_verify_tokens // batch.batch_size())
-        if limit < 2:
+        limit = self._limit(batch)
+        if limit == 0:
             return None
         drafts = [
             _root_only(req) if req.grammar is not None else self._draft_one(req, limit) for req in batch.reqs
@@ -82,18 +84,21 @@ class SpeculativeDrafter:
         """Under the overlap loop, each request's proposed tokens: after its known tokens (extra
         None: its drafts), or after them and `extra` (the drafts of its step in flight): the
         predicted bonus of that step, then the drafts. Empty: no draft."""
-        limit = min(self.config.params.num_draft_tokens, self.config.max_verify_tokens // batch.batch_size())
-        if limit < 2:
+        limit = self._limit(batch)
+        if limit == 0:
             return [[] for _ in batch.reqs]
         return [
             [] if req.grammar is not None else self._propose_one(req, extra, limit)
             for req, extra in zip(batch.reqs, extras)
         ]
 
+    def _limit(self, batch: ScheduleBatch) -> int:
+        c = self.config
+        return verify_nodes_per_request(c.max_verify_tokens, batch.batch_size(), c.params.num_draft_tokens)
+
     def _propose_one(self, req: Req, extra: list[int] | None, limit: int) -> list[int]:
         state = self._state_of(req)
-        if state.skip_steps > 0:
-            state.skip_steps -= 1
+        if state.pacing.skips_this_step():
             return []
         if extra is None:
             return _trim(state.index.draft(self.shared), limit).tokens[1:].tolist()
@@ -101,18 +106,8 @@ class SpeculativeDrafter:
 
     def on_verified(self, req: Req, tokens: int) -> None:
         """A verify step gave `req` `tokens` tokens for its draft."""
-        state = req.spec_state
-        if state is None:
-            return
-        state.tokens_per_verify = EMA_DECAY * state.tokens_per_verify + (1 - EMA_DECAY) * tokens
-        if state.tokens_per_verify >= MIN_TOKENS_PER_VERIFY:
-            state.backoff = BACKOFF_STEPS
-            return
-        state.skip_steps = state.backoff
-        state.backoff = min(2 * state.backoff, MAX_BACKOFF_STEPS)
-        state.tokens_per_verify = (
-            MIN_TOKENS_PER_VERIFY  # after the pause one draft probes: a miss pauses again
-        )
+        if req.spec_state is not None:
+            req.spec_state.pacing.record(tokens)
 
     def on_finished(self, req: Req) -> None:
         """A finished request's tokens join the shared index of recent requests."""
@@ -122,15 +117,15 @@ class SpeculativeDrafter:
 
     def _draft_one(self, req: Req, limit: int) -> NgramDraft:
         state = self._state_of(req)
-        if state.skip_steps > 0:
-            state.skip_steps -= 1
+        if state.pacing.skips_this_step():
             return _root_only(req)
         return _trim(state.index.draft(self.shared), limit)
 
     def _state_of(self, req: Req) -> RequestSpecState:
         state = req.spec_state
         if state is None:
-            state = req.spec_state = RequestSpecState(NgramIndex(self.config.params, req.tokens_from(0)))
+            index = NgramIndex(self.config.params, req.tokens_from(0))
+            state = req.spec_state = RequestSpecState(index, SpecPacing(NGRAM_MIN_TOKENS_PER_VERIFY))
         elif len(state.index) < req.seqlen:
             state.index.append(req.tokens_from(len(state.index)))
         return state
@@ -141,7 +136,10 @@ def make_drafter(args: ServerArgs) -> Drafter | None:
         return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
     if args.speculative_algorithm == "STANDALONE":
         runner = make_draft_runner(args) if get_tp_group().is_first_rank else None
-        return StandaloneDrafter(runner, standalone_num_steps(args), args.speculative_max_verify_tokens)
+        steps = standalone_num_steps(args)
+        return StandaloneDrafter(
+            runner, steps, args.speculative_max_verify_tokens, draft_min_tokens(args, steps)
+        )
     return None
 
 
@@ -150,6 +148,14 @@ def make_draft_runner(args: ServerArgs) -> ModelRunner:
     loading it must not move the random generators the ranks sample with)."""
     with single_rank_group(), preserved_random_state():
         return ModelRunner(draft_model_args(args))
+
+
+def draft_min_tokens(args: ServerArgs, steps: int) -> float:
+    """STANDALONE's pacing threshold, from both models' configs (on every rank: the pacing is
+    every rank's, the draft model rank 0's alone)."""
+    draft = ModelConfig(args.speculative_draft_model_path, None, args.dtype, args.device)
+    target = ModelConfig(args.model_path, None, args.dtype, args.device, revision=args.revision)
+    return draft_model_min_tokens(draft.decode_weight_elements(), target.decode_weight_elements(), steps)
 
 
 def draft_model_args(args: ServerArgs) -> ServerArgs:

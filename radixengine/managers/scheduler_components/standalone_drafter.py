@@ -8,11 +8,16 @@ Positions whose tokens the verify rejected are dropped before that, so the draft
 a prefix of the request's tokens. The drafts are deterministic (the draft model's argmax), so the
 verify step accepts them by the target's own draws (`verify_tree`): greedy output is unchanged
 and sampling keeps the target's distribution. The per-step budget is the NGRAM drafter's
-(`--speculative-max-verify-tokens`); requests with a grammar take no draft.
+(`--speculative-max-verify-tokens`); requests with a grammar take no draft. A request whose drafts
+return less than they cost (`min_tokens_per_verify`, from the two models' weights) pauses
+drafting as under NGRAM (speculative/spec_pacing.py); a batch where no request drafts runs no
+draft forward and decodes plainly, and a request that drafts again first extends the draft KV by
+the tokens it missed.
 
 Under tensor parallelism rank 0 alone holds the draft model, whole (built in a one-rank group, so
 its forward runs no collective beside the target's), and broadcasts its drafts: every rank then
-verifies the same tokens. The other ranks' drafters have no runner."""
+verifies the same tokens. The other ranks' drafters have no runner; the pacing (tokens only) is
+every rank's."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from radixengine.distributed import broadcast_pyobj, single_rank_group
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
+from radixengine.speculative.spec_pacing import SpecPacing, verify_nodes_per_request
 from radixengine.speculative.spec_tree import DraftTrees
 
 
@@ -54,11 +60,15 @@ class _Context:
 
 
 class StandaloneDrafter:
-    def __init__(self, runner: ModelRunner | None, num_steps: int, max_verify_tokens: int) -> None:
+    def __init__(
+        self, runner: ModelRunner | None, num_steps: int, max_verify_tokens: int, min_tokens_per_verify: float
+    ) -> None:
         self.runner = runner  # None on a tensor-parallel rank other than 0
         self.num_steps = num_steps  # draft tokens a request proposes per step
         self.max_verify_tokens = max_verify_tokens
+        self.min_tokens_per_verify = min_tokens_per_verify
         self.states: dict[int, tuple[Req, DraftKV]] = {}  # id(req) -> its draft KV
+        self.pacing: dict[int, tuple[Req, SpecPacing]] = {}  # id(req) -> how its drafts fared
 
     def draft(self, batch: ScheduleBatch) -> DraftTrees | None:
         drafted = self._drafts(batch, [None] * batch.batch_size())
@@ -76,9 +86,15 @@ class StandaloneDrafter:
 
     def _drafts(self, batch: ScheduleBatch, extras: list[list[int] | None]) -> list[list[int]] | None:
         self._release_finished()
-        limit = min(self.num_steps + 1, self.max_verify_tokens // batch.batch_size())
-        drafting = [_Context(r, e) for r, e in zip(batch.reqs, extras) if r.grammar is None]
-        if limit < 2 or not drafting:
+        limit = verify_nodes_per_request(self.max_verify_tokens, batch.batch_size(), self.num_steps + 1)
+        if limit == 0:
+            return None
+        drafting = [
+            _Context(r, e)
+            for r, e in zip(batch.reqs, extras)
+            if r.grammar is None and not self._pacing_of(r).skips_this_step()
+        ]
+        if not drafting:
             return None
         drafted = None if self.runner is None else self._drafts_on_rank0(batch, extras, drafting, limit)
         return broadcast_pyobj(drafted, src=0)
@@ -94,12 +110,20 @@ class StandaloneDrafter:
         return [drafted.get(id(r), [])[: limit - (1 if e is None else 0)] for r, e in zip(batch.reqs, extras)]
 
     def on_verified(self, req: Req, tokens: int) -> None:
-        """Nothing now: the next draft drops what the verify rejected."""
+        """Paces the request's drafting; the next draft drops what the verify rejected."""
+        self._pacing_of(req).record(tokens)
 
     def on_finished(self, req: Req) -> None:
+        self.pacing.pop(id(req), None)
         entry = self.states.pop(id(req), None)
         if entry is not None:
             self._drop(entry[1])
+
+    def _pacing_of(self, req: Req) -> SpecPacing:
+        entry = self.pacing.get(id(req))
+        if entry is None or entry[0] is not req:
+            entry = self.pacing[id(req)] = (req, SpecPacing(self.min_tokens_per_verify))
+        return entry[1]
 
     # The draft model's KV ----------------------------------------------------------------------
 
@@ -139,6 +163,9 @@ class StandaloneDrafter:
             if req.finished():
                 del self.states[key]
                 self._drop(state)
+        for key, (req, _) in list(self.pacing.items()):
+            if req.finished():
+                del self.pacing[key]
 
     def _fits(self, reqs: list[_Context], limit: int) -> bool:
         need = 0
