@@ -51,6 +51,9 @@ class Models:
 
 @dataclass(frozen=True)
 class Plain:
+    """One rank without speculation: the prompts and their outputs."""
+
+    prompts: list[list[int]]
     greedy: list[list[int]]
     seeded: list[list[int]]
 
@@ -63,23 +66,21 @@ def models(tmp_path_factory) -> Models:
     )
 
 
-def _prompts() -> list[list[int]]:
-    """A prompt that repeats itself (n-gram drafts hit), and two random ones."""
-    rng = random.Random(3)
-    base = [rng.randrange(3, 390) for _ in range(12)]
-    return [base * 3, [rng.randrange(3, 390) for _ in range(20)], [rng.randrange(3, 390) for _ in range(9)]]
-
-
-def _outputs(engine: Engine, params: dict) -> list[list[int]]:
-    return [o["output_ids"] for o in engine.generate(input_ids=_prompts(), sampling_params=params)]
+def _outputs(engine: Engine, prompts: list[list[int]], params: dict | list[dict]) -> list[list[int]]:
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
 
 @pytest.fixture(scope="module")
 def plain(models) -> Plain:
-    """One rank without speculation."""
+    """Two random prompts, and the first followed by its greedy output, which ends in a loop
+    (`115, 1, 399` twice): that prompt's continuation goes on repeating its tail, what n-gram
+    drafts propose, from the first step on (so it verifies in any batch, in either loop)."""
+    rng = random.Random(3)
+    first, second = ([rng.randrange(3, 390) for _ in range(n)] for n in (20, 9))
     engine = Engine(model_path=models.target, **ENGINE)
     try:
-        return Plain(_outputs(engine, GREEDY), _outputs(engine, SEEDED))
+        prompts = [first + _outputs(engine, [first], GREEDY)[0], first, second]
+        return Plain(prompts, _outputs(engine, prompts, GREEDY), _outputs(engine, prompts, SEEDED))
     finally:
         engine.shutdown()
 
@@ -114,12 +115,10 @@ CASES = [
 ]
 
 
-def _sample(engine: Engine) -> list[list[int]]:
+def _sample(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     """The seeded requests, one of them twice, then unseeded ones, in one batch."""
-    prompts = _prompts()
     params = [SEEDED] * 3 + [SEEDED] + [UNSEEDED] * 3
-    outs = engine.generate(input_ids=prompts + prompts[:1] + prompts, sampling_params=params)
-    return [o["output_ids"] for o in outs]
+    return _outputs(engine, prompts + prompts[:1] + prompts, params)
 
 
 @pytest.mark.parametrize("spec,loop", CASES)
@@ -128,13 +127,13 @@ def test_tp2_speculation_gives_one_ranks_tokens(spec, loop, models, plain):
         model_path=models.target, tp_size=2, **ENGINE, **_speculation(spec, models), **LOOPS[loop]
     )
     try:
-        greedy = engine.generate(input_ids=_prompts(), sampling_params=GREEDY)
+        greedy = engine.generate(input_ids=plain.prompts, sampling_params=GREEDY)
         assert [o["output_ids"] for o in greedy] == plain.greedy
         assert greedy[0]["meta_info"]["spec_verify_ct"] > 0
         assert _assert_idle_accounting(engine)["avg_spec_accept_length"] >= MIN_ACCEPT_LENGTH[spec]
         # A seeded request emits the tokens it does without speculation; the unseeded ones finish
         # with the ranks in step (--test-mode).
-        sampled = _sample(engine)
+        sampled = _sample(engine, plain.prompts)
         assert sampled[:4] == plain.seeded + plain.seeded[:1]
         assert [len(o) for o in sampled[4:]] == [10] * 3
         _assert_idle_accounting(engine)
