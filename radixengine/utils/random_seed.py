@@ -23,9 +23,9 @@ def set_random_seed(seed: int) -> None:
 def preserved_random_state() -> Iterator[None]:
     """The generators `set_random_seed` seeds are left as they were by what runs inside (e.g. a
     model only one tensor-parallel rank builds: the ranks' generators must stay in step)."""
-    cuda = torch.cuda.is_available()
     saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    saved_cuda = torch.cuda.get_rng_state_all() if cuda else None
+    # CUDA's only once initialised (reading them would initialise CUDA in a CPU run)
+    saved_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield
     finally:
