@@ -215,7 +215,10 @@ SERVER_ARGS_HELP = {
         "Log a `Decode batch, #running-req: ..., gen throughput (token/s): ...` line every N decode "
         "steps (SGLang's default 40); a `Prefill batch, ...` line is logged for every prefill batch."
     ),
-    "test_mode": "Tests: the idle token-accounting check raises instead of logging.",
+    "test_mode": (
+        "Tests: the idle token-accounting check raises instead of logging; under tensor parallelism "
+        "the ranks compare their schedulers' requests and tokens every step and raise if they differ."
+    ),
     "tp_size": (
         "Tensor parallelism: split the model over N ranks (processes), each holding its slice of every "
         "layer and of the KV cache; torch.distributed with gloo on a CPU, NCCL on CUDA (one GPU a rank)."

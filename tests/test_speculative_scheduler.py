@@ -283,12 +283,17 @@ def test_speculation_runs_the_overlap_loop_unless_it_is_disabled():
             "num_draft_tokens must be >= 2",
         ),
         (dict(speculative_algorithm="NGRAM", speculative_max_verify_tokens=1), "max-verify-tokens"),
-        (dict(speculative_algorithm="NGRAM", tp_size=2), "tp-size"),
     ],
 )
 def test_unusable_speculative_configurations_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServerArgs(**kwargs)
+
+
+def test_speculation_takes_tensor_parallelism():
+    """--tp-size > 1 runs both algorithms (tests/test_speculative_tp.py)."""
+    ServerArgs(speculative_algorithm="NGRAM", tp_size=2)
+    ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="d", tp_size=2)
 
 
 @pytest.mark.parametrize("interval", [1, 3])

@@ -112,7 +112,15 @@ def test_tp_flags_are_checked():
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 # gloo ranks on the CPU, also on a machine with a GPU (CUDA TP needs one GPU a rank)
-ENGINE = dict(device="cpu", dtype="float32", num_threads=1, log_level="warning", tp_size=2, random_seed=7)
+ENGINE = dict(
+    device="cpu",
+    dtype="float32",
+    num_threads=1,
+    log_level="warning",
+    tp_size=2,
+    random_seed=7,
+    test_mode=True,  # the ranks compare their schedulers after every step
+)
 CASES = {
     "radix-overlap": dict(
         max_total_tokens=4096, cpu_forward_stream="thread"

@@ -40,6 +40,16 @@ def tensor_model_parallel_all_reduce_min(value: int) -> int:
     return int(t.item())
 
 
+def all_ranks_agree(value: int) -> bool:
+    """Whether every rank passed the same `value` (|value| < 2**63), over the CPU group."""
+    group = get_tp_group()
+    if group.world_size == 1:
+        return True
+    t = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.cpu_group)  # the largest and -the smallest
+    return int(t[0]) == -int(t[1])
+
+
 def broadcast_pyobj(obj: object, src: int = 0) -> object:
     """`obj` of rank `src` on every rank (pickled; the other ranks' `obj` is ignored)."""
     group = get_tp_group()

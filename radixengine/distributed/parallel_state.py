@@ -4,12 +4,18 @@ Two process groups over the same ranks: `device_group` carries the model's colle
 CUDA, gloo on a CPU) and `cpu_group` (always gloo) carries Python objects, the scheduler's
 broadcast of the requests it received. Separate groups keep the two streams of collectives apart
 when the forward runs on its own thread (overlap schedule). The gloo `timeout` bounds every
-collective: a peer that stops answering raises instead of hanging."""
+collective: a peer that stops answering raises instead of hanging.
+
+`single_rank_group` gives one thread a group of one rank: a model built there is whole on this
+rank and runs no collective (STANDALONE's draft model, run by rank 0 alone)."""
 
 from __future__ import annotations
 
 import datetime
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +38,7 @@ class TpGroup:
 
 
 _TP = TpGroup(rank=0, world_size=1)
+_THREAD = threading.local()  # `group`: this thread's own group (single_rank_group), else _TP
 
 
 def resolve_backend(backend: str, device: str) -> str:
@@ -80,13 +87,28 @@ def destroy_distributed() -> None:
     _TP = TpGroup(rank=0, world_size=1)
 
 
+_THREAD = threading.local()  # `group`: this thread's own group (single_rank_group), else _TP
+
+
 def get_tp_group() -> TpGroup:
-    return _TP
+    return getattr(_THREAD, "group", None) or _TP
+
+
+@contextmanager
+def single_rank_group() -> Iterator[None]:
+    """On this thread only, a group of one rank (the other threads, e.g. the forward stream's,
+    keep the real one)."""
+    outer = getattr(_THREAD, "group", None)
+    _THREAD.group = TpGroup(rank=0, world_size=1, device=_TP.device)
+    try:
+        yield
+    finally:
+        _THREAD.group = outer
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return _TP.rank
+    return get_tp_group().rank
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _TP.world_size
+    return get_tp_group().world_size

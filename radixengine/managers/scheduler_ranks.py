@@ -11,7 +11,11 @@ The other ranks are plain child processes (`python -m radixengine.managers.sched
 scheduler process is a daemon, which multiprocessing does not let start children). A rank that
 dies ends its parent with `TP_RANK_EXIT_BASE + rank`, and the tokenizer manager names the rank
 (`describe_scheduler_exit`); a rank that stops answering makes the others' collectives raise after
---watchdog-timeout (gloo's timeout)."""
+--watchdog-timeout (gloo's timeout).
+
+With --test-mode the ranks also compare, before every receive, a digest of their schedulers'
+requests and tokens (`scheduler_runtime.scheduler_digest`): ranks that stopped making the same decisions raise at
+the first step where they differ instead of hanging in a collective or answering wrongly."""
 
 from __future__ import annotations
 
@@ -27,20 +31,34 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixengine.distributed import broadcast_pyobj, init_distributed
+from radixengine.distributed import all_ranks_agree, broadcast_pyobj, init_distributed
 from radixengine.managers.scheduler_exit import TP_RANK_EXIT_BASE
 from radixengine.utils.network import get_free_port
 
 logger = logging.getLogger(__name__)
 
 
-class TpLeaderIO:
+class TpRankIO:
+    """A rank's I/O; `digest` (--test-mode): its scheduler's state, compared over the ranks before
+    every receive."""
+
+    digest: Callable[[], int] | None = None
+
+    def check_ranks_agree(self) -> None:
+        if self.digest is not None and not all_ranks_agree(self.digest()):
+            raise RuntimeError(
+                "the TP ranks diverged: their schedulers hold different requests or tokens after the same steps"
+            )
+
+
+class TpLeaderIO(TpRankIO):
     """Rank 0's I/O: what the tokenizer manager sent, broadcast to every rank."""
 
     def __init__(self, io) -> None:
         self.io = io
 
     def recv(self, block: bool) -> list[object]:
+        self.check_ranks_agree()
         return broadcast_pyobj(self.io.recv(block), src=0)
 
     def send(self, msg: object) -> None:
@@ -50,10 +68,11 @@ class TpLeaderIO:
         self.io.close()
 
 
-class TpFollowerIO:
+class TpFollowerIO(TpRankIO):
     """Another rank's I/O: rank 0's messages; its outputs go nowhere (rank 0 sends the same)."""
 
     def recv(self, block: bool) -> list[object]:
+        self.check_ranks_agree()
         return broadcast_pyobj(None, src=0)
 
     def send(self, msg: object) -> None:

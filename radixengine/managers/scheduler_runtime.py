@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 
 from radixengine.managers.scheduler import Scheduler
 from radixengine.managers.scheduler_exit import WATCHDOG_EXIT_CODE
@@ -19,10 +20,21 @@ from radixengine.server_args import ServerArgs
 logger = logging.getLogger("radixengine.managers.scheduler_process")
 
 
+def scheduler_digest(scheduler: Scheduler) -> int:
+    """What every rank's scheduler must hold alike after a step: its step count, the requests of
+    its running, last and waiting batches, their output tokens and verify steps."""
+    batches = (scheduler.running_batch, scheduler.last_batch)
+    reqs = [r for b in batches if b is not None for r in b.reqs] + list(scheduler.waiting_queue)
+    state = (scheduler.step_ct, [(r.rid, r.output_ids, r.spec_verify_ct) for r in reqs])
+    return zlib.crc32(repr(state).encode())
+
+
 def build_scheduler(server_args: ServerArgs, io: SchedulerIO) -> Scheduler:
     """The TpModelWorker and the Scheduler, with the scheduler's outputs going to `io`."""
     tp_worker = TpModelWorker(server_args)
     scheduler = Scheduler(server_args, tp_worker=tp_worker, tokenizer=load_tokenizer(server_args), io=io)
+    if server_args.test_mode and server_args.tp_size > 1:  # io: a TpLeaderIO or TpFollowerIO
+        io.digest = lambda: scheduler_digest(scheduler)  # compared over the ranks every step
     return scheduler
 
 

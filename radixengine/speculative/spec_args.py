@@ -45,8 +45,6 @@ def validate_speculative_args(args: SpeculativeArgs) -> None:
             "--speculative-ngram-max-bfs-breadth > 1 (tree drafts) is not supported yet: the verify "
             "extend runs chains (breadth 1)"
         )
-    if args.tp_size > 1:
-        raise ValueError("speculative decoding with --tp-size > 1 is not supported yet")
     if args.speculative_max_verify_tokens < 2:
         raise ValueError(
             f"--speculative-max-verify-tokens must be >= 2 (a last token and a draft), got "

@@ -11,7 +11,10 @@ When speculation pays (the rule, deterministic: it depends on the tokens, never 
   `NGRAM_MIN_TOKENS_PER_VERIFY` tokens a verify step) pauses drafting, longer after each miss
   (speculative/spec_pacing.py).
 - A request with a grammar does not draft (its verify node is its decode step, under its mask);
-  a batch whose requests draft nothing decodes plainly."""
+  a batch whose requests draft nothing decodes plainly.
+
+Under tensor parallelism every rank drafts alike: the drafts and this rule depend only on the
+requests' tokens, the same on every rank (the shared index takes them at the same steps)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
+from radixengine.distributed import get_tp_group, single_rank_group
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.scheduler_components.standalone_drafter import StandaloneDrafter
 from radixengine.model_executor.model_runner import ModelRunner
@@ -36,6 +40,7 @@ from radixengine.speculative.spec_pacing import (
     verify_nodes_per_request,
 )
 from radixengine.speculative.spec_tree import DraftTrees
+from radixengine.utils.random_seed import preserved_random_state
 
 
 class Drafter(Protocol):
@@ -130,19 +135,32 @@ def make_drafter(args: ServerArgs) -> Drafter | None:
     if args.speculative_algorithm == "NGRAM":
         return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
     if args.speculative_algorithm == "STANDALONE":
-        runner = ModelRunner(draft_model_args(args))
+        runner = make_draft_runner(args) if get_tp_group().is_first_rank else None
         steps = standalone_num_steps(args)
-        target = ModelConfig(args.model_path, None, args.dtype, args.device, revision=args.revision)
-        min_tokens = draft_model_min_tokens(
-            runner.model_config.decode_weight_elements(), target.decode_weight_elements(), steps
+        return StandaloneDrafter(
+            runner, steps, args.speculative_max_verify_tokens, draft_min_tokens(args, steps)
         )
-        return StandaloneDrafter(runner, steps, args.speculative_max_verify_tokens, min_tokens)
     return None
+
+
+def make_draft_runner(args: ServerArgs) -> ModelRunner:
+    """The draft model, whole on this rank (under tensor parallelism rank 0 alone builds it:
+    loading it must not move the random generators the ranks sample with)."""
+    with single_rank_group(), preserved_random_state():
+        return ModelRunner(draft_model_args(args))
+
+
+def draft_min_tokens(args: ServerArgs, steps: int) -> float:
+    """STANDALONE's pacing threshold, from both models' configs (on every rank: the pacing is
+    every rank's, the draft model rank 0's alone)."""
+    draft = ModelConfig(args.speculative_draft_model_path, None, args.dtype, args.device)
+    target = ModelConfig(args.model_path, None, args.dtype, args.device, revision=args.revision)
+    return draft_model_min_tokens(draft.decode_weight_elements(), target.decode_weight_elements(), steps)
 
 
 def draft_model_args(args: ServerArgs) -> ServerArgs:
     """The draft model's runner: the target's device, dtype and threads; its own pools of the
-    target's size (page size 1); no speculation, no CUDA graphs."""
+    target's size (page size 1); one rank; no speculation, no CUDA graphs."""
     return dataclasses.replace(
         args,
         model_path=args.speculative_draft_model_path,
@@ -152,6 +170,10 @@ def draft_model_args(args: ServerArgs) -> ServerArgs:
         speculative_draft_model_path=None,
         speculative_num_draft_tokens=None,
         page_size=1,
+        tp_size=1,
+        nnodes=1,
+        node_rank=0,
+        dist_init_addr=None,
         disable_cuda_graph=True,
         context_length=None,
     )

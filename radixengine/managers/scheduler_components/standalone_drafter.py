@@ -12,7 +12,12 @@ and sampling keeps the target's distribution. The per-step budget is the NGRAM d
 return less than they cost (`min_tokens_per_verify`, from the two models' weights) pauses
 drafting as under NGRAM (speculative/spec_pacing.py); a batch where no request drafts runs no
 draft forward and decodes plainly, and a request that drafts again first extends the draft KV by
-the tokens it missed."""
+the tokens it missed.
+
+Under tensor parallelism rank 0 alone holds the draft model, whole (built in a one-rank group, so
+its forward runs no collective beside the target's), and broadcasts its drafts: every rank then
+verifies the same tokens. The other ranks' drafters have no runner; the pacing (tokens only) is
+every rank's."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from radixengine.distributed import broadcast_pyobj, single_rank_group
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
@@ -55,9 +61,9 @@ class _Context:
 
 class StandaloneDrafter:
     def __init__(
-        self, runner: ModelRunner, num_steps: int, max_verify_tokens: int, min_tokens_per_verify: float
+        self, runner: ModelRunner | None, num_steps: int, max_verify_tokens: int, min_tokens_per_verify: float
     ) -> None:
-        self.runner = runner
+        self.runner = runner  # None on a tensor-parallel rank other than 0
         self.num_steps = num_steps  # draft tokens a request proposes per step
         self.max_verify_tokens = max_verify_tokens
         self.min_tokens_per_verify = min_tokens_per_verify
@@ -88,10 +94,19 @@ class StandaloneDrafter:
             for r, e in zip(batch.reqs, extras)
             if r.grammar is None and not self._pacing_of(r).skips_this_step()
         ]
-        if not drafting or not self._make_room(drafting, limit):
+        if not drafting:
+            return None
+        drafted = None if self.runner is None else self._drafts_on_rank0(batch, extras, drafting, limit)
+        return broadcast_pyobj(drafted, src=0)
+
+    def _drafts_on_rank0(
+        self, batch: ScheduleBatch, extras: list[list[int] | None], drafting: list[_Context], limit: int
+    ) -> list[list[int]] | None:
+        if not self._make_room(drafting, limit):
             return None
         steps = limit if any(c.extra is not None for c in drafting) else limit - 1
-        drafted = self._run_draft_model(drafting, steps)
+        with single_rank_group():
+            drafted = self._run_draft_model(drafting, steps)
         return [drafted.get(id(r), [])[: limit - (1 if e is None else 0)] for r, e in zip(batch.reqs, extras)]
 
     def on_verified(self, req: Req, tokens: int) -> None:
