@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import psutil
@@ -250,3 +251,17 @@ def read_until(sock: socket.socket, marker: bytes) -> bytes:
         assert chunk, f"the server closed the connection before {marker!r}: {got!r}"
         got += chunk
     return got
+
+
+def wait_for_idle_accounting(get_info: Callable[[], dict], timeout: float = 20.0) -> dict:
+    """`get_info()` (a server's or an Engine's /get_server_info) once nothing runs or waits and
+    every KV slot is free, evictable or protected (no leak); fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = get_info()
+        idle = info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0
+        total = info["available_tokens"] + info["evictable_tokens"] + info["protected_tokens"]
+        if idle and total == info["max_total_tokens"]:
+            return info
+        assert time.monotonic() < deadline, f"not idle or tokens leaked: {info}"
+        time.sleep(0.2)

@@ -24,6 +24,7 @@ from test_engine_utils import (
     raw_post,
     read_until,
     stop_test_server,
+    wait_for_idle_accounting,
     wait_gone,
     wait_until,
 )
@@ -87,15 +88,7 @@ def post(server, path: str, body=None, content=None) -> httpx.Response:
 
 
 def assert_idle_accounting(server, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = get(server, "/get_server_info").json()
-        idle = info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0
-        total = info["available_tokens"] + info["evictable_tokens"] + info["protected_tokens"]
-        if idle and total == info["max_total_tokens"]:
-            return info
-        assert time.monotonic() < deadline, f"not idle or tokens leaked: {info}"
-        time.sleep(0.2)
+    return wait_for_idle_accounting(lambda: get(server, "/get_server_info").json(), timeout)
 
 
 MESSAGES = [{"role": "user", "content": "hello world this is a test"}]

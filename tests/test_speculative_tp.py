@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import time
 import traceback
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
-from test_engine_utils import build_tiny_model
+from test_engine_utils import build_tiny_model, wait_for_idle_accounting
 
 from radixengine import Engine
 from radixengine.managers.scheduler_components.speculative_drafter import make_draft_runner
@@ -93,15 +92,7 @@ def _speculation(name: str, models: Models) -> dict:
 
 
 def _assert_idle_accounting(engine: Engine, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = engine.get_server_info()
-        idle = info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0
-        total = info["available_tokens"] + info["evictable_tokens"] + info["protected_tokens"]
-        if idle and total == info["max_total_tokens"]:
-            return info
-        assert time.monotonic() < deadline, f"not idle or tokens leaked: {info}"
-        time.sleep(0.2)
+    return wait_for_idle_accounting(engine.get_server_info, timeout)
 
 
 # Under overlap the drafts follow a guess of the bonus token of the step in flight, which an
