@@ -215,18 +215,29 @@ def test_logprobs_of_every_accepted_token(monkeypatch, overlap):
         np.testing.assert_allclose(np.array(spec[rid][1]), np.array(plain[rid][1]), atol=2e-4)
 
 
-@pytest.mark.parametrize("batch", [16, 40])
 @LOOPS
-def test_large_batches_decode_plainly(batch, overlap):
-    """The verify budget (32 tokens a step by default) leaves a batch of 16 or more fewer than 3
-    nodes (the last token and two drafts) a request: it decodes plainly, and its outputs are the
-    plain ones."""
-    prompts = random_prompts(605, batch, 4, 12)
+def test_large_batches_decode_plainly(overlap):
+    """The verify budget (32 tokens a step by default) leaves a batch of 40 no draft a request: it
+    decodes plainly, and its outputs are the plain ones."""
+    prompts = random_prompts(605, 40, 4, 12)
     reqs = [gen_req(f"b{i}", p, 6) for i, p in enumerate(prompts)]
     sched = make_scheduler(overlap=overlap, speculative_algorithm="NGRAM")  # the default budget
     results = run_to_completion(sched, reqs)
     assert_matches_oracle(reqs, results)
-    assert sched.stats.num_spec_verify_reqs < batch * 5  # only once requests have left the batch
+    assert sched.stats.num_spec_verify_reqs < 40 * 5  # only once requests have left the batch
+
+
+@LOOPS
+def test_one_draft_a_request_is_not_worth_a_verify_step(monkeypatch, overlap):
+    """At the default budget (32 tokens a step) a batch of 16 leaves each request 2 nodes, one
+    draft: it decodes plainly though perfect drafts are at hand; a batch of 10 (3 nodes) verifies."""
+    for batch, verifies in ((16, False), (10, True)):
+        prompts = random_prompts(607 + batch, batch, 4, 12)
+        script_drafts(monkeypatch, oracle_continuations(prompts, 16))
+        reqs = [gen_req(f"o{i}", p, 6, ignore_eos=True) for i, p in enumerate(prompts)]
+        sched = make_scheduler(overlap=overlap, speculative_algorithm="NGRAM")
+        assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+        assert (sched.stats.num_spec_verify_reqs > 0) == verifies
 
 
 def test_verify_nodes_per_request_follow_the_budget():
