@@ -8,7 +8,7 @@ only, never on timings, so every tensor-parallel rank and every run decides the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 EMA_DECAY = 0.7
 BACKOFF_STEPS = 8
@@ -24,13 +24,12 @@ MIN_VERIFY_NODES = 3
 @dataclass
 class SpecPacing:
     min_tokens_per_verify: float
-    tokens_per_verify: float = 0.0
+    tokens_per_verify: float = field(init=False)  # the EMA
     skip_steps: int = 0  # decode steps left without drafting
     backoff: int = BACKOFF_STEPS
 
     def __post_init__(self) -> None:
-        if self.tokens_per_verify == 0.0:
-            self.tokens_per_verify = self.min_tokens_per_verify + INITIAL_MARGIN
+        self.tokens_per_verify = self.min_tokens_per_verify + INITIAL_MARGIN
 
     def skips_this_step(self) -> bool:
         """Whether the request decodes plainly this step (counts the step)."""
