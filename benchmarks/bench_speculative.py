@@ -121,12 +121,14 @@ def run_once(engine, items: list[dict], params: list[dict], sequential: bool) ->
     )
 
 
-def _params(items: list[dict], max_new_tokens: int | None) -> list[dict]:
+def _params(items: list[dict], max_new_tokens: int | None, stop_at_eos: bool = False) -> list[dict]:
     out = []
     for item in items:
         p = dict(item["sampling_params"])
         if max_new_tokens is not None:
             p["max_new_tokens"] = max_new_tokens
+        if stop_at_eos:
+            p["ignore_eos"] = False
         out.append(p)
     return out
 
@@ -139,7 +141,7 @@ def _mode_order(modes: list[str], repeat: int, shift: int) -> list[str]:
 def bench_point(engines: dict, name: str, items: list[dict], bs: int, args, shift: int) -> list[dict]:
     sequential = bs == 1
     batch = items[: args.batch1_requests] if sequential else items[:bs]
-    params = _params(batch, args.max_new_tokens)
+    params = _params(batch, args.max_new_tokens, args.stop_at_eos)
     modes = list(engines)
     runs: dict[str, list[RunResult]] = {m: [] for m in modes}
     for r in range(args.repeats):
@@ -319,6 +321,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch1-requests", type=int, default=4, help="batch 1: requests run one after another"
     )
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the workload's")
+    parser.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="answers end at the model's end of turn (the workloads set ignore_eos: every request "
+        "writes max_new_tokens, past its answer)",
+    )
     parser.add_argument("--modes", default="off,NGRAM,STANDALONE", help="off plus any of NGRAM, STANDALONE")
     parser.add_argument(
         "--num-draft-tokens", type=int, default=8, help="NGRAM: --speculative-num-draft-tokens"
@@ -402,6 +410,8 @@ def _meta(args, load_before) -> dict:
         "load_average_after": os.getloadavg(),
         "num_draft_tokens": args.num_draft_tokens,
         "max_verify_tokens": args.max_verify_tokens,
+        "stop_at_eos": args.stop_at_eos,
+        "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "cpu_forward_stream": args.cpu_forward_stream,
         "disable_overlap_schedule": args.disable_overlap_schedule,

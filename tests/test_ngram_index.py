@@ -11,6 +11,7 @@ from radixengine.speculative.ngram_index import (
     NgramIndex,
     NgramParams,
     SharedNgramIndex,
+    peer_match,
     suffix_matches,
 )
 
@@ -37,6 +38,37 @@ def test_suffix_matches_equal_brute_force(seed: int) -> None:
     ends, lengths = suffix_matches(ctx, params, limit=1000)
     want = _brute_matches(ctx.tolist(), lo, hi)
     assert list(zip(ends.tolist(), lengths.tolist())) == want
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_peer_match_is_the_best_match_in_the_peers_tokens(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(0, 3, size=int(rng.integers(2, 40))).astype(np.int32)
+    peer = rng.integers(0, 3, size=int(rng.integers(2, 80))).astype(np.int32)
+    params = NgramParams(num_draft_tokens=5, max_match_window_size=6)
+    # the brute force on the peer's tokens followed by the context: matches ending in the peer
+    joined = np.concatenate([peer, [-7], ctx]).tolist()
+    want = [(e, n) for e, n in _brute_matches(joined, 1, min(6, len(ctx) - 1)) if e < len(peer) - 1]
+    got = peer_match(ctx, peer, params)
+    if not want:
+        assert got is None
+        return
+    end, length = want[0]
+    assert got is not None and got[0] == length
+    assert got[1].tolist() == peer[end + 1 : end + 5].tolist()
+
+
+def test_a_request_drafts_from_a_peer_that_wrote_the_same_text_ahead() -> None:
+    params = NgramParams(num_draft_tokens=5)
+    ahead = np.array([50, 51, 52, 53, 54, 55, 56, 57], np.int32)
+    index = NgramIndex(params, [9, 8, 50, 51, 52])
+    assert index.draft().num_nodes == 1  # nothing of its own
+    assert index.draft(peers=[ahead]).tokens.tolist() == [52, 53, 54, 55, 56]
+    # a tie of length: its own match first
+    own = NgramIndex(params, [60, 52, 70, 71, 72, 60, 52])
+    assert own.draft(peers=[np.array([60, 52, 80, 81], np.int32)]).tokens.tolist() == [52, 70, 71, 72, 60]
+    # a longer match in the peer wins
+    assert own.draft(peers=[np.array([72, 60, 52, 80, 81], np.int32)]).tokens.tolist() == [52, 80, 81]
 
 
 def test_chain_draft_copies_what_followed_the_longest_match() -> None:

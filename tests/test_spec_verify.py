@@ -17,8 +17,10 @@ from radixengine.speculative.spec_verify import (
     _target_probs,
     cumulate_accepted,
     process_target_logits,
+    takes_argmax_only,
     verify_draft_model,
     verify_tree,
+    verify_tree_argmax,
 )
 
 VOCAB = 12
@@ -170,6 +172,36 @@ def test_nan_node_is_never_accepted() -> None:
         logits, DraftTrees.chains(drafts, [3]), _batch_info([SamplingParams(temperature=0)], [0], [[]])
     )
     assert result.accept_lens.tolist() == [1] and result.invalid_rows.tolist() == [True]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_argmax_path_equals_verify_tree_without_padding(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    bs, n = 5, 7
+    logits = torch.randint(-3, 3, (bs, n, VOCAB), generator=gen).float()  # ties on purpose
+    drafts = []
+    for b in range(bs):
+        count = int(torch.randint(1, n + 1, (1,), generator=gen))
+        parents = _random_tree(count, gen) if seed % 2 else list(range(-1, count - 1))
+        tokens = torch.randint(0, VOCAB, (count,), generator=gen).tolist()
+        drafts.append((np.array(_draft_like(logits[b], tokens, parents, 0.8, gen)), np.array(parents)))
+    trees = DraftTrees.from_drafts(drafts, n)
+    info = _batch_info([SamplingParams(temperature=0)] * bs, [0] * bs, [[]] * bs)
+    assert takes_argmax_only(info, return_logprob=False)
+    want = verify_tree(logits.clone(), trees, info)
+    got = verify_tree_argmax(logits[trees.valid()], trees)
+    assert torch.equal(got.output_ids, want.output_ids) and torch.equal(got.path_nodes, want.path_nodes)
+    assert int(want.accept_lens.sum()) > 0
+
+
+def test_argmax_path_leaves_what_it_cannot_do_to_verify_tree() -> None:
+    greedy = _batch_info([SamplingParams(temperature=0)], [0], [[]])
+    assert not takes_argmax_only(greedy, return_logprob=True)
+    for params in PARAMS[1:]:
+        assert not takes_argmax_only(_batch_info([params], [3], [[1, 2]]), return_logprob=False)
+    logits = torch.randn(3, VOCAB)
+    logits[1, 4] = float("nan")
+    assert verify_tree_argmax(logits, DraftTrees.chains(torch.tensor([[1, 2, 3]]), [3])) is None
 
 
 def test_cumulate_accepted_counts_every_output_token() -> None:

@@ -16,7 +16,13 @@ from radixengine.model_executor.model_runner import ModelRunner
 from radixengine.model_executor.runtime_support import check_runtime_support
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.spec_tree import DraftTrees
-from radixengine.speculative.spec_verify import VerifyResult, cumulate_accepted, verify_tree
+from radixengine.speculative.spec_verify import (
+    VerifyResult,
+    cumulate_accepted,
+    takes_argmax_only,
+    verify_tree,
+    verify_tree_argmax,
+)
 
 # Tests only (as SGLang's SGLANG_TEST_STUCK_* variables): every forward first sleeps this many
 # seconds, a forward that hangs, for the --watchdog-timeout test.
@@ -124,11 +130,15 @@ class TpModelWorker:
         """A verify forward's logits (one row per draft node) against the drafts: the accepted
         tokens and the bonus token of each request, as the sampler would have drawn them."""
         logits = logits_output.next_token_logits
-        padded = logits.new_zeros((trees.batch_size, trees.width, logits.shape[-1]))
-        padded[trees.valid()] = logits
         info = forward_batch.sampling_info
-        top = max(forward_batch.top_logprobs_nums or [0])
-        verify = verify_tree(padded, trees, info, forward_batch.return_logprob, top)
+        verify = None
+        if takes_argmax_only(info, forward_batch.return_logprob):
+            verify = verify_tree_argmax(logits, trees)
+        if verify is None:
+            padded = logits.new_zeros((trees.batch_size, trees.width, logits.shape[-1]))
+            padded[trees.valid()] = logits
+            top = max(forward_batch.top_logprobs_nums or [0])
+            verify = verify_tree(padded, trees, info, forward_batch.return_logprob, top)
         cumulate_accepted(info.output_token_counts_out, verify)
         return GenerationBatchResult(
             next_token_ids=verify.output_ids, invalid_rows=verify.invalid_rows, verify=verify

@@ -12,7 +12,9 @@ continuations while the node budget (`num_draft_tokens - 1`) lasts, a node havin
 `max_bfs_breadth` children at the root, falling linearly to `min_bfs_breadth` at the deepest level
 (SGLang's knobs). With `max_bfs_breadth` 1 the draft is a chain. Siblings are always distinct.
 
-`SharedNgramIndex` (optional, `capacity` > 0) holds the tokens of recent requests in a ring of
+The other requests running beside it are searched too (`peer_match`, the same vectorised match
+over their tokens): requests writing the same text draft from the one ahead. `SharedNgramIndex`
+(optional, `capacity` > 0) holds the tokens of recent requests in a ring of
 `capacity` tokens, found by the hash of their k-grams; its latest match ranks after the request's
 own candidates of the same length.
 """
@@ -128,45 +130,65 @@ class NgramIndex:
         conts = [ctx[e + 1 : e + 1 + depth].astype(np.int64) for e in ends.tolist()]
         return Match(lengths.tolist(), conts)
 
-    def draft(self, shared: SharedNgramIndex | None = None) -> NgramDraft:
-        """The draft tree for the next verify step (only the root when nothing matches)."""
+    def draft(self, shared: SharedNgramIndex | None = None, peers: Sequence[np.ndarray] = ()) -> NgramDraft:
+        """The draft tree for the next verify step (only the root when nothing matches). `peers`:
+        the tokens of the other requests running beside this one, searched as well (a match
+        there ranks after the request's own matches of the same length)."""
         if self._len == 0:
             raise ValueError("an empty context has no last token to draft from")
         limit = 1 if self.params.max_bfs_breadth == 1 else 4 * self.params.max_bfs_breadth
         found = self.match(limit)
         if shared is not None:
             _merge_shared(found, shared.match(self.tokens, self.params))
+        for peer in peers:
+            _merge_shared(found, peer_match(self.tokens, peer, self.params))
         return build_draft_tree(int(self.tokens[-1]), found, self.params)
 
-    def draft_after(self, extra: Sequence[int], shared: SharedNgramIndex | None = None) -> NgramDraft:
+    def draft_after(
+        self, extra: Sequence[int], shared: SharedNgramIndex | None = None, peers: Sequence[np.ndarray] = ()
+    ) -> NgramDraft:
         """The draft as if `extra` followed the context (tokens not accepted yet); the index is
         left as it was."""
         length = self._len
         self.append(extra)
         try:
-            return self.draft(shared)
+            return self.draft(shared, peers)
         finally:
             self._len = length
 
 
-def suffix_matches(ctx: np.ndarray, params: NgramParams, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """(end positions, match lengths) of earlier occurrences of the context's suffix with at least
-    one token after them, best first; at most `limit`, from the `MAX_CANDIDATES` most recent."""
+def suffix_matches(
+    ctx: np.ndarray, params: NgramParams, limit: int, corpus: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(end positions in `corpus`, match lengths) of occurrences of the context's suffix with at
+    least one token after them, best first; at most `limit`, from the `MAX_CANDIDATES` most
+    recent. `corpus` defaults to the context itself (its earlier occurrences)."""
+    corpus = ctx if corpus is None else corpus
     n = len(ctx)
     window = min(params.max_match_window_size, n - 1)
     if window < params.min_match_window_size:
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    ends = np.flatnonzero(ctx[: n - 1] == ctx[n - 1])[-MAX_CANDIDATES:]
+    ends = np.flatnonzero(corpus[: len(corpus) - 1] == ctx[n - 1])[-MAX_CANDIDATES:]
     if len(ends) == 0:
         return ends, ends
     offsets = np.arange(window)
     idx = ends[:, None] - offsets[None, :]
-    same = (ctx[np.maximum(idx, 0)] == ctx[n - 1 - offsets][None, :]) & (idx >= 0)
+    same = (corpus[np.maximum(idx, 0)] == ctx[n - 1 - offsets][None, :]) & (idx >= 0)
     lengths = np.where(same.all(axis=1), window, same.argmin(axis=1))
     keep = lengths >= params.min_match_window_size
     ends, lengths = ends[keep], lengths[keep]
     order = np.lexsort((-ends, -lengths))[:limit]
     return ends[order], lengths[order]
+
+
+def peer_match(ctx: np.ndarray, peer: np.ndarray, params: NgramParams) -> tuple[int, np.ndarray] | None:
+    """(match length, continuation) of the best occurrence of the context's suffix in another
+    request's tokens `peer` (the longest, then the latest), or None."""
+    ends, lengths = suffix_matches(ctx, params, 1, corpus=peer)
+    if len(ends) == 0:
+        return None
+    end = int(ends[0])
+    return int(lengths[0]), peer[end + 1 : end + 1 + params.branch_length].astype(np.int64)
 
 
 def build_draft_tree(root_token: int, found: Match, params: NgramParams) -> NgramDraft:
@@ -199,7 +221,8 @@ def build_draft_tree(root_token: int, found: Match, params: NgramParams) -> Ngra
 
 
 def _merge_shared(found: Match, shared: tuple[int, np.ndarray] | None) -> None:
-    """Rank the shared index's candidate after the request's own candidates of the same length."""
+    """Rank a candidate from elsewhere (the shared index, a peer) after the candidates already
+    found of the same length."""
     if shared is None:
         return
     length, cont = shared

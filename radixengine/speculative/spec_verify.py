@@ -86,6 +86,37 @@ def verify_tree(
     return _result(trees, path, accept_lens, bonus, last, scaled, invalid, return_logprob, top_logprobs_num)
 
 
+def takes_argmax_only(info: SamplingBatchInfo, return_logprob: bool) -> bool:
+    """Whether every node's target is the argmax of its raw logits: greedy rows with no
+    penalty, logit bias, min_new_tokens or grammar mask, and no logprobs to report."""
+    return (
+        info.is_all_greedy
+        and not info.need_penalties
+        and info.logit_bias_rows is None
+        and info.min_tokens_rows is None
+        and info.vocab_mask is None
+        and not return_logprob
+    )
+
+
+def verify_tree_argmax(logits: torch.Tensor, trees: DraftTrees) -> VerifyResult | None:
+    """`verify_tree` where `takes_argmax_only`, from the logits of the valid nodes alone (float
+    [num valid nodes, vocab], node order) without padding them to [bs, n, vocab]: one pass over
+    the logits. None when a row is not finite (NaN or inf: `verify_tree` handles it)."""
+    row_max, best = logits.max(dim=-1)
+    if not bool(torch.isfinite(row_max).all()):
+        return None
+    targets = torch.zeros(trees.tokens.shape, dtype=torch.int64, device=logits.device)
+    targets[trees.valid()] = best
+    accepted = _accepted_nodes(trees, targets, None)
+    depths = trees.depths()
+    last = torch.argmax(accepted * (depths + 1), dim=1)
+    accept_lens = depths.gather(1, last.view(-1, 1)).view(-1)
+    bonus = targets.gather(1, last.view(-1, 1)).view(-1)
+    path = _path_nodes(trees, last, depths)
+    return _result(trees, path, accept_lens, bonus, last, logits, None, False, 0)
+
+
 def verify_draft_model(
     logits: torch.Tensor,
     trees: DraftTrees,

@@ -10,6 +10,9 @@ When speculation pays (the rule, deterministic: it depends on the tokens, never 
 - A request whose drafts are mostly rejected (random text: fewer than
   `NGRAM_MIN_TOKENS_PER_VERIFY` tokens a verify step) pauses drafting, longer after each miss
   (speculative/spec_pacing.py).
+- A request drafts from its own tokens and from those of the other requests of the batch (as
+  SGLang's NGRAM corpus takes every running request's tokens each step): requests that write the
+  same text follow the one ahead; its own match wins a tie of length.
 - A request with a grammar does not draft (its verify node is its decode step, under its mask);
   a batch whose requests draft nothing decodes plainly.
 
@@ -72,8 +75,10 @@ class SpeculativeDrafter:
         limit = self._limit(batch)
         if limit == 0:
             return None
+        tokens = self._tokens_of(batch)
         drafts = [
-            _root_only(req) if req.grammar is not None else self._draft_one(req, limit) for req in batch.reqs
+            _root_only(req) if req.grammar is not None else self._draft_one(req, limit, _others(tokens, i))
+            for i, req in enumerate(batch.reqs)
         ]
         width = max(d.num_nodes for d in drafts)
         if width == 1:
@@ -87,22 +92,29 @@ class SpeculativeDrafter:
         limit = self._limit(batch)
         if limit == 0:
             return [[] for _ in batch.reqs]
+        tokens = self._tokens_of(batch)
         return [
-            [] if req.grammar is not None else self._propose_one(req, extra, limit)
-            for req, extra in zip(batch.reqs, extras)
+            [] if req.grammar is not None else self._propose_one(req, extra, limit, _others(tokens, i))
+            for i, (req, extra) in enumerate(zip(batch.reqs, extras))
         ]
+
+    def _tokens_of(self, batch: ScheduleBatch) -> list[np.ndarray]:
+        """Each request's known tokens (its index brought up to date), for the others to draft from."""
+        return [self._state_of(req).index.tokens for req in batch.reqs]
 
     def _limit(self, batch: ScheduleBatch) -> int:
         c = self.config
         return verify_nodes_per_request(c.max_verify_tokens, batch.batch_size(), c.params.num_draft_tokens)
 
-    def _propose_one(self, req: Req, extra: list[int] | None, limit: int) -> list[int]:
+    def _propose_one(
+        self, req: Req, extra: list[int] | None, limit: int, peers: list[np.ndarray]
+    ) -> list[int]:
         state = self._state_of(req)
         if state.pacing.skips_this_step():
             return []
         if extra is None:
-            return _trim(state.index.draft(self.shared), limit).tokens[1:].tolist()
-        return _trim(state.index.draft_after(extra, self.shared), limit + 1).tokens[1:].tolist()
+            return _trim(state.index.draft(self.shared, peers), limit).tokens[1:].tolist()
+        return _trim(state.index.draft_after(extra, self.shared, peers), limit + 1).tokens[1:].tolist()
 
     def on_verified(self, req: Req, tokens: int) -> None:
         """A verify step gave `req` `tokens` tokens for its draft."""
@@ -115,11 +127,11 @@ class SpeculativeDrafter:
             self.shared.insert(req.origin_input_ids + req.output_ids)
         req.spec_state = None
 
-    def _draft_one(self, req: Req, limit: int) -> NgramDraft:
+    def _draft_one(self, req: Req, limit: int, peers: list[np.ndarray]) -> NgramDraft:
         state = self._state_of(req)
         if state.pacing.skips_this_step():
             return _root_only(req)
-        return _trim(state.index.draft(self.shared), limit)
+        return _trim(state.index.draft(self.shared, peers), limit)
 
     def _state_of(self, req: Req) -> RequestSpecState:
         state = req.spec_state
@@ -177,6 +189,10 @@ def draft_model_args(args: ServerArgs) -> ServerArgs:
         disable_cuda_graph=True,
         context_length=None,
     )
+
+
+def _others(tokens: list[np.ndarray], i: int) -> list[np.ndarray]:
+    return tokens[:i] + tokens[i + 1 :]
 
 
 def _root_only(req: Req) -> NgramDraft:
