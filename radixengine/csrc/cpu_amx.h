@@ -43,18 +43,23 @@ inline bool amx_tiles_available() {
   return available;
 }
 
-// Eight tiles of 16 rows x 64 bytes (palette 1).
-inline void load_full_tile_config() {
+// Eight tiles of 64 bytes a row (palette 1): tiles 0, 1 and 4 of `rows_a` rows, 2, 3 and 5 of
+// `rows_b`, 6 and 7 of 16 (the two row groups of a C += A B product: C tiles 0, 1 with A tile 4
+// and C tiles 2, 3 with A tile 5, all against the B tiles 6, 7).
+inline void load_tile_config(int rows_a = 16, int rows_b = 16) {
   TileConfig cfg{};
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
+    const bool group_b = t == 2 || t == 3 || t == 5;
+    cfg.rows[t] = static_cast<uint8_t>(t >= 6 ? 16 : group_b ? rows_b : rows_a);
     cfg.colsb[t] = 64;
   }
   // The intrinsic's asm names only the first 8 bytes of the config, so the compiler may drop the
   // stores to the rest; this operand is the whole struct.
   asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
 }
+
+inline void load_full_tile_config() { load_tile_config(); }
 
 #else
 

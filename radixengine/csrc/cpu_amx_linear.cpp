@@ -5,8 +5,10 @@
 //
 // so that each block of 32 output columns is one contiguous run of K * 64 bytes, read once per
 // call from front to back (a decode linear is bound by reading its weight). x rows are taken 32
-// at a time (16 when fewer are left, the last tile padded with zero rows): per 32 K-values,
-// two A tiles, two B tiles and four tdpbf16ps into four fp32 C tiles.
+// at a time (16 when fewer are left): per 32 K-values, two A tiles, two B tiles and four
+// tdpbf16ps into four fp32 C tiles. Up to 32 rows (a decode or verify step) the tiles are
+// configured to the rows there are, so a tile product costs only its rows (a verify step's 23
+// rows multiply no padding); more rows are padded to a multiple of 16.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -27,7 +29,8 @@ constexpr int64_t kDepth = 32;  // K values per tile product
 constexpr int64_t kRowChunk = 256;  // rows of x per task (a multiple of 32)
 
 struct AmxLinearArgs {
-  const bf16* x;  // [Mp][K], Mp a multiple of 16, rows >= M zero
+  const bf16* x;  // [Mp][K]: Mp = M up to 32 rows (one block, tiles of its rows), else M rounded
+                  // up to 16 with zero rows (every block 16 or 32 rows, one tile configuration)
   const bf16* w;  // packed
   const float* bias;  // [N] or null
   bf16* y;  // [M][N]
@@ -102,17 +105,24 @@ void block_16_rows(const AmxLinearArgs& a, const bf16* wb, int64_t m0, bool pref
   _tile_stored(1, c + 16, kCols * 4);
 }
 
-// Column blocks nb0 .. nb1 - 1 of the padded rows m_begin .. m_end - 1.
+// Column blocks nb0 .. nb1 - 1 of the rows m_begin .. m_end - 1 (blocks of 32 rows, the last of
+// fewer): the tiles are configured to a block's rows, so a short block multiplies no padding.
 void column_blocks(const AmxLinearArgs& a, int64_t nb0, int64_t nb1, int64_t m_begin, int64_t m_end) {
   alignas(64) float c[32 * kCols];
-  load_full_tile_config();
+  int configured = -1;  // rows_a * 32 + rows_b of the configuration loaded
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     const bf16* wb = a.w + nb * a.K * kCols;
     for (int64_t m0 = m_begin; m0 < m_end; m0 += 32) {
       const int64_t tile_rows = std::min<int64_t>(32, m_end - m0);
+      const int rows_a = static_cast<int>(std::min<int64_t>(16, tile_rows));
+      const int rows_b = tile_rows > 16 ? static_cast<int>(tile_rows - 16) : 16;
+      if (rows_a * 32 + rows_b != configured) {
+        load_tile_config(rows_a, rows_b);
+        configured = rows_a * 32 + rows_b;
+      }
       // The first rows stream the block from memory; the block is in cache for the others.
       const bool prefetch = m0 == m_begin;
-      if (tile_rows == 32) {
+      if (tile_rows > 16) {
         block_32_rows(a, wb, m0, prefetch, c);
       } else {
         block_16_rows(a, wb, m0, prefetch, c);
@@ -180,7 +190,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const int64_t Mp = round_up(M, 16);
+  const int64_t Mp = M <= 32 ? M : round_up(M, 16);
   at::Tensor xp = x.contiguous();
   if (Mp != M) {
     xp = at::zeros({Mp, K}, x.options());
