@@ -8,7 +8,8 @@ and so are the drafting and the scheduler's own phases.
 
 Per run (speculation off, then NGRAM): wall time, output tok/s, steps, and per step the mean
 milliseconds of the forward (decode steps and verify steps apart, with the tokens a verify step
-holds), of drafting, and of the scheduler's own work (recv, schedule, launch, process; the
+holds, and of the verification inside it: acceptance from the logits), of drafting, and of the
+scheduler's own work (recv, schedule, launch, process; the
 forward and drafting excluded).
 """
 
@@ -41,6 +42,16 @@ class KindTimedWorker:
         self.worker = worker
         self.seconds: dict[str, list[float]] = defaultdict(list)
         self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.verification_s: list[float] = []  # the verification inside each verify step
+        verify = worker._verify
+
+        def timed_verify(*args):
+            start = time.perf_counter()
+            out = verify(*args)
+            self.verification_s.append(time.perf_counter() - start)
+            return out
+
+        worker._verify = timed_verify
 
     def __getattr__(self, name):
         return getattr(self.worker, name)
@@ -61,6 +72,7 @@ def run(
     max_new: int,
     spec: bool,
     batch_size: int = 1,
+    logprobs: bool = True,
 ) -> dict:
     extra = dict(speculative_algorithm="NGRAM") if spec else {}
     req_pool, allocator = worker.get_memory_pool()
@@ -83,20 +95,22 @@ def run(
     top2: dict[str, list] = defaultdict(list)
     worker.seconds.clear()
     worker.tokens.clear()
+    worker.verification_s.clear()
     sched.timer.reset()
     start = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
         for i in range(first, min(first + batch_size, len(prompts))):
             sched.io.put(
                 TokenizedGenerateReqInput(
-                    f"r{i}", None, prompts[i], params, return_logprob=True, top_logprobs_num=2
+                    f"r{i}", None, prompts[i], params, return_logprob=logprobs, top_logprobs_num=2 * logprobs
                 )
             )
         sched.run_until_idle()
         for msg in sched.io.take_outputs():
             for j, rid in enumerate(getattr(msg, "rids", [])):
                 ids_out[rid] += msg.output_ids[j]
-                top2[rid] += msg.output_top_logprobs_val[j] or []
+                if logprobs:
+                    top2[rid] += msg.output_top_logprobs_val[j] or []
     wall = time.perf_counter() - start
     summary = sched.timer.summary()
     stats = sched.stats
@@ -121,6 +135,8 @@ def run(
         row[f"{kind}_forward_ms_mean"] = 1e3 * statistics.mean(secs)
         row[f"{kind}_forward_ms_median"] = 1e3 * statistics.median(secs)
         row[f"{kind}_tokens_mean"] = statistics.mean(worker.tokens[kind])
+    if worker.verification_s:
+        row["verification_ms_mean"] = 1e3 * statistics.mean(worker.verification_s)
     return row
 
 
@@ -150,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=3, help="the workload's first N requests")
     p.add_argument("--batch-size", type=int, default=1, help="requests submitted together (1: one at a time)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--no-logprobs",
+        action="store_true",
+        help="requests without logprobs (as the benchmarks send; the differences then carry no top-2 gaps)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from radixengine.model_loader import get_tokenizer
@@ -160,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     worker = KindTimedWorker(TpModelWorker(ServerArgs(**model_args)))
     run(worker, model_args, prompts[:1], 8, spec=False)  # warm-up
     rows = [
-        run(worker, model_args, prompts, args.max_new_tokens, spec, args.batch_size) for spec in (False, True)
+        run(worker, model_args, prompts, args.max_new_tokens, spec, args.batch_size, not args.no_logprobs)
+        for spec in (False, True)
     ]
     rows[1]["differences"] = differences(rows[0], rows[1])
     for row in rows:
