@@ -77,13 +77,7 @@ def verify_tree(
     bs, n = trees.tokens.shape
     targets = targets.view(bs, n)
     invalid = None if invalid is None else invalid.view(bs, n)
-    accepted = _accepted_nodes(trees, targets, invalid)
-    depths = trees.depths()
-    last = torch.argmax(accepted * (depths + 1), dim=1)
-    accept_lens = depths.gather(1, last.view(-1, 1)).view(-1)
-    bonus = targets.gather(1, last.view(-1, 1)).view(-1)
-    path = _path_nodes(trees, last, depths)
-    return _result(trees, path, accept_lens, bonus, last, scaled, invalid, return_logprob, top_logprobs_num)
+    return _accept_targets(trees, targets, invalid, scaled, return_logprob, top_logprobs_num)
 
 
 def takes_argmax_only(info: SamplingBatchInfo, return_logprob: bool) -> bool:
@@ -108,13 +102,26 @@ def verify_tree_argmax(logits: torch.Tensor, trees: DraftTrees) -> VerifyResult 
         return None
     targets = torch.zeros(trees.tokens.shape, dtype=torch.int64, device=logits.device)
     targets[trees.valid()] = best
-    accepted = _accepted_nodes(trees, targets, None)
+    return _accept_targets(trees, targets, None, logits, False, 0)
+
+
+def _accept_targets(
+    trees: DraftTrees,
+    targets: torch.Tensor,
+    invalid: torch.Tensor | None,
+    scaled: torch.Tensor,
+    return_logprob: bool,
+    top_logprobs_num: int,
+) -> VerifyResult:
+    """The result of a verify whose target draw at every node is `targets` (int64 [bs, n]): the
+    deepest node whose path the draws confirm, and the draw there as the bonus."""
+    accepted = _accepted_nodes(trees, targets, invalid)
     depths = trees.depths()
     last = torch.argmax(accepted * (depths + 1), dim=1)
     accept_lens = depths.gather(1, last.view(-1, 1)).view(-1)
     bonus = targets.gather(1, last.view(-1, 1)).view(-1)
     path = _path_nodes(trees, last, depths)
-    return _result(trees, path, accept_lens, bonus, last, logits, None, False, 0)
+    return _result(trees, path, accept_lens, bonus, last, scaled, invalid, return_logprob, top_logprobs_num)
 
 
 def verify_draft_model(
