@@ -102,7 +102,12 @@ def run(
         for i in range(first, min(first + batch_size, len(prompts))):
             sched.io.put(
                 TokenizedGenerateReqInput(
-                    f"r{i}", None, prompts[i], params, return_logprob=logprobs, top_logprobs_num=2 if logprobs else 0
+                    f"r{i}",
+                    None,
+                    prompts[i],
+                    params,
+                    return_logprob=logprobs,
+                    top_logprobs_num=2 if logprobs else 0,
                 )
             )
         sched.run_until_idle()
