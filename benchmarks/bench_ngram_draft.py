@@ -41,7 +41,7 @@ def time_drafts(context: np.ndarray, params: NgramParams, calls: int, shared=Non
     start = time.perf_counter()
     for token in tail:
         index.append([token])
-        drafted += index.draft(shared).num_nodes - 1
+        drafted += index.draft([shared] if shared is not None else []).num_nodes - 1
     return (time.perf_counter() - start) / calls * 1e6, drafted / calls
 
 

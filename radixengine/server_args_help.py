@@ -19,7 +19,7 @@ SERVER_ARGS_HELP = {
     "speculative_ngram_min_bfs_breadth": "Draft-tree breadth at the deepest level (1: a chain).",
     "speculative_ngram_max_bfs_breadth": "Draft-tree breadth at the root (only 1, chains, for now).",
     "speculative_ngram_branch_length": "Longest branch of an n-gram draft.",
-    "speculative_ngram_capacity": "Tokens of recent finished requests kept to draft from (0: none).",
+    "speculative_ngram_capacity": "Tokens of recent finished requests kept to draft from, emptied by /flush_cache (0: none).",
     "speculative_max_verify_tokens": (
         "Draft tokens (last tokens included) one verify step may hold: each request drafts at most this "
         "divided by the batch size, and a batch too large for 2 a request decodes plainly."

@@ -10,8 +10,8 @@ from radixengine.speculative.ngram_index import (
     MAX_CANDIDATES,
     NgramIndex,
     NgramParams,
+    PeerCorpus,
     SharedNgramIndex,
-    peer_match,
     suffix_matches,
 )
 
@@ -40,35 +40,56 @@ def test_suffix_matches_equal_brute_force(seed: int) -> None:
     assert list(zip(ends.tolist(), lengths.tolist())) == want
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_peer_match_is_the_best_match_in_the_peers_tokens(seed: int) -> None:
+@pytest.mark.parametrize("seed", range(12))
+def test_peer_corpus_finds_the_best_match_in_the_other_requests_tokens(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    ctx = rng.integers(0, 3, size=int(rng.integers(2, 40))).astype(np.int32)
-    peer = rng.integers(0, 3, size=int(rng.integers(2, 80))).astype(np.int32)
+    batch = [
+        rng.integers(0, 3, size=int(rng.integers(1, 60))).astype(np.int32)
+        for _ in range(int(rng.integers(1, 5)))
+    ]
+    i = int(rng.integers(0, len(batch)))
+    ctx = batch[i]
     params = NgramParams(num_draft_tokens=5, max_match_window_size=6)
-    # the brute force on the peer's tokens followed by the context: matches ending in the peer
-    joined = np.concatenate([peer, [-7], ctx]).tolist()
-    want = [(e, n) for e, n in _brute_matches(joined, 1, min(6, len(ctx) - 1)) if e < len(peer) - 1]
-    got = peer_match(ctx, peer, params)
+    # the brute force, peer by peer, on the peer's tokens followed by the context: the longest
+    # match ending in a peer before its last token, then the latest in batch order
+    window = min(6, len(ctx) - 1)
+    want = []
+    for j, peer in enumerate(batch):
+        joined = np.concatenate([peer, [-7], ctx]).tolist()
+        if j != i and window >= 1:
+            want += [(n, j, e) for e, n in _brute_matches(joined, 1, window) if e < len(peer) - 1]
+    got = PeerCorpus(batch).of(i).match(ctx, params)
     if not want:
         assert got is None
         return
-    end, length = want[0]
+    length, j, end = max(want)
     assert got is not None and got[0] == length
-    assert got[1].tolist() == peer[end + 1 : end + 5].tolist()
+    assert got[1].tolist() == batch[j][end + 1 : end + 1 + params.continuation_length].tolist()
 
 
 def test_a_request_drafts_from_a_peer_that_wrote_the_same_text_ahead() -> None:
     params = NgramParams(num_draft_tokens=5)
     ahead = np.array([50, 51, 52, 53, 54, 55, 56, 57], np.int32)
-    index = NgramIndex(params, [9, 8, 50, 51, 52])
+    mine = [9, 8, 50, 51, 52]
+    index = NgramIndex(params, mine)
     assert index.draft().num_nodes == 1  # nothing of its own
-    assert index.draft(peers=[ahead]).tokens.tolist() == [52, 53, 54, 55, 56]
+    assert index.draft([PeerCorpus([np.array(mine, np.int32), ahead]).of(0)]).tokens.tolist() == [
+        52,
+        53,
+        54,
+        55,
+        56,
+    ]
     # a tie of length: its own match first
-    own = NgramIndex(params, [60, 52, 70, 71, 72, 60, 52])
-    assert own.draft(peers=[np.array([60, 52, 80, 81], np.int32)]).tokens.tolist() == [52, 70, 71, 72, 60]
-    # a longer match in the peer wins
-    assert own.draft(peers=[np.array([72, 60, 52, 80, 81], np.int32)]).tokens.tolist() == [52, 80, 81]
+    mine = [60, 52, 70, 71, 72, 60, 52]
+    own = NgramIndex(params, mine)
+    peer = PeerCorpus([np.array(mine, np.int32), np.array([60, 52, 80, 81], np.int32)]).of(0)
+    assert own.draft([peer]).tokens.tolist() == [52, 70, 71, 72, 60]
+    # a longer match in the peer wins; a continuation stops at the end of the peer's tokens
+    peer = PeerCorpus(
+        [np.array(mine, np.int32), np.array([72, 60, 52, 80, 81], np.int32), np.array([5], np.int32)]
+    )
+    assert own.draft([peer.of(0)]).tokens.tolist() == [52, 80, 81]
 
 
 def test_chain_draft_copies_what_followed_the_longest_match() -> None:
@@ -176,13 +197,13 @@ def test_shared_index_drafts_from_other_requests() -> None:
     shared.insert([10, 11, 12, 13, 14, 15])
     index = NgramIndex(NgramParams(num_draft_tokens=4), [3, 11, 12])
     assert index.draft().num_nodes == 1
-    assert index.draft(shared).tokens.tolist() == [12, 13, 14, 15]
+    assert index.draft([shared]).tokens.tolist() == [12, 13, 14, 15]
     # the request's own match of the same length ranks first
     own = NgramIndex(NgramParams(num_draft_tokens=3), [11, 12, 20, 21, 11, 12])
-    assert own.draft(shared).tokens.tolist() == [12, 20, 21]
+    assert own.draft([shared]).tokens.tolist() == [12, 20, 21]
     # a match never crosses into the next request
     shared.insert([40, 41])
-    assert NgramIndex(NgramParams(num_draft_tokens=6), [1, 14, 15]).draft(shared).num_nodes == 1
+    assert NgramIndex(NgramParams(num_draft_tokens=6), [1, 14, 15]).draft([shared]).num_nodes == 1
 
 
 def test_shared_index_is_bounded() -> None:
@@ -200,3 +221,12 @@ def test_shared_index_is_bounded() -> None:
     shared.insert(old)
     length, cont = shared.match(np.array([5, 7001, 7002]), NgramParams())
     assert length == 2 and cont.tolist() == [7003, 7004]
+
+
+def test_a_draft_after_a_step_in_flight_is_one_node_longer() -> None:
+    # the first node predicts the bonus of the step in flight; the next num_draft_tokens - 1 are drafts
+    ctx = [5, 1, 2, 3, 4, 6, 7, 8, 9, 10, 5]
+    index = NgramIndex(NgramParams(num_draft_tokens=4), ctx)
+    assert index.draft().tokens.tolist() == [5, 1, 2, 3]
+    assert index.draft_after([1]).tokens.tolist() == [1, 2, 3, 4, 6]
+    assert len(index) == len(ctx)

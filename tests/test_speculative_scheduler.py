@@ -24,7 +24,7 @@ from sched_utils import (
 from test_scheduler_equivalence import SYSTEM_A, run_in_waves, workload
 
 from radixengine.managers.io_struct import AbortReq
-from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter, _trim
+from radixengine.managers.scheduler_components.speculative_drafter import SpeculativeDrafter
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.ngram_index import NgramDraft, NgramIndex
 
@@ -65,13 +65,12 @@ class ScriptedIndex:
 def script_drafts(monkeypatch, continuations: dict[tuple, list[int]], corrupt: bool = False) -> None:
     """Every request drafts from its known continuation (the budget still trims the drafts)."""
 
-    def draft_one(self, req, limit, peers=()):
-        return _trim(ScriptedIndex(req, continuations, corrupt).draft(), limit)
+    def draft_one(self, req, paced, sources=()):
+        return ScriptedIndex(req, continuations, corrupt, self.config.params.num_draft_tokens).draft()
 
-    def propose_one(self, req, extra, limit, peers=()):  # the overlap loop's: after the step in flight
-        width = limit if extra is None else limit + 1
-        index = ScriptedIndex(req, continuations, corrupt, width + 1, len(extra or ()))
-        return _trim(index.draft(), width).tokens[1:].tolist()
+    def propose_one(self, req, extra, paced, sources=()):  # the overlap loop's: after the step in flight
+        width = self.config.params.num_draft_tokens + (extra is not None)  # as NgramIndex.draft_after
+        return ScriptedIndex(req, continuations, corrupt, width, len(extra or ())).draft().tokens[1:].tolist()
 
     monkeypatch.setattr(SpeculativeDrafter, "_draft_one", draft_one)
     monkeypatch.setattr(SpeculativeDrafter, "_propose_one", propose_one)
@@ -255,21 +254,50 @@ def test_verify_nodes_per_request_follow_the_budget():
 def test_requests_whose_drafts_fail_stop_drafting_for_a_while(overlap, monkeypatch):
     """Random text (the tiny model's outputs never repeat its prompt): after a verify step gives
     too few tokens (or, under overlap, a draft is dropped) a request pauses, longer after each
-    miss, so it drafts in few of its steps."""
-    drafted = []
-    draft = NgramIndex.draft
+    miss, so it drafts in few of its steps. Three requests: their drafts would take more than
+    FREE_VERIFY_TOKENS a step."""
+    drafted = count_drafts(monkeypatch)
+    prompts = random_prompts(606, 3, 30, 30)
+    reqs = [gen_req(f"a{i}", p, 120, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched = make_scheduler(overlap=overlap, **SPEC)
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+    assert 0 < sum(drafted) < 3 * 120 // 8 and len(drafted) < 3 * 120 // 4
+
+
+@LOOPS
+def test_a_small_batch_drafts_every_step(overlap, monkeypatch):
+    """Two requests: the step's drafts fit in FREE_VERIFY_TOKENS, where a verify costs a decode
+    step, so no request pauses however its drafts fare."""
+    drafted = count_drafts(monkeypatch)
+    prompts = random_prompts(606, 2, 30, 30)
+    reqs = [gen_req(f"a{i}", p, 120, ignore_eos=True) for i, p in enumerate(prompts)]
+    sched = make_scheduler(overlap=overlap, **SPEC)
+    assert_matches_oracle(reqs, run_to_completion(sched, reqs))
+    assert len(drafted) >= 2 * 120 // 2 and sum(drafted) > 2 * 120 // 8
+
+
+def count_drafts(monkeypatch) -> list[bool]:
+    """Whether each draft the requests' n-gram indexes make holds a drafted token."""
+    drafted: list[bool] = []
+    draft = NgramIndex._draft
 
     def counted(self, *args):
         out = draft(self, *args)
         drafted.append(out.num_nodes > 1)
         return out
 
-    monkeypatch.setattr(NgramIndex, "draft", counted)
-    prompts = random_prompts(606, 2, 30, 30)
-    reqs = [gen_req(f"a{i}", p, 120, ignore_eos=True) for i, p in enumerate(prompts)]
-    sched = make_scheduler(overlap=overlap, **SPEC)
-    assert_matches_oracle(reqs, run_to_completion(sched, reqs))
-    assert 0 < sum(drafted) < 2 * 120 // 8 and len(drafted) < 2 * 120 // 4
+    monkeypatch.setattr(NgramIndex, "_draft", counted)
+    return drafted
+
+
+def test_the_budget_left_by_short_drafts_goes_to_the_best_drafters():
+    from radixengine.speculative.spec_pacing import share_verify_nodes
+
+    # an even share of 4 each; request 1 drafts nothing, request 3 little: their 5 nodes go to the
+    # requests that want more, the one with the best record first
+    assert share_verify_nodes([8, 1, 8, 2, 8], [1.5, 3.0, 4.0, 1.0, 2.0], 20, 4) == [4, 1, 8, 2, 5]
+    assert share_verify_nodes([8, 8], [1.0, 1.0], 16, 8) == [8, 8]  # nothing left over
+    assert share_verify_nodes([3, 3, 3], [1.0, 2.0, 3.0], 32, 8) == [3, 3, 3]  # never more than wanted
 
 
 def test_speculation_runs_the_overlap_loop_unless_it_is_disabled():

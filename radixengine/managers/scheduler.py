@@ -424,6 +424,8 @@ class Scheduler:
             return False, message
         self.tree_cache.reset()
         self.grammar_manager.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
         self.apply_step_plan(StepPlan(None, self._new_batch([])))

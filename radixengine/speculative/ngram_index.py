@@ -12,8 +12,9 @@ continuations while the node budget (`num_draft_tokens - 1`) lasts, a node havin
 `max_bfs_breadth` children at the root, falling linearly to `min_bfs_breadth` at the deepest level
 (SGLang's knobs). With `max_bfs_breadth` 1 the draft is a chain. Siblings are always distinct.
 
-The other requests running beside it are searched too (`peer_match`, the same vectorised match
-over their tokens): requests writing the same text draft from the one ahead. `SharedNgramIndex`
+The other requests running beside it are searched too (`PeerCorpus`: the batch's tokens end to
+end, one vectorised match over all the others' tokens): requests writing the same text draft from
+the one ahead. `SharedNgramIndex`
 (optional, `capacity` > 0) holds the tokens of recent requests in a ring of
 `capacity` tokens, found by the hash of their k-grams; its latest match ranks after the request's
 own candidates of the same length.
@@ -23,11 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-# Most recent occurrences of the last token that are checked for a longer match.
+# Most recent occurrences of the last token that are checked for a longer match (in the request's
+# own tokens; in the batch's, which hold several requests, four times as many).
 MAX_CANDIDATES = 256
+MAX_PEER_CANDIDATES = 4 * MAX_CANDIDATES
 _SEPARATOR = -1
 
 
@@ -63,6 +67,12 @@ class NgramParams:
     @property
     def branch_length(self) -> int:
         return min(self.max_branch_length, self.num_draft_tokens - 1)
+
+    @property
+    def continuation_length(self) -> int:
+        """Tokens a candidate continues with: a branch, and one more for a draft after a step in
+        flight (whose first node predicts that step's bonus)."""
+        return min(self.max_branch_length, self.num_draft_tokens)
 
     def breadth(self, depth: int) -> int:
         """Children a node at `depth` (root 0) may have."""
@@ -123,38 +133,46 @@ class NgramIndex:
 
     def match(self, limit: int = MAX_CANDIDATES) -> Match:
         """Earlier occurrences of the context's suffix, best first (longest match, then most
-        recent), each with the tokens that followed it (at most `branch_length`)."""
+        recent), each with the tokens that followed it (at most `continuation_length`)."""
         ends, lengths = suffix_matches(self.tokens, self.params, limit)
-        depth = self.params.branch_length
+        depth = self.params.continuation_length
         ctx = self.tokens
         conts = [ctx[e + 1 : e + 1 + depth].astype(np.int64) for e in ends.tolist()]
         return Match(lengths.tolist(), conts)
 
-    def draft(self, shared: SharedNgramIndex | None = None, peers: Sequence[np.ndarray] = ()) -> NgramDraft:
-        """The draft tree for the next verify step (only the root when nothing matches). `peers`:
-        the tokens of the other requests running beside this one, searched as well (a match
-        there ranks after the request's own matches of the same length)."""
+    def draft(self, sources: Sequence[CandidateSource] = ()) -> NgramDraft:
+        """The draft tree for the next verify step (only the root when nothing matches).
+        `sources`: tokens other than the request's own, searched as well (the shared index of
+        recent requests, the batch's other requests); a match there ranks after the request's
+        own matches of the same length."""
+        return self._draft(sources, self.params.num_draft_tokens)
+
+    def draft_after(self, extra: Sequence[int], sources: Sequence[CandidateSource] = ()) -> NgramDraft:
+        """The draft as if `extra` followed the context (tokens not accepted yet), one node
+        longer: its first node predicts the bonus of the step `extra` is in, the rest are the
+        next step's `num_draft_tokens - 1` drafts. The index is left as it was."""
+        length = self._len
+        self.append(extra)
+        try:
+            return self._draft(sources, self.params.num_draft_tokens + 1)
+        finally:
+            self._len = length
+
+    def _draft(self, sources: Sequence[CandidateSource], num_nodes: int) -> NgramDraft:
         if self._len == 0:
             raise ValueError("an empty context has no last token to draft from")
         limit = 1 if self.params.max_bfs_breadth == 1 else 4 * self.params.max_bfs_breadth
         found = self.match(limit)
-        if shared is not None:
-            _merge_shared(found, shared.match(self.tokens, self.params))
-        for peer in peers:
-            _merge_shared(found, peer_match(self.tokens, peer, self.params))
-        return build_draft_tree(int(self.tokens[-1]), found, self.params)
+        for source in sources:
+            _merge_shared(found, source.match(self.tokens, self.params))
+        return build_draft_tree(int(self.tokens[-1]), found, self.params, num_nodes)
 
-    def draft_after(
-        self, extra: Sequence[int], shared: SharedNgramIndex | None = None, peers: Sequence[np.ndarray] = ()
-    ) -> NgramDraft:
-        """The draft as if `extra` followed the context (tokens not accepted yet); the index is
-        left as it was."""
-        length = self._len
-        self.append(extra)
-        try:
-            return self.draft(shared, peers)
-        finally:
-            self._len = length
+
+class CandidateSource(Protocol):
+    """Tokens beside a request's own that it drafts from: the best (match length, continuation)
+    for a context, or None."""
+
+    def match(self, ctx: np.ndarray, params: NgramParams) -> tuple[int, np.ndarray] | None: ...
 
 
 def suffix_matches(
@@ -169,35 +187,84 @@ def suffix_matches(
     if window < params.min_match_window_size:
         return np.empty(0, np.int64), np.empty(0, np.int64)
     ends = np.flatnonzero(corpus[: len(corpus) - 1] == ctx[n - 1])[-MAX_CANDIDATES:]
-    if len(ends) == 0:
-        return ends, ends
-    offsets = np.arange(window)
-    idx = ends[:, None] - offsets[None, :]
-    same = (corpus[np.maximum(idx, 0)] == ctx[n - 1 - offsets][None, :]) & (idx >= 0)
-    lengths = np.where(same.all(axis=1), window, same.argmin(axis=1))
+    lengths = _match_lengths(ctx, corpus, ends, window)
     keep = lengths >= params.min_match_window_size
     ends, lengths = ends[keep], lengths[keep]
     order = np.lexsort((-ends, -lengths))[:limit]
     return ends[order], lengths[order]
 
 
-def peer_match(ctx: np.ndarray, peer: np.ndarray, params: NgramParams) -> tuple[int, np.ndarray] | None:
-    """(match length, continuation) of the best occurrence of the context's suffix in another
-    request's tokens `peer` (the longest, then the latest), or None."""
-    ends, lengths = suffix_matches(ctx, params, 1, corpus=peer)
+def _match_lengths(ctx: np.ndarray, corpus: np.ndarray, ends: np.ndarray, window: int) -> np.ndarray:
+    """How many of the context's last tokens (at most `window`) equal those of `corpus` ending at
+    each of `ends` (whose token equals the context's last)."""
     if len(ends) == 0:
-        return None
-    end = int(ends[0])
-    return int(lengths[0]), peer[end + 1 : end + 1 + params.branch_length].astype(np.int64)
+        return ends
+    offsets = np.arange(window)
+    idx = ends[:, None] - offsets[None, :]
+    same = (corpus[np.maximum(idx, 0)] == ctx[len(ctx) - 1 - offsets][None, :]) & (idx >= 0)
+    return np.where(same.all(axis=1), window, same.argmin(axis=1))
 
 
-def build_draft_tree(root_token: int, found: Match, params: NgramParams) -> NgramDraft:
-    """Insert the candidates' continuations, best first, into a tree of at most
-    `num_draft_tokens` nodes (root included) with distinct siblings."""
+class PeerCorpus:
+    """The tokens of the requests of a batch end to end, each followed by a separator, so that a
+    request's best match in all the others' tokens is one vectorised search (`of(i)`)."""
+
+    def __init__(self, token_arrays: Sequence[np.ndarray]) -> None:
+        sizes = [len(t) + 1 for t in token_arrays]
+        self.bounds = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.tokens = np.full(int(self.bounds[-1]), _SEPARATOR, dtype=np.int32)
+        for start, tokens in zip(self.bounds[:-1].tolist(), token_arrays):
+            self.tokens[start : start + len(tokens)] = tokens
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def of(self, i: int) -> PeerView:
+        """Request `i`'s view: every request's tokens but its own."""
+        return PeerView(self, i)
+
+    def best_match(self, ctx: np.ndarray, params: NgramParams, skip: int) -> tuple[int, np.ndarray] | None:
+        """(match length, continuation) of the best occurrence of the context's suffix outside
+        request `skip`'s tokens (the longest, then the latest in batch order), or None."""
+        window = min(params.max_match_window_size, len(ctx) - 1)
+        if window < params.min_match_window_size:
+            return None
+        corpus = self.tokens
+        ends = np.flatnonzero(corpus == ctx[-1])
+        lo, hi = self.bounds[skip], self.bounds[skip + 1]
+        # the last token of a request has no continuation: the separator follows it
+        ends = ends[((ends < lo) | (ends >= hi)) & (corpus[ends + 1] != _SEPARATOR)][-MAX_PEER_CANDIDATES:]
+        lengths = _match_lengths(ctx, corpus, ends, window)
+        if len(ends) == 0 or lengths.max() < params.min_match_window_size:
+            return None
+        best = len(lengths) - 1 - int(np.argmax(lengths[::-1]))  # the latest of the longest
+        end = int(ends[best])
+        cont = corpus[end + 1 : end + 1 + params.continuation_length]
+        cut = np.flatnonzero(cont == _SEPARATOR)
+        cont = cont[: cut[0]] if len(cut) else cont
+        return int(lengths[best]), cont.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """A request's `CandidateSource` of the other requests of its batch."""
+
+    corpus: PeerCorpus
+    index: int
+
+    def match(self, ctx: np.ndarray, params: NgramParams) -> tuple[int, np.ndarray] | None:
+        return self.corpus.best_match(ctx, params, self.index)
+
+
+def build_draft_tree(
+    root_token: int, found: Match, params: NgramParams, num_nodes: int | None = None
+) -> NgramDraft:
+    """Insert the candidates' continuations, best first, into a tree of at most `num_nodes`
+    (default `num_draft_tokens`) nodes, root included, with distinct siblings."""
     tokens, parents, depths = [root_token], [-1], [0]
     children: dict[tuple[int, int], int] = {}
     num_children = [0]
-    budget = params.num_draft_tokens
+    budget = params.num_draft_tokens if num_nodes is None else num_nodes
     for cont in found.continuations:
         node = 0
         for token in cont.tolist():
@@ -282,7 +349,7 @@ class SharedNgramIndex:
         length = window if same.all() else int(same.argmin())
         if length < max(k, params.min_match_window_size):
             return None
-        stop = min(end + 1 + params.branch_length, self._head)
+        stop = min(end + 1 + params.continuation_length, self._head)
         cont = self._ring[np.arange(end + 1, stop) % self.capacity]
         cut = np.flatnonzero(cont == _SEPARATOR)
         cont = cont[: cut[0]] if len(cut) else cont

@@ -15,6 +15,10 @@ BACKOFF_STEPS = 8
 MAX_BACKOFF_STEPS = 64
 NGRAM_MIN_TOKENS_PER_VERIFY = 1.3  # a verify of a few tokens costs about a decode step
 INITIAL_MARGIN = 0.3  # a new request: two misses in a row pause it
+# Up to this many tokens a verify step costs a decode step (the weights are read once either way:
+# at 1-16 rows the AMX linears of docs/benchmarks.md take the same time), so rejected drafts
+# cost nothing there and a paused request drafts anyway.
+FREE_VERIFY_TOKENS = 16
 # A request verifies its last token and at least two drafts, or the batch decodes plainly: with
 # one draft each a step holds twice the tokens for less than one more token a request (batch 16
 # on the AMX Xeon of docs/benchmarks.md: 0.80x of plain decoding on W4 and W2).
@@ -61,3 +65,25 @@ def verify_nodes_per_request(max_verify_tokens: int, batch_size: int, max_nodes:
     step's budget and the drafter's own limit; 0: the batch decodes plainly."""
     nodes = min(max_nodes, max_verify_tokens // batch_size)
     return nodes if nodes >= min(MIN_VERIFY_NODES, max_nodes) else 0
+
+
+def share_verify_nodes(
+    wanted: list[int], priority: list[float], max_verify_tokens: int, share: int
+) -> list[int]:
+    """The nodes each request verifies this step: its `wanted` (its draft's nodes, root included)
+    up to the even `share` (`verify_nodes_per_request`); what the requests that draft less leave
+    of the step's budget goes to those whose drafts go further, highest `priority` (tokens per
+    verify lately) first, so the step holds no more tokens while its best drafts run longer."""
+    nodes = [min(w, share) for w in wanted]
+    left = max_verify_tokens - sum(nodes)
+    for i in sorted(range(len(wanted)), key=lambda i: -priority[i]):
+        extra = max(0, min(left, wanted[i] - nodes[i]))
+        nodes[i] += extra
+        left -= extra
+    return nodes
+
+
+def pauses_apply(batch_size: int, max_nodes: int, max_verify_tokens: int) -> bool:
+    """Whether a paused request skips drafting this step: not when the whole step's drafts fit in
+    `FREE_VERIFY_TOKENS` tokens, where a verify costs a decode step (both read the weights once)."""
+    return min(batch_size * max_nodes, max_verify_tokens) > FREE_VERIFY_TOKENS

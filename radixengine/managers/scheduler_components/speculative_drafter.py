@@ -33,13 +33,22 @@ from radixengine.managers.scheduler_components.standalone_drafter import Standal
 from radixengine.model_executor.model_runner import ModelRunner
 from radixengine.model_loader import ModelConfig
 from radixengine.server_args import ServerArgs
-from radixengine.speculative.ngram_index import NgramDraft, NgramIndex, NgramParams, SharedNgramIndex
+from radixengine.speculative.ngram_index import (
+    CandidateSource,
+    NgramDraft,
+    NgramIndex,
+    NgramParams,
+    PeerCorpus,
+    SharedNgramIndex,
+)
 from radixengine.speculative.request_state import RequestSpecState
 from radixengine.speculative.spec_args import ngram_params, standalone_num_steps
 from radixengine.speculative.spec_pacing import (
     NGRAM_MIN_TOKENS_PER_VERIFY,
     SpecPacing,
     draft_model_min_tokens,
+    pauses_apply,
+    share_verify_nodes,
     verify_nodes_per_request,
 )
 from radixengine.speculative.spec_tree import DraftTrees
@@ -57,6 +66,8 @@ class Drafter(Protocol):
 
     def on_finished(self, req: Req) -> None: ...
 
+    def reset(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
@@ -72,14 +83,18 @@ class SpeculativeDrafter:
 
     def draft(self, batch: ScheduleBatch) -> DraftTrees | None:
         """The batch's draft trees, or None when it should decode plainly."""
-        limit = self._limit(batch)
-        if limit == 0:
+        share = self._limit(batch)
+        if share == 0:
             return None
-        tokens = self._tokens_of(batch)
-        drafts = [
-            _root_only(req) if req.grammar is not None else self._draft_one(req, limit, _others(tokens, i))
+        peers, paced = self._peer_corpus(batch), self._paced(batch)
+        full = [
+            _root_only(req)
+            if req.grammar is not None
+            else self._draft_one(req, paced, self._sources(peers, i))
             for i, req in enumerate(batch.reqs)
         ]
+        nodes = self._share(batch, [d.num_nodes for d in full], share)
+        drafts = [_trim(d, n) for d, n in zip(full, nodes)]
         width = max(d.num_nodes for d in drafts)
         if width == 1:
             return None
@@ -89,32 +104,49 @@ class SpeculativeDrafter:
         """Under the overlap loop, each request's proposed tokens: after its known tokens (extra
         None: its drafts), or after them and `extra` (the drafts of its step in flight): the
         predicted bonus of that step, then the drafts. Empty: no draft."""
-        limit = self._limit(batch)
-        if limit == 0:
+        share = self._limit(batch)
+        if share == 0:
             return [[] for _ in batch.reqs]
-        tokens = self._tokens_of(batch)
-        return [
-            [] if req.grammar is not None else self._propose_one(req, extra, limit, _others(tokens, i))
+        peers, paced = self._peer_corpus(batch), self._paced(batch)
+        full = [
+            [] if req.grammar is not None else self._propose_one(req, extra, paced, self._sources(peers, i))
             for i, (req, extra) in enumerate(zip(batch.reqs, extras))
         ]
+        # after a step in flight the first token predicts its bonus: the others are the drafts
+        wanted = [1 + len(t) - (extra is not None and len(t) > 0) for t, extra in zip(full, extras)]
+        nodes = self._share(batch, wanted, share)
+        return [t[: n - 1 + (extra is not None)] for t, n, extra in zip(full, nodes, extras)]
 
-    def _tokens_of(self, batch: ScheduleBatch) -> list[np.ndarray]:
-        """Each request's known tokens (its index brought up to date), for the others to draft from."""
-        return [self._state_of(req).index.tokens for req in batch.reqs]
+    def _peer_corpus(self, batch: ScheduleBatch) -> PeerCorpus:
+        """The requests' known tokens (each index brought up to date), for the others to draft from."""
+        return PeerCorpus([self._state_of(req).index.tokens for req in batch.reqs])
+
+    def _sources(self, peers: PeerCorpus, i: int) -> list[CandidateSource]:
+        """What request `i` drafts from beside its own tokens: the shared index, the batch's others."""
+        others: list[CandidateSource] = [peers.of(i)] if len(peers) > 1 else []
+        return others if self.shared is None else [self.shared, *others]
 
     def _limit(self, batch: ScheduleBatch) -> int:
         c = self.config
         return verify_nodes_per_request(c.max_verify_tokens, batch.batch_size(), c.params.num_draft_tokens)
 
+    def _paced(self, batch: ScheduleBatch) -> bool:
+        c = self.config
+        return pauses_apply(batch.batch_size(), c.params.num_draft_tokens, c.max_verify_tokens)
+
+    def _share(self, batch: ScheduleBatch, wanted: list[int], share: int) -> list[int]:
+        priority = [r.spec_state.pacing.tokens_per_verify if r.spec_state else 0.0 for r in batch.reqs]
+        return share_verify_nodes(wanted, priority, self.config.max_verify_tokens, share)
+
     def _propose_one(
-        self, req: Req, extra: list[int] | None, limit: int, peers: list[np.ndarray]
+        self, req: Req, extra: list[int] | None, paced: bool, sources: list[CandidateSource]
     ) -> list[int]:
         state = self._state_of(req)
-        if state.pacing.skips_this_step():
+        if state.pacing.skips_this_step() and paced:
             return []
         if extra is None:
-            return _trim(state.index.draft(self.shared, peers), limit).tokens[1:].tolist()
-        return _trim(state.index.draft_after(extra, self.shared, peers), limit + 1).tokens[1:].tolist()
+            return state.index.draft(sources).tokens[1:].tolist()
+        return state.index.draft_after(extra, sources).tokens[1:].tolist()
 
     def on_verified(self, req: Req, tokens: int) -> None:
         """A verify step gave `req` `tokens` tokens for its draft."""
@@ -127,11 +159,16 @@ class SpeculativeDrafter:
             self.shared.insert(req.origin_input_ids + req.output_ids)
         req.spec_state = None
 
-    def _draft_one(self, req: Req, limit: int, peers: list[np.ndarray]) -> NgramDraft:
+    def reset(self) -> None:
+        """A cache flush: the shared index forgets the requests it held (as SGLang's corpus)."""
+        if self.shared is not None:
+            self.shared = SharedNgramIndex(self.shared.capacity, self.shared.key_len)
+
+    def _draft_one(self, req: Req, paced: bool, sources: list[CandidateSource]) -> NgramDraft:
         state = self._state_of(req)
-        if state.pacing.skips_this_step():
+        if state.pacing.skips_this_step() and paced:
             return _root_only(req)
-        return _trim(state.index.draft(self.shared, peers), limit)
+        return state.index.draft(sources)
 
     def _state_of(self, req: Req) -> RequestSpecState:
         state = req.spec_state
@@ -189,10 +226,6 @@ def draft_model_args(args: ServerArgs) -> ServerArgs:
         disable_cuda_graph=True,
         context_length=None,
     )
-
-
-def _others(tokens: list[np.ndarray], i: int) -> list[np.ndarray]:
-    return tokens[:i] + tokens[i + 1 :]
 
 
 def _root_only(req: Req) -> NgramDraft:

@@ -119,6 +119,9 @@ class StandaloneDrafter:
         if entry is not None:
             self._drop(entry[1])
 
+    def reset(self) -> None:
+        """A cache flush: nothing outlives a request here (its draft KV goes with it)."""
+
     def _pacing_of(self, req: Req) -> SpecPacing:
         entry = self.pacing.get(id(req))
         if entry is None or entry[0] is not req:
