@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixengine.layers.sampler import Sampler
+from radixengine.layers.sampler import Sampler, argmax_rows
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
 from radixengine.sampling.sampling_params import SamplingParams
 
@@ -297,3 +297,19 @@ def test_cuda() -> None:
     seeded = SamplingParams(sampling_seed=3, top_p=0.95)
     alone = _seeded_run(0, [], seeded, row, range(8))
     assert _seeded_run(3, [SamplingParams(top_k=5), SamplingParams()] * 3, seeded, row, range(8)) == alone
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_argmax_rows_equals_torch_argmax(seed: int) -> None:
+    """Ties (the first), NaN (the largest), +-inf, rows of one value; float32 (numpy's reduction)
+    and the other cases (torch's)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (40, 300), generator=gen).float()  # many ties
+    special = torch.rand(40, 300, generator=gen)
+    x[special < 0.01] = float("nan")
+    x[(special > 0.5) & (special < 0.51)] = float("inf")
+    x[special > 0.98] = float("-inf")
+    x[0] = float("-inf")
+    x[1] = 2.0
+    for t in (x, x[:, ::2], x.to(torch.bfloat16), x[:7]):
+        assert argmax_rows(t).tolist() == torch.argmax(t, dim=-1).tolist()

@@ -63,14 +63,14 @@ class Sampler(nn.Module):
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
         """(next ids, the logits the logprobs are taken from: logits / temperature)."""
         if info.is_all_greedy:
-            return torch.argmax(logits, dim=-1), logits
+            return argmax_rows(logits), logits
 
         scaled = logits / info.temperatures
         probs = torch.softmax(scaled, dim=-1)
         kept = _truncate(probs, info)
         next_ids = _sample_inverse_cdf(kept, _uniforms(info, probs.device))
         if info.has_greedy:
-            next_ids = torch.where(info.top_ks == 1, torch.argmax(logits, dim=-1), next_ids)
+            next_ids = torch.where(info.top_ks == 1, argmax_rows(logits), next_ids)
         return next_ids, scaled
 
 
@@ -90,6 +90,20 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
         index = (info.logit_bias_rows, info.logit_bias_ids)
         logits = logits.index_put(index, info.logit_bias_values, accumulate=True)
     return logits
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`torch.argmax(logits, dim=-1)` of a 2-D tensor (the first of equal maxima; NaN counts as the
+    largest). On a CPU numpy's reduction gives the same answer 5-10x faster than torch's (0.23
+    against 1.5 ms for 26 rows of a 49k vocabulary)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.is_contiguous()
+    ):
+        return torch.from_numpy(logits.numpy().argmax(axis=1))
+    return torch.argmax(logits, dim=-1)
 
 
 def sanitize_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -11,7 +11,7 @@ from radixengine.distributed import get_tp_group, tensor_model_parallel_all_redu
 from radixengine.layers.attention.attention_registry import create_attention_backend
 from radixengine.layers.linear import head_ranges
 from radixengine.layers.logits_processor import LogitsProcessorOutput
-from radixengine.layers.sampler import Sampler, logprobs_of
+from radixengine.layers.sampler import Sampler, argmax_rows, logprobs_of
 from radixengine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardBatch
@@ -275,7 +275,7 @@ class ModelRunner:
         logits = logits_output.next_token_logits
         top_num = max(forward_batch.top_logprobs_nums or [0])
         if forward_batch.sampling_info is None:  # no sampling parameters: greedy
-            next_ids = torch.argmax(logits, dim=-1)
+            next_ids = argmax_rows(logits)
             logprobs = top = None
             if forward_batch.return_logprob:
                 logprobs, top = logprobs_of(logits, next_ids, top_num)

@@ -35,6 +35,7 @@ from radixengine.layers.sampler import (
     _truncate,
     _uniforms,
     apply_penalties,
+    argmax_rows,
     logprobs_of,
     sanitize_logits,
 )
@@ -97,8 +98,8 @@ def verify_tree_argmax(logits: torch.Tensor, trees: DraftTrees) -> VerifyResult 
     """`verify_tree` where `takes_argmax_only`, from the logits of the valid nodes alone (float
     [num valid nodes, vocab], node order) without padding them to [bs, n, vocab]: one pass over
     the logits. None when a row is not finite (NaN or inf: `verify_tree` handles it)."""
-    row_max, best = logits.max(dim=-1)
-    if not bool(torch.isfinite(row_max).all()):
+    best = argmax_rows(logits)
+    if not bool(torch.isfinite(logits.gather(1, best.view(-1, 1))).all()):  # NaN counts as the max
         return None
     targets = torch.zeros(trees.tokens.shape, dtype=torch.int64, device=logits.device)
     targets[trees.valid()] = best

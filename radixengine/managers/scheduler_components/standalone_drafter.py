@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from radixengine.distributed import broadcast_pyobj, single_rank_group
+from radixengine.layers.sampler import argmax_rows
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from radixengine.model_executor.model_runner import ModelRunner
@@ -236,4 +237,4 @@ class StandaloneDrafter:
             sampling_info=None,
         )
         logits = runner.forward(ForwardBatch.init_new(mwb, runner)).next_token_logits
-        return torch.argmax(logits, dim=-1).tolist()
+        return argmax_rows(logits).tolist()
