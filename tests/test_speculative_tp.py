@@ -1,7 +1,8 @@
 """Speculative decoding under tensor parallelism (--tp-size 2, gloo on the CPU): NGRAM and
-STANDALONE with a draft equal to the target, in the overlap loop and the normal loop, and with an
-unrelated draft in the normal loop, give one rank's tokens without speculation, greedy and seeded
-sampling (the seeded request twice: the same tokens); verify steps ran; unseeded sampling finishes
+STANDALONE with a draft equal to the target and with an unrelated draft, in the overlap loop and
+the normal loop, give one rank's tokens without speculation, greedy and seeded
+sampling (the seeded request twice: the same tokens); verify steps ran (but where the unrelated
+draft's drafts are dropped under overlap); unseeded sampling finishes
 with the ranks in step (--test-mode compares their schedulers after every step); no KV leaked.
 Building the draft model (rank 0 alone) leaves the random generators as they were; the rank
 comparison tells equal values from different ones."""
@@ -96,12 +97,16 @@ def _assert_idle_accounting(engine: Engine, timeout: float = 20.0) -> dict:
 
 
 # Under overlap the drafts follow a guess of the bonus token of the step in flight, which an
-# unrelated draft rarely gets right (its steps then verify the root alone): the normal loop only.
+# unrelated draft almost never gets right: its drafts are dropped and each step verifies the root
+# alone (a decode step, not counted as a verify). That case checks that those steps stay exact and
+# the ranks in step, not that verify steps ran.
+DROPPED_DRAFTS = ("standalone-unrelated", "overlap")
 CASES = [
     ("ngram", "overlap"),
     ("ngram", "normal"),
     ("standalone-self", "overlap"),
     ("standalone-self", "normal"),
+    ("standalone-unrelated", "overlap"),
     ("standalone-unrelated", "normal"),
 ]
 
@@ -120,8 +125,10 @@ def test_tp2_speculation_gives_one_ranks_tokens(spec, loop, models, plain):
     try:
         greedy = engine.generate(input_ids=plain.prompts, sampling_params=GREEDY)
         assert [o["output_ids"] for o in greedy] == plain.greedy
-        assert greedy[0]["meta_info"]["spec_verify_ct"] > 0
-        assert _assert_idle_accounting(engine)["avg_spec_accept_length"] >= MIN_ACCEPT_LENGTH[spec]
+        accept_length = _assert_idle_accounting(engine)["avg_spec_accept_length"]
+        if (spec, loop) != DROPPED_DRAFTS:
+            assert greedy[0]["meta_info"]["spec_verify_ct"] > 0
+            assert accept_length >= MIN_ACCEPT_LENGTH[spec]
         # A seeded request emits the tokens it does without speculation; the unseeded ones finish
         # with the ranks in step (--test-mode).
         sampled = _sample(engine, plain.prompts)
