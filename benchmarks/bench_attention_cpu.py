@@ -7,6 +7,8 @@ pool, as after a while of serving.
 
   decode  batch 1, 8, 32, 64 x 512 cached tokens
   extend  512 new tokens with 0 and 400 cached
+  short_extend  a verify step: 8 requests x 1, 3, 8 new tokens over 260 cached, run as a decode of
+            several queries a request and (ablation, short_as_decode=False) as extend tasks
   kv write  the step's new K/V written at out_cache_loc (32 and 512 tokens)
   rmsnorm+residual, rotary  the layer's fused small ops (2 norms and 1 rotary per layer) at
             1, 32 and 512 tokens, vs the torch modules (RMSNorm, RotaryEmbedding)
@@ -18,6 +20,7 @@ grouped [bs, kv_heads, group, D] (radixengine's torch_native form). speed-up = t
 baseline / native.
 
     .venv/bin/python benchmarks/bench_attention_cpu.py --out bench_results/attention_cpu.json
+    .venv/bin/python benchmarks/bench_attention_cpu.py --cases short_extend --threads 1 --clock thread
 """
 
 from __future__ import annotations
@@ -265,6 +268,42 @@ def bench_extend(
     )
 
 
+def bench_short_extend(
+    shapes: Shapes,
+    dtype: torch.dtype,
+    bs: int,
+    new: int,
+    cached: int,
+    args: argparse.Namespace,
+    as_decode: bool,
+) -> Result:
+    """A verify step's attention: `bs` requests with `cached` tokens, `new` queries each."""
+    pool = make_pool(shapes, dtype, [cached + new] * bs)
+    q = torch.randn(bs * new, shapes.num_heads, shapes.head_dim).to(dtype)
+    ext = torch.full((bs,), new, dtype=torch.long)
+    start = torch.arange(bs, dtype=torch.long) * new
+    scale = shapes.head_dim**-0.5
+    layers = range(shapes.num_layers)
+    kv = (pool.req_to_token, pool.req_pool_indices, pool.seq_lens, ext, start, scale)
+
+    def native() -> None:
+        for i in layers:
+            ops.extend_attention(q, pool.k[i], pool.v[i], *kv, short_as_decode=as_decode)
+
+    def loop() -> None:
+        for i in layers:
+            torch_extend(q, pool.k[i], pool.v[i], pool, [new] * bs, scale)
+
+    ref = torch_extend(q, pool.k[0], pool.v[0], pool, [new] * bs, scale).float()
+    got = ops.extend_attention(q, pool.k[0], pool.v[0], *kv, short_as_decode=as_decode)
+    assert torch.allclose(got.float(), ref, atol=2e-2, rtol=2e-2), "native short extend disagrees with torch"
+    name = "short extend" if as_decode else "short extend, extend tasks"
+    t_native, t_loop = time_step(native, args), time_step(loop, args)
+    return Result(
+        name, str(dtype).removeprefix("torch."), bs, cached, new, t_native, t_loop, None, t_loop / t_native
+    )
+
+
 def bench_kv_write(shapes: Shapes, dtype: torch.dtype, tokens: int, args: argparse.Namespace) -> Result:
     num_slots = 64 * 1024
     gen = torch.Generator().manual_seed(1)
@@ -384,6 +423,12 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=512, help="cached tokens per request in decode")
     parser.add_argument("--extend-cached", default="0,400")
     parser.add_argument("--extend-tokens", type=int, default=512)
+    parser.add_argument(
+        "--short-extend-cached",
+        type=int,
+        default=260,
+        help="cached tokens per request in short_extend (8 requests)",
+    )
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds per measurement")
@@ -412,6 +457,12 @@ def main() -> None:
                 if dtype == torch.bfloat16 and ops.native_amx_available():  # the AMX ablation
                     results.append(
                         bench_extend(shapes, dtype, args.extend_tokens, cached, args, use_amx=False)
+                    )
+        if "short_extend" in cases:
+            for new in (1, 3, 8):
+                for as_decode in (True, False):
+                    results.append(
+                        bench_short_extend(shapes, dtype, 8, new, args.short_extend_cached, args, as_decode)
                     )
         if "kv_write" in cases:
             for tokens in (32, args.extend_tokens):

@@ -582,3 +582,61 @@ def test_window_and_cap_match_reference(dtype: torch.dtype, group: int, window_l
     if window_left >= 0:  # the window matters on these lengths
         whole = ops.decode_attention_reference(qd, *pool, 0.125, logit_cap=logit_cap)
         assert not torch.allclose(whole.float(), expected.float(), atol=1e-2)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("seed", range(3))
+def test_short_extend_matches_reference(dtype: torch.dtype, group: int, seed: int) -> None:
+    """A verify step's attention: at most 8 new tokens a request (some none) over prefixes of
+    0-300 tokens runs as a decode of several queries a request (short_as_decode; on AMX tiles
+    only for one token a request); both it and the extend tasks equal the reference, with and
+    without soft-capping, one request (KV splits) or several."""
+    gen = torch.Generator().manual_seed(5000 + 97 * seed + group)
+    bs = 1 if seed == 0 else int(torch.randint(2, 10, (1,), generator=gen))
+    batch = make_batch(gen, bs, 300, 2, 64, dtype)
+    ext = torch.minimum(torch.randint(0 if seed == 2 else 1, 9, (bs,), generator=gen), batch.seq_lens)
+    ext[0] = 1 if seed == 1 else ext[0].clamp(min=1)
+    start = torch.cumsum(ext, 0) - ext
+    q = torch.randn(int(ext.sum()), 2 * group, 64, generator=gen).to(dtype)
+    table = (q, batch.k_buffer, batch.v_buffer, batch.req_to_token, batch.req_pool_indices, batch.seq_lens)
+    for logit_cap in (0.0, 5.0):
+        args = (*table, ext, start, 0.125, -1, logit_cap)
+        expected = ops.extend_attention_reference(*args)
+        for as_decode in (True, False):
+            out = ops.extend_attention(*args, short_as_decode=as_decode)
+            torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_in_a_short_extend_reaches_only_the_queries_that_see_it(dtype: torch.dtype) -> None:
+    """A NaN K at a request's first cached position reaches all its queries, as in the reference;
+    one at its last new token only the query there: the earlier queries never see that key (the
+    SDPA reference adds the mask's -inf to the NaN score and spreads it to those too)."""
+    gen = torch.Generator().manual_seed(47)
+    batch = make_batch(gen, 3, 300, 1, 64, dtype)
+    ext = torch.tensor([4, 1, 3]).minimum(batch.seq_lens)
+    start = torch.cumsum(ext, 0) - ext
+    q = torch.randn(int(ext.sum()), 3, 64, generator=gen).to(dtype)
+    rows, lens = batch.req_pool_indices.tolist(), batch.seq_lens.tolist()
+    batch.k_buffer[int(batch.req_to_token[rows[0], lens[0] - 1]), 0, 7] = NAN
+    batch.k_buffer[int(batch.req_to_token[rows[2], 0]), 0, 2] = NAN
+    args = (
+        q,
+        batch.k_buffer,
+        batch.v_buffer,
+        batch.req_to_token,
+        batch.req_pool_indices,
+        batch.seq_lens,
+        ext,
+        start,
+        0.125,
+    )
+    expected = ops.extend_attention_reference(*args)
+    out = ops.extend_attention(*args)
+    last = int(ext[0]) - 1
+    assert out[last].isnan().all() and torch.isfinite(out[:last]).all()
+    assert torch.equal(out[start[1] :].isnan(), expected[start[1] :].isnan())
+    assert out[int(start[2]) :].isnan().all() and torch.isfinite(out[int(start[1])]).all()

@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"),
         py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("extend_seq_lens"),
         py::arg("extend_start_loc"), py::arg("scale"), py::arg("window_left") = -1,
-        py::arg("logit_cap") = 0.0, py::arg("use_amx") = true);
+        py::arg("logit_cap") = 0.0, py::arg("use_amx") = true, py::arg("short_as_decode") = true);
   m.def("set_kv_buffer", &cpu::set_kv_buffer, "Scatter K/V rows into the pool in place",
         py::arg("k_buffer"), py::arg("v_buffer"), py::arg("loc"), py::arg("k"), py::arg("v"));
   m.def("rms_norm", &cpu::rms_norm, "RMSNorm of [tokens, hidden] rows", py::arg("x"),

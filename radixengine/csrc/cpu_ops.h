@@ -28,14 +28,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
 // prefix_b = seq_lens[b] - extend_seq_lens[b], and attends causally over positions
 // 0..prefix_b + j (with window_left >= 0, only from prefix_b + j - window_left; logit_cap as in
 // decode_attention). Returns [T, H, D] in q's dtype. use_amx: bf16 without a window may run on
-// AMX tiles where the CPU has them.
+// AMX tiles where the CPU has them. short_as_decode: a short extend without a window (at most 8
+// queries a request; 1 on AMX tiles) runs as a decode of several queries a request.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices,
                             const at::Tensor& seq_lens,
                             const at::Tensor& extend_seq_lens,
                             const at::Tensor& extend_start_loc, double scale,
-                            int64_t window_left, double logit_cap, bool use_amx);
+                            int64_t window_left, double logit_cap, bool use_amx,
+                            bool short_as_decode);
 
 // decode_attention with a shared-prefix plan (cpu_cascade_attention.cpp): unit u covers
 // positions unit_start[u] .. unit_end[u] - 1 of row unit_rows[u], whose KV slots every request

@@ -266,6 +266,7 @@ def extend_attention_reference(
     window_left: int = -1,
     logit_cap: float = 0.0,
     use_amx: bool = True,
+    short_as_decode: bool = True,
 ) -> torch.Tensor:
     """Causal attention of the new tokens of each request over its cached prefix and themselves.
 
@@ -274,7 +275,7 @@ def extend_attention_reference(
     attends over positions 0..that position, all read through the pool (the new tokens' K/V
     already written). With `window_left` >= 0 it sees only positions from that position minus
     `window_left`; `logit_cap` > 0 soft-caps the scores. Returns [T, H, D] in q's dtype
-    (``use_amx``: the native kernel's AMX switch, ignored here).
+    (``use_amx``, ``short_as_decode``: the native kernel's switches, ignored here).
     """
     out = torch.zeros_like(q)
     for row, length, ext, start in zip(
