@@ -283,17 +283,22 @@ def extend_attention_reference(
     ):
         if ext == 0:
             continue
-        prefix = length - ext
         k = _gather(k_buffer, req_to_token, row, length)
         v = _gather(v_buffer, req_to_token, row, length)
-        query_pos = torch.arange(prefix, length).unsqueeze(1)
-        key_pos = torch.arange(length).unsqueeze(0)
-        mask = key_pos <= query_pos  # [ext, length], True = visible
-        if window_left >= 0:
-            mask &= key_pos >= query_pos - window_left
+        mask = _extend_mask(length - ext, length, window_left)
         part = _sdpa(q[start : start + ext].float(), k, v, scale, mask, logit_cap)
         out[start : start + ext] = part.to(q.dtype)
     return out
+
+
+def _extend_mask(prefix: int, length: int, window_left: int) -> torch.Tensor:
+    """bool [length - prefix, length], True = visible: causal, within the window if any."""
+    query_pos = torch.arange(prefix, length).unsqueeze(1)
+    key_pos = torch.arange(length).unsqueeze(0)
+    mask = key_pos <= query_pos
+    if window_left >= 0:
+        mask &= key_pos >= query_pos - window_left
+    return mask
 
 
 def _attend_with_lse(
