@@ -4,12 +4,15 @@ draft from its own n-gram index (prompt + output); the batch then runs a verify 
 When speculation pays (the rule, deterministic: it depends on the tokens, never on timings):
 - A verify forward reads the weights once for all its tokens, so on a CPU at small batch it costs
   about one decode step; its cost grows with its tokens. The drafts share a budget of
-  `max_verify_tokens` a step: a request drafts at most `budget // batch size` tokens (up to
+  `max_verify_tokens` a step: each request an even share of `budget // batch size` nodes (up to
   `--speculative-num-draft-tokens`); when that leaves fewer than 3 (its last token and two
-  drafts) the batch decodes plainly (`verify_nodes_per_request`).
+  drafts) the batch decodes plainly (`verify_nodes_per_request`). What requests drafting less
+  leave goes to those whose drafts go further, the best recent record first
+  (`share_verify_nodes`).
 - A request whose drafts are mostly rejected (random text: fewer than
   `NGRAM_MIN_TOKENS_PER_VERIFY` tokens a verify step) pauses drafting, longer after each miss
-  (speculative/spec_pacing.py).
+  (speculative/spec_pacing.py), except where the step's drafts fit in `FREE_VERIFY_TOKENS`
+  (batch 1 and 2 at the defaults), where a miss costs nothing (`pauses_apply`).
 - A request drafts from its own tokens and from those of the other requests of the batch (as
   SGLang's NGRAM corpus takes every running request's tokens each step): requests that write the
   same text follow the one ahead; its own match wins a tie of length.
