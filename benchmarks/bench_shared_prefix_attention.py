@@ -103,7 +103,7 @@ def bench_case(name: str, dtype: torch.dtype, args) -> Row:
 
     def cascade(use_amx: bool):
         def step() -> None:
-            plan = build_cascade_plan(table, idx, lens)
+            plan = build_cascade_plan(table, idx, lens, num_threads=torch.get_num_threads())
             for k, v in kv:
                 if plan is None:
                     ops.decode_attention(q, k, v, table, idx, seq, scale)
@@ -114,7 +114,7 @@ def bench_case(name: str, dtype: torch.dtype, args) -> Row:
 
         return step
 
-    plan = build_cascade_plan(table, idx, lens)
+    plan = build_cascade_plan(table, idx, lens, num_threads=torch.get_num_threads())
     plain_ms = time_step(plain, args)
     cascade_ms = time_step(cascade(True), args)
     fp32_ms = time_step(cascade(False), args)

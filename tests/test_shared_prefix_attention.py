@@ -113,6 +113,21 @@ def test_plan_cuts_long_units_and_large_groups():
     assert plan.own_slot.tolist() == [3] * 5 and plan.own_start.tolist() == [300] * 5
 
 
+def test_units_are_cut_only_as_far_as_the_threads_need():
+    slots = Slots()
+    system = slots.take(420)
+    few_own = [system + slots.take(1) for _ in range(32)]  # the unit is nearly all of the work
+    table, idx, lens = _table(few_own)
+    assert len(build_cascade_plan(table, idx, lens, num_threads=1).unit_rows) == 1
+    pieces = {(s, e) for s, e, _ in _units(build_cascade_plan(table, idx, lens, num_threads=2))}
+    assert pieces == {(0, 256), (256, 420)}
+    four = {(s, e) for s, e, _ in _units(build_cascade_plan(table, idx, lens, num_threads=4))}
+    assert four == {(0, 128), (128, 256), (256, 384), (384, 420)}
+    many_own = [system + slots.take(60) for _ in range(32)]  # the own parts balance the threads
+    table, idx, lens = _table(many_own)
+    assert len(build_cascade_plan(table, idx, lens, num_threads=2).unit_rows) == 1
+
+
 # The kernels ------------------------------------------------------------------------------------
 
 

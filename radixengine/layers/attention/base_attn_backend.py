@@ -142,6 +142,7 @@ def decode_cascade_plan(forward_batch: ForwardBatchView, min_len: int | None) ->
         forward_batch.req_pool_indices,
         forward_batch.seq_lens_cpu,
         min_len,
+        num_threads=torch.get_num_threads(),
     )
 
 

@@ -15,6 +15,7 @@ log-sum-exp: the units take slots 0, 1, ... in order, the own part the slots fro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,10 +24,16 @@ import torch
 # A node shorter than this many tokens is not worth its own pass (its tokens go to the nodes
 # below it); `--shared-prefix-attention-min-len` sets it.
 DEFAULT_MIN_SHARED_LEN = 64
-# Longest unit: longer shared prefixes are cut into pieces so that the threads share the work
-# (each piece is one more partial to merge); pieces are whole key blocks of the kernels but the last.
-MAX_UNIT_LEN = 256
+# A unit is one task of the kernel. One that would hold more than a thread's share of the step's
+# work is cut into pieces of whole key blocks (but the last), so that the threads finish
+# together; each piece costs one more partial to merge and its own pass setup, so nothing is cut
+# that need not be. The estimate of the work: a unit's keys x members, plus each request's own
+# keys (and a fixed cost per request) at OWN_KEY_COST each: read per request rather than once for
+# a matrix of queries, an own key costs the kernels about nine times a unit's key-member
+# (bench_shared_prefix_attention's W1 shape on AMX and AVX-512).
 KEY_BLOCK = 64
+OWN_KEY_COST = 9
+OWN_TASK_KEYS = 8
 # Most members of one unit (their query heads are the rows of the unit's matrix products).
 MAX_UNIT_MEMBERS = 32
 
@@ -70,11 +77,13 @@ def build_cascade_plan(
     req_pool_indices: torch.Tensor,
     seq_lens: list[int],
     min_shared_len: int = DEFAULT_MIN_SHARED_LEN,
-    max_unit_len: int = MAX_UNIT_LEN,
+    num_threads: int = 1,
+    max_unit_len: int | None = None,
     max_unit_members: int = MAX_UNIT_MEMBERS,
 ) -> CascadePlan | None:
     """The shared-prefix plan of a decode batch (`seq_lens` include each new token), or None when
-    no prefix of at least `min_shared_len` positions is shared by two requests."""
+    no prefix of at least `min_shared_len` positions is shared by two requests. Units are cut
+    for `num_threads` threads (see OWN_KEY_COST) and to at most `max_unit_len` positions."""
     bs = len(seq_lens)
     if bs < 2:
         return None
@@ -86,7 +95,9 @@ def build_cascade_plan(
     units, own_start = _units(_lcp_nodes(lcp), bs, min_shared_len)
     if not units:
         return None
-    return _pack(units, own_start, order, rows.tolist(), max_unit_len, max_unit_members)
+    lens = np.asarray(seq_lens)[order]
+    share = _thread_share(units, lens - np.asarray(own_start), num_threads)
+    return _pack(units, own_start, order, rows.tolist(), _Cuts(share, max_unit_len, max_unit_members))
 
 
 def _may_share(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], min_len: int) -> bool:
@@ -165,23 +176,44 @@ def _units(nodes: list[_Node], bs: int, min_len: int) -> tuple[list[tuple[int, i
     return units, own_start
 
 
+def _thread_share(units: list[tuple[int, int, int, int]], own_lens: np.ndarray, num_threads: int) -> float:
+    """A thread's share of the step's estimated work (module comment)."""
+    unit_work = sum((end - start) * (hi - lo + 1) for start, end, lo, hi in units)
+    own_work = OWN_KEY_COST * int((own_lens + OWN_TASK_KEYS).sum())
+    return (unit_work + own_work) / max(1, num_threads)
+
+
+@dataclass(frozen=True)
+class _Cuts:
+    thread_share: float  # most estimated work of one unit task
+    max_len: int | None  # most positions of one unit
+    max_members: int
+
+    def piece_len(self, length: int, members: int) -> int:
+        """Positions per piece of a unit of `length` positions: whole key blocks, as few pieces
+        as the share and max_len allow."""
+        pieces = max(1, math.ceil(min(length, members * length / self.thread_share)))
+        if self.max_len is not None:
+            pieces = max(pieces, -(-length // self.max_len))
+        return -(-length // (pieces * KEY_BLOCK)) * KEY_BLOCK
+
+
 def _pack(
     units: list[tuple[int, int, int, int]],
     own_start_sorted: list[int],
     order: np.ndarray,
     rows: list[int],
-    max_len: int,
-    max_members: int,
+    cuts: _Cuts,
 ) -> CascadePlan:
     bs = len(order)
     next_slot = [0] * bs
     unit_rows, starts, ends, ptr, members, slots = [], [], [], [0], [], []
     shared = 0
+    max_members = cuts.max_members
     for start, end, lo, hi in units:
         group = [int(b) for b in order[lo : hi + 1]]
         shared += (end - start) * (len(group) - 1)
-        pieces = -(-(end - start) // max_len)
-        piece_len = -(-(end - start) // (pieces * KEY_BLOCK)) * KEY_BLOCK
+        piece_len = cuts.piece_len(end - start, min(len(group), max_members))
         for piece_start in range(start, end, piece_len):
             piece_end = min(end, piece_start + piece_len)
             for first in range(0, len(group), max_members):
