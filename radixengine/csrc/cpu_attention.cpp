@@ -169,13 +169,13 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   const int64_t begin = first + std::min(num_keys, split * chunk);
   const int64_t end = std::min(seq_len, begin + chunk);
 
-  // Scratch: q [Hkv][M][D], out acc [Hkv][M][D], scores [M][block], max/sum [Hkv][M].
+  // Scratch: q [Hkv][M][D], out acc [Hkv][M][D], scores [Hkv][M][block], max/sum [Hkv][M].
   const int64_t rows = Hkv * M;
-  float* scratch = thread_scratch(2 * rows * D + M * kDecodeBlock + 2 * rows);
+  float* scratch = thread_scratch(2 * rows * D + rows * kDecodeBlock + 2 * rows);
   float* qf = scratch;
   float* acc = qf + rows * D;
   float* scores = acc + rows * D;
-  float* row_max = scores + M * kDecodeBlock;
+  float* row_max = scores + rows * kDecodeBlock;
   float* row_sum = row_max + rows;
   const KVT* k_rows[kDecodeBlock];
   const KVT* v_rows[kDecodeBlock];
@@ -189,7 +189,6 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
       row_sum[h * M + m] = 0.0f;
     }
   }
-  for (int64_t m = 0; m < M; ++m) p_rows[m] = scores + m * kDecodeBlock;
   std::fill(acc, acc + rows * D, 0.0f);
 
   for (int64_t start = begin; start < end; start += kDecodeBlock) {
@@ -197,11 +196,13 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
     const int64_t n_pad = round_up(n, kVecWidth);
     gather_block_rows(a.pool, row, start, n, k_buf, v_buf, k_rows, v_rows);
 
+    // Every head's scores (masked) first, then the softmax: its vector loads then read stores
+    // that have left the store buffer (right after the narrow stores of the scores and the mask
+    // they would wait for them).
     for (int64_t h = 0; h < Hkv; ++h) {
-      decode_scores(qf + h * M * D, M, D, k_rows, h * D, n, scores, kDecodeBlock);
+      decode_scores(qf + h * M * D, M, D, k_rows, h * D, n, scores + h * M * kDecodeBlock, kDecodeBlock);
       for (int64_t m = 0; m < M; ++m) {
-        const int64_t hg = h * M + m;
-        float* s = scores + m * kDecodeBlock;
+        float* s = scores + (h * M + m) * kDecodeBlock;
         const int64_t visible = nq > 1 ? visible_keys(start, n, pos0 + m / G) : n;
         if (visible == 0) {  // a query before every key of the block: its row takes nothing
           std::fill(s, s + n_pad, 0.0f);
@@ -209,6 +210,14 @@ void decode_task(const DecodeArgs& a, const QT* q, const KVT* k_buf, const KVT* 
         }
         if (a.logit_cap > 0.0f) soft_cap(s, n, a.logit_cap);
         std::fill(s + visible, s + n_pad, kNegInf);
+      }
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t hg = h * M + m;
+        float* s = scores + hg * kDecodeBlock;
+        p_rows[m] = s;
+        if (nq > 1 && visible_keys(start, n, pos0 + m / G) == 0) continue;
         VecF mx = VecF::broadcast(kNegInf);
         for (int64_t i = 0; i < n_pad; i += kVecWidth) mx = vmax(mx, VecF::load(s + i));
         const float new_max = std::max(row_max[hg], hmax(mx));
