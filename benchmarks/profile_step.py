@@ -7,10 +7,16 @@ for a decode step (batch B, every request with C cached tokens) and a prefill ch
     python benchmarks/profile_step.py --dtype bfloat16 --cached-len 480 --shared-prefix-len 420  # W1's shape
     python benchmarks/profile_step.py --cached-len 480 --shared-prefix-len 420 --prefix-groups 4   # a tree
     python benchmarks/profile_step.py --shared-prefix-len 420 --disable-shared-prefix-attention    # ablation
+    python benchmarks/profile_step.py --dtype bfloat16 --cached-len 480 --shared-prefix-len 420 --compare-own-only
 
 With --shared-prefix-len P the decode batch's requests share their first P KV slots (a radix-cache
 hit), in --prefix-groups groups of requests (each group its own prefix); the rest of each
 request's cached tokens are its own.
+
+--compare-own-only alternates, in one process, decode steps of the shared-prefix batch with the
+shared-prefix pass off, with it on, and of a batch whose requests hold only their own tokens (no
+prefix at all: the work every shared-prefix pass still has, so its attention bounds what the pass
+can reach), round after round, and reports each one's median step and attention time.
 
 Each part is timed by wrapping the module's forward with perf_counter (the parts run one after
 another on the calling thread, so the times add up; "other" is the rest of the step: embedding,
@@ -125,6 +131,30 @@ def prefill_step(model: OurModel, num_reqs: int, length: int) -> float:
     return elapsed
 
 
+def compare_own_only(model: OurModel, args, timer: PartTimer) -> dict:
+    """Steps of the shared-prefix batch with the pass off and on, and of the own-tokens-only batch,
+    alternated for `args.repeats` rounds of 3 steps each; medians per configuration."""
+    own = args.cached_len - args.shared_prefix_len
+    shared = DecodeSteps(
+        model, args.batch_size, args.cached_len, timer, args.shared_prefix_len, args.prefix_groups
+    )
+    own_only = DecodeSteps(model, args.batch_size, own, timer)
+    backend = model.runner.attn_backend
+    min_len = backend.shared_prefix_min_len
+    configs = {"pass off": (shared, None), "pass on": (shared, min_len), "own tokens only": (own_only, None)}
+    samples: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in configs}
+    for _ in range(args.repeats + 1):
+        for name, (steps, length) in configs.items():
+            backend.shared_prefix_min_len = length
+            for _ in range(3):
+                total = steps()
+                samples[name]["step_ms"].append(total * 1e3)
+                samples[name]["attention_ms"].append(timer.seconds["attention (+ KV write)"] * 1e3)
+    backend.shared_prefix_min_len = min_len
+    # the first round warms up
+    return {name: {k: statistics.median(v[3:]) for k, v in s.items()} for name, s in samples.items()}
+
+
 def breakdown(run, timer: PartTimer, repeats: int) -> dict:
     totals, parts = [], defaultdict(list)
     for _ in range(repeats + 1):
@@ -159,11 +189,16 @@ def main() -> None:
     p.add_argument("--quantization", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compare-own-only", action="store_true", help="see above; needs --shared-prefix-len")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.compare_own_only and (not args.shared_prefix_len or args.disable_shared_prefix_attention):
+        p.error("--compare-own-only needs --shared-prefix-len and the shared-prefix pass on")
 
     model = OurModel.__new__(OurModel)
-    tokens = args.batch_size * (args.cached_len + 8) + args.prefill_reqs * args.prefill_len + 64
+    batches = 2 if args.compare_own_only else 1  # the own-tokens-only batch beside the shared one
+    steps = 8 + 3 * (args.repeats + 1) if args.compare_own_only else 8
+    tokens = batches * args.batch_size * (args.cached_len + steps) + args.prefill_reqs * args.prefill_len + 64
     if not 0 <= args.shared_prefix_len < args.cached_len or not 1 <= args.prefix_groups <= args.batch_size:
         p.error("need 0 <= --shared-prefix-len < --cached-len and 1 <= --prefix-groups <= --batch-size")
     model.runner = ModelRunner(
@@ -171,7 +206,7 @@ def main() -> None:
             model_path=args.model_path,
             dtype=args.dtype,
             max_total_tokens=tokens,
-            max_running_requests=args.batch_size + args.prefill_reqs + 1,
+            max_running_requests=batches * args.batch_size + args.prefill_reqs + 1,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
@@ -181,6 +216,9 @@ def main() -> None:
     )
     timer = PartTimer()
     timer.instrument(model.runner.model)
+    if args.compare_own_only:
+        report_own_only(compare_own_only(model, args, timer), args)
+        return
     results = {
         "config": vars(args),
         "threads": torch.get_num_threads(),
@@ -218,6 +256,26 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def report_own_only(medians: dict, args) -> None:
+    off, on, floor = (medians[name] for name in ("pass off", "pass on", "own tokens only"))
+    print(f"decode bs {args.batch_size} x {args.cached_len} cached ({args.shared_prefix_len} shared, "
+          f"{args.prefix_groups} groups), {args.dtype}, medians of {args.repeats} rounds x 3 steps:")  # fmt: skip
+    print("| configuration | step ms | attention (+ KV write) ms |")
+    print("| --- | ---: | ---: |")
+    for name, m in medians.items():
+        print(f"| {name} | {m['step_ms']:.1f} | {m['attention_ms']:.1f} |")
+    print(f"attention off / on {off['attention_ms'] / on['attention_ms']:.2f}x, step {off['step_ms'] / on['step_ms']:.2f}x; "
+          f"bound (off / own tokens only): attention {off['attention_ms'] / floor['attention_ms']:.2f}x, "
+          f"step {off['step_ms'] / floor['step_ms']:.2f}x")  # fmt: skip
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(
+            json.dumps(
+                {"config": vars(args), "threads": torch.get_num_threads(), "medians": medians}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":
