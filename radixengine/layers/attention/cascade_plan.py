@@ -192,7 +192,7 @@ class _Cuts:
     def piece_len(self, length: int, members: int) -> int:
         """Positions per piece of a unit of `length` positions: whole key blocks, as few pieces
         as the share and max_len allow."""
-        pieces = max(1, math.ceil(min(length, members * length / self.thread_share)))
+        pieces = max(1, math.ceil(members * length / self.thread_share))
         if self.max_len is not None:
             pieces = max(pieces, -(-length // self.max_len))
         return -(-length // (pieces * KEY_BLOCK)) * KEY_BLOCK
