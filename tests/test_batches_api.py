@@ -130,6 +130,7 @@ LIMITS = [
     ({"endpoint": "/v1/embeddings"}, "endpoint"),
     ({"completion_window": "1h"}, "completion_window"),
     ({"input_file_id": "file-nope"}, "input_file_id"),
+    ({"endpoint": "/v1/foo", "input_file_id": "file-nope"}, "endpoint"),  # the request's fields first
 ]
 
 

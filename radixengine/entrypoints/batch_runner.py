@@ -117,18 +117,18 @@ class BatchRunner:
     def create(
         self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None
     ) -> dict:
-        meta = self.files.get(input_file_id)
-        if meta is None:
-            raise RequestError(f"No file with id {input_file_id!r}", param="input_file_id")
-        if meta["purpose"] != "batch":
-            raise RequestError(f"File {input_file_id} has purpose {meta['purpose']!r}, not 'batch'",
-                               param="input_file_id")  # fmt: skip
         if endpoint not in ENDPOINTS:
             raise RequestError(
                 f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}", param="endpoint"
             )
         if completion_window != "24h":
             raise RequestError("completion_window must be 24h", param="completion_window")
+        meta = self.files.get(input_file_id)
+        if meta is None:
+            raise RequestError(f"No file with id {input_file_id!r}", param="input_file_id")
+        if meta["purpose"] != "batch":
+            raise RequestError(f"File {input_file_id} has purpose {meta['purpose']!r}, not 'batch'",
+                               param="input_file_id")  # fmt: skip
         total = count_lines(self.files.data_path(input_file_id))
         if total > self.max_lines:
             raise RequestError(f"The input file has {total} lines; at most {self.max_lines} (--max-batch-lines)",
