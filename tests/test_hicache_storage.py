@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from sched_utils import (
 )
 from test_engine_utils import subprocess_env
 
+from radixengine.managers.io_struct import AbortReq
 from radixengine.mem_cache.hiradix_cache import STORAGE_PAGE_TOKENS as PT
 from radixengine.mem_cache.storage.base import KVIdentity, page_keys
 from radixengine.mem_cache.storage.file_backend import TMP_SUFFIX, HiCacheFile
@@ -113,7 +115,8 @@ def test_restart_reads_prefix_from_storage(tmp_path, page, kv, overlap, policy):
     # prefix is cached, from storage or from pages another request just read.
     for i, prompt in enumerate(PROMPTS):
         assert warm[f"warm{i}"].cached_tokens >= whole_pages(prompt)  # page 1: the tree may add some
-    assert second.tree_cache.storage_hit_tokens >= whole_pages(PROMPTS[0])
+    # Each request loads its own pages: the shared prefix once, the rest by whichever comes first.
+    assert second.tree_cache.storage_hit_tokens >= len(SHARED[0]) // PT * PT
     close(second)
 
 
@@ -490,3 +493,315 @@ def test_writer_drops_pages_past_its_byte_bound_and_never_waits(tmp_path):
     assert roomy.submit("b" * 32, tuple(range(64)), page)
     roomy.close()
     assert (roomy.written, roomy.pending_bytes) == (1, 0)
+
+
+# ---- prefetches belong to their request --------------------------------------------------------
+
+HEAD = SHARED[0][:PT]
+A_LONG, B_SHORT = (HEAD + tail for tail in random_prompts(15, 2, 64, 64))
+
+
+def _two_prompts_on_disk(folder: Path) -> None:
+    first = hicache_scheduler(folder)
+    run(first, [A_LONG, B_SHORT], "w")
+    close(first)
+
+
+@pytest.mark.parametrize("policy", ["lof", "priority"])
+def test_prompts_sharing_their_first_page_load_their_own_pages(tmp_path, policy):
+    """Two prompts whose first storage page is the same: each is loaded with its own pages 2..n,
+    whichever is admitted first."""
+    _two_prompts_on_disk(tmp_path)
+    opts = dict(schedule_policy="lof") if policy == "lof" else dict(enable_priority_scheduling=True)
+    sched = hicache_scheduler(tmp_path, **opts)
+    # a is queued first; lof (more new tokens) or priority admits b first.
+    reqs = [gen_req("a", A_LONG, 2, priority=0), gen_req("b", B_SHORT, 8, priority=5)]
+    results = run_to_completion(sched, reqs)
+    assert_matches_oracle(reqs, results)
+    assert results["a"].cached_tokens == whole_pages(A_LONG)
+    assert results["b"].cached_tokens == whole_pages(B_SHORT)
+    close(sched)
+
+
+def test_aborted_longer_prompt_leaves_nothing_for_a_shorter_one(tmp_path):
+    """A longer prompt is aborted while queued: its prefetch is revoked, and a shorter prompt
+    sharing its first page loads only its own pages."""
+    _two_prompts_on_disk(tmp_path)
+    sched = hicache_scheduler(tmp_path)
+    long = HEAD + A_LONG[PT:] + random_prompts(16, 1, 64, 64)[0]
+    sched.io.put(gen_req("long", long, 4))
+    sched.process_input_requests(sched.recv_requests(block=False))
+    sched.process_input_requests([AbortReq(rid="long")])
+    reqs = [gen_req("b", B_SHORT, 8)]
+    results = run_to_completion(sched, reqs)
+    assert_matches_oracle(reqs, results)
+    assert results["b"].cached_tokens == whole_pages(B_SHORT)
+    assert sched.tree_cache.tier_stats()["storage_prefetch_bytes"] == 0
+    close(sched)
+
+
+# ---- waiting for prefetches ------------------------------------------------------------------
+
+
+def _step_until(sched, done, max_steps: int = 5000) -> None:
+    for _ in range(max_steps):
+        sched.process_input_requests(sched.recv_requests(block=False))
+        sched.run_step()
+        if done():
+            return
+    raise AssertionError("condition not reached")
+
+
+def _in_thread(fn, timeout_s: float = 120.0) -> None:
+    """Run `fn` in a thread; fail (not hang) if it does not return in time."""
+    errors: list[BaseException] = []
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), "the scheduler thread is blocked"
+    if errors:
+        raise errors[0]
+
+
+def _release_fifo(path: Path) -> None:
+    """Give a reader blocked on the FIFO an end of file."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def test_a_read_that_never_returns_blocks_neither_the_scheduler_nor_later_prefetches(tmp_path):
+    first = hicache_scheduler(tmp_path)
+    run(first, PROMPTS[:1] + OTHER[:1], "w")
+    close(first)
+    hung = _page_file(tmp_path, 1)
+    hung.unlink()
+    os.mkfifo(hung)  # a read of it never returns (as on a hung mount)
+    sched = hicache_scheduler(tmp_path)
+    tree = sched.tree_cache
+    tree.prefetch_timeout_s = 3600.0
+    fresh = random_prompts(17, 1, 40, 40)
+    reqs = [gen_req("x", PROMPTS[0], 4), gen_req("r", fresh[0], 6)]
+    outputs: list = []
+    try:
+
+        def first_part():
+            sched.io.put(*reqs)
+            # r runs to its end while x stays queued, waiting for its prefetch.
+            _step_until(sched, lambda: _finished(sched, outputs, "r"))
+            assert [q.rid for q in sched.waiting_queue] == ["x"]
+            tree.prefetch_timeout_s = 0.0  # now x gives up waiting: its rest is recomputed
+            _step_until(sched, lambda: _finished(sched, outputs, "x"))
+
+        _in_thread(first_part)
+        results = collect(outputs)
+        assert_matches_oracle(reqs, results)
+        assert results["x"].cached_tokens == PT  # page 0 from storage, page 1 on no mount
+        assert tree.tier_stats()["storage_prefetches_given_up"] == 1
+        # A later prefetch (on other pages) is read and loaded.
+        later = [gen_req("y", OTHER[0], 4)]
+        _in_thread(lambda: results.update(run_to_completion(sched, later)))
+        assert_matches_oracle(later, results)
+        assert results["y"].cached_tokens == whole_pages(OTHER[0])
+    finally:
+        _release_fifo(hung)
+    close(sched)
+
+
+def _finished(sched, outputs: list, rid: str) -> bool:
+    outputs.extend(sched.io.take_outputs())
+    result = collect(outputs).get(rid)
+    return result is not None and result.finished_reason is not None
+
+
+# ---- prefetch memory ---------------------------------------------------------------------------
+
+
+def test_prefetch_pages_are_freed_when_their_request_leaves(tmp_path):
+    _write_pages(tmp_path)
+    sched = hicache_scheduler(tmp_path)
+    tree = sched.tree_cache
+    sched.io.put(gen_req("gone", PROMPTS[1], 4))
+    sched.process_input_requests(sched.recv_requests(block=False))  # queued: its prefetch runs
+    tree.prefetcher.get("gone").wait(None)
+    assert tree.tier_stats()["storage_prefetch_bytes"] > 0
+    sched.process_input_requests([AbortReq(rid="gone")])
+    assert tree.tier_stats()["storage_prefetch_bytes"] == 0
+    reqs, results = run(sched, PROMPTS, "r")
+    assert_matches_oracle(reqs, results)
+    stats = tree.tier_stats()
+    assert stats["storage_prefetches"] == 4 and stats["storage_prefetches_in_flight"] == 0
+    assert stats["storage_prefetch_bytes"] == stats["storage_prefetch_reserved_bytes"] == 0
+    close(sched)
+
+
+def test_prefetch_memory_is_bounded_in_bytes(tmp_path):
+    _write_pages(tmp_path)
+    sched = hicache_scheduler(tmp_path, schedule_policy="fcfs")
+    tree = sched.tree_cache
+    page_bytes = tree.prefetcher.page_bytes
+    tree.prefetcher.max_bytes = 3 * page_bytes
+    reqs = [gen_req(f"r{i}", p, 4) for i, p in enumerate(PROMPTS)]
+    sched.io.put(reqs[0])
+    sched.process_input_requests(sched.recv_requests(block=False))
+    # The first request's 10 pages do not fit: it reads 3; the others find no room.
+    assert tree.prefetcher.reserved_bytes == 3 * page_bytes
+    sched.io.put(*reqs[1:])
+    sched.process_input_requests(sched.recv_requests(block=False))
+    assert tree.prefetcher.reserved_bytes == 3 * page_bytes
+    assert tree.tier_stats()["storage_prefetches_truncated"] == 3
+    tree.prefetcher.get("r0").wait(None)
+    sched.run_until_idle()
+    results = collect(sched.io.take_outputs())
+    assert_matches_oracle(reqs, results)
+    assert tree.storage_hit_tokens == 3 * PT
+    assert tree.prefetcher.reserved_bytes == 0
+    close(sched)
+
+
+# ---- files whose header lies -------------------------------------------------------------------
+
+
+def _rewrite(path: Path, edit_header, edit_payload=lambda p: p) -> None:
+    """Rewrite a page file with an edited header and payload, its checksum and length updated
+    (a file another writer made: every check of the bytes passes)."""
+    import json
+    import struct
+    import zlib
+
+    from radixengine.mem_cache.storage.file_backend import MAGIC
+
+    data = path.read_bytes()
+    at = len(MAGIC)
+    (n,) = struct.unpack_from("<I", data, at)
+    header = json.loads(data[at + 4 : at + 4 + n])
+    payload = edit_payload(data[at + 4 + n :])
+    header = edit_header({**header, "payload_bytes": len(payload), "crc32": zlib.crc32(payload)})
+    raw = json.dumps(header).encode()
+    path.write_bytes(MAGIC + struct.pack("<I", len(raw)) + raw + payload)
+
+
+def _as_bfloat16(payload: bytes) -> bytes:
+    page = torch.frombuffer(bytearray(payload), dtype=torch.float32)
+    return page.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+
+
+def test_page_of_another_dtype_is_recomputed_named_and_deleted(tmp_path, caplog):
+    for path in _write_pages(tmp_path):  # every page: the copy into the pool would raise
+        _rewrite(path, lambda h: {**h, "dtype": "bfloat16"}, _as_bfloat16)
+    bad = [_page_file(tmp_path, 0)]
+    sched = hicache_scheduler(tmp_path)
+    with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
+        reqs, results = run(sched, PROMPTS[:1], "r")
+    assert_matches_oracle(reqs, results)
+    assert sched.tree_cache.storage_hit_tokens == 0
+    named = [r.getMessage() for r in caplog.records if str(bad[0]) in r.getMessage()]
+    assert len(named) == 1 and "dtype" in named[0]
+    sched.tree_cache.flush_storage()
+    # Deleted, then written again whole by the request that recomputed it.
+    assert (
+        HiCacheFile(tmp_path, sched.tree_cache.storage.identity).get(bad[0].stem, tuple(SHARED[0][:PT]))
+        is not None
+    )
+    close(sched)
+
+
+@pytest.mark.parametrize("header", [[1, 2], "text", 7, None], ids=["list", "str", "int", "null"])
+def test_header_that_is_not_an_object_is_a_bad_file(tmp_path, caplog, header):
+    _write_pages(tmp_path)
+    bad = _page_file(tmp_path, 0)
+    _rewrite(bad, lambda h: header)
+    sched = hicache_scheduler(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        reqs, results = run(sched, PROMPTS[:1], "r")
+    assert_matches_oracle(reqs, results)
+    assert sched.tree_cache.storage_hit_tokens == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if str(bad) in m]) == 1, messages
+    assert not [r for r in caplog.records if r.exc_info], "a traceback instead of the bad-file path"
+    close(sched)
+
+
+# ---- failed writes, recency, pages already there -----------------------------------------------
+
+
+def test_a_failed_write_skips_its_page_and_is_retried_later(tmp_path, caplog):
+    identity = _identity_of(tmp_path)
+    keys = page_keys(tuple(SHARED[0]), PT, 9)
+    blocked = tmp_path / identity.tag() / f"{keys[1]}.kv"
+    blocked.mkdir(parents=True)  # a folder where page 1's file goes: its write fails
+    sched = hicache_scheduler(tmp_path)
+    with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
+        run(sched, PROMPTS[:1], "a")
+        sched.tree_cache.flush_storage()
+    assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
+    on_disk = {p.stem for p in files(tmp_path)}
+    assert keys[0] in on_disk and keys[2] in on_disk and keys[8] in on_disk  # the others went on
+    blocked.rmdir()
+    run(sched, PROMPTS[1:2], "b")  # through the same prefix: the skipped page is written now
+    sched.tree_cache.flush_storage()
+    assert HiCacheFile(tmp_path, identity).get(keys[1], tuple(SHARED[0][PT : 2 * PT])) is not None
+    close(sched)
+
+
+def _page_file_bytes(tmp_path: Path) -> int:
+    identity = _identity_of(tmp_path / "probe")
+    probe = HiCacheFile(tmp_path / "probe", identity)
+    probe.set("0" * 32, tuple(range(PT)), torch.zeros(identity.page_shape()))
+    return probe.path_of("0" * 32).stat().st_size
+
+
+HOT = random_prompts(18, 1, 2 * PT + 2, 2 * PT + 2)[0]  # 2 pages (with its 4 output tokens)
+COLD = random_prompts(19, 5, 2 * PT + 2, 2 * PT + 2)
+
+
+def test_size_bound_keeps_a_prefix_served_from_the_device(tmp_path):
+    """The size bound deletes the least recently used pages: a prefix every request hits in
+    the device tree is used, though storage never reads it."""
+    bound = 7 * _page_file_bytes(tmp_path)
+    sched = hicache_scheduler(tmp_path / "store", hicache_storage_max_bytes=bound)
+    hot_keys = page_keys(tuple(HOT), PT, 2)
+    run(sched, [HOT], "h", max_new_tokens=4)
+    for i, cold in enumerate(COLD):  # 10 pages more than the bound holds
+        run(sched, [cold, HOT[:-1] + [HOT[-1] + 1]], f"c{i}-", max_new_tokens=4)
+        sched.tree_cache.flush_storage()
+    kept = {p.stem for p in files(tmp_path / "store")}
+    assert set(hot_keys) <= kept
+    assert len(kept) < 12  # the bound deleted cold pages
+    close(sched)
+
+
+def test_a_page_the_size_bound_deleted_is_written_again(tmp_path):
+    bound = 3 * _page_file_bytes(tmp_path)
+    sched = hicache_scheduler(tmp_path / "store", hicache_storage_max_bytes=bound)
+    hot_keys = page_keys(tuple(HOT), PT, 2)
+    run(sched, [HOT], "h", max_new_tokens=4)
+    sched.tree_cache.flush_storage()
+    run(sched, COLD[:2], "c", max_new_tokens=4)  # 4 newer pages: the hot ones are deleted
+    sched.tree_cache.flush_storage()
+    assert not set(hot_keys) & {p.stem for p in files(tmp_path / "store")}
+    run(sched, [HOT], "again", max_new_tokens=4)  # from the device tree; written again at its end
+    sched.tree_cache.flush_storage()
+    assert set(hot_keys) <= {p.stem for p in files(tmp_path / "store")}
+    close(sched)
+
+
+def test_pages_already_on_disk_are_not_written_again_after_a_restart(tmp_path):
+    _write_pages(tmp_path)
+    before = {p: p.stat().st_ino for p in files(tmp_path)}
+    sched = hicache_scheduler(tmp_path)
+    run(sched, PROMPTS, "r")
+    sched.tree_cache.flush_storage()
+    stats = sched.tree_cache.tier_stats()
+    assert stats["storage_pages_written"] == 0
+    assert stats["storage_pages_present"] > 0
+    assert {p: p.stat().st_ino for p in files(tmp_path)} == before
+    close(sched)

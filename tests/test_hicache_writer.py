@@ -44,6 +44,18 @@ class GatedStorage:
     def exists(self, key: str) -> bool:
         return False
 
+    def touch(self, key: str) -> bool:
+        return key in self.written
+
+    def take_removed(self) -> list[str]:
+        return []
+
+    def discard(self, key: str, problem: str) -> None:
+        pass
+
+    def describe(self, key: str) -> str:
+        return key
+
 
 def test_close_writes_every_queued_page(tmp_path):
     storage = HiCacheFile(tmp_path, IDENTITY)

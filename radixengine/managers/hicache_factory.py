@@ -13,7 +13,12 @@ from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.chunk_cache import ChunkCache
 from radixengine.mem_cache.hicache_transfer import HostTransfer, InlineHostTransfer
-from radixengine.mem_cache.hiradix_cache import HiRadixCache, storage_page_tokens
+from radixengine.mem_cache.hiradix_cache import (
+    DEFAULT_MAX_PREFETCH_BYTES,
+    HiRadixCache,
+    PrefetchConfig,
+    storage_page_tokens,
+)
 from radixengine.mem_cache.host_radix_cache import HostRadixCache
 from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixengine.mem_cache.memory_pool_host import HostKVPool
@@ -69,7 +74,10 @@ def make_radix_cache(
         allocator,
         page_size,
         storage,
-        prefetch_policy=args.hicache_storage_prefetch_policy,
+        prefetch=PrefetchConfig(
+            args.hicache_storage_prefetch_policy,
+            max_bytes=min(DEFAULT_MAX_PREFETCH_BYTES, pool.size * HostKVPool.bytes_per_token(pool)),
+        ),
         **common,
     )
 

@@ -158,9 +158,23 @@ class BasePrefixCache(ABC):
         how many tokens it loaded. A cache without one has nothing to load."""
         return 0
 
-    def prefetch_from_storage(self, key: list[int] | tuple[int, ...]) -> None:
-        """Start reading the pages of `key` past what the cache holds from a storage tier (a
-        request was received); nothing without one."""
+    def prefetch_from_storage(self, rid: str, key: list[int] | tuple[int, ...]) -> None:
+        """Request `rid` entered the waiting queue: start reading the pages of `key` past what the
+        cache holds from a storage tier, for that request; nothing without one."""
+        return None
+
+    def check_prefetch_progress(self, rid: str) -> bool:
+        """Whether request `rid` may be admitted now (its prefetch is done or need not be waited
+        for); never blocks. Always without a storage tier."""
+        return True
+
+    def wait_for_prefetch(self, timeout_s: float) -> None:
+        """Nothing can run but requests waiting for prefetches: wait at most `timeout_s` for one
+        to progress; nothing to wait for without a storage tier."""
+        return None
+
+    def release_prefetch(self, rid: str) -> None:
+        """Request `rid` left the waiting queue without being admitted: drop its prefetch."""
         return None
 
     def set_pool_write_stream(self, stream: PoolWriteStream) -> None:

@@ -23,6 +23,9 @@ ends inside one uses its tail.
 from __future__ import annotations
 
 import logging
+import math
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,12 +47,30 @@ logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = HICACHE_WRITE_POLICIES
 PREFETCH_POLICIES = HICACHE_PREFETCH_POLICIES
-DEFAULT_PREFETCH_TIMEOUT_S = 2.0
+DEFAULT_PREFETCH_TIMEOUT_S = 2.0  # SGLang's prefetch_timeout_base is 1 s
+DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.25  # SGLang's prefetch_timeout_per_ki_token
+DEFAULT_MAX_PREFETCH_BYTES = 1 << 30  # pages read ahead and not loaded yet, all requests together
 STORAGE_PAGE_TOKENS = 16  # rounded up to a multiple of the pool's page size
 
 
 def storage_page_tokens(page_size: int) -> int:
     return -(-STORAGE_PAGE_TOKENS // page_size) * page_size
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """How admission waits for a request's storage prefetch, and the memory prefetches hold."""
+
+    policy: str = "best_effort"
+    timeout_s: float = DEFAULT_PREFETCH_TIMEOUT_S  # timeout: the wait; wait_complete: the stall
+    timeout_per_ki_token_s: float = DEFAULT_PREFETCH_TIMEOUT_PER_KI_TOKEN_S  # added per 1024 tokens
+    max_bytes: int = DEFAULT_MAX_PREFETCH_BYTES
+
+    def __post_init__(self) -> None:
+        if self.policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"hicache prefetch policy {self.policy!r}; one of {', '.join(PREFETCH_POLICIES)}"
+            )
 
 
 class HiRadixCache(HostRadixCache):
@@ -62,16 +83,11 @@ class HiRadixCache(HostRadixCache):
         eviction_policy: str = "lru",
         evict_leaf_tails: bool = False,
         write_policy: str = "write_through",
-        prefetch_policy: str = "best_effort",
-        prefetch_timeout_s: float = DEFAULT_PREFETCH_TIMEOUT_S,
+        prefetch: PrefetchConfig = PrefetchConfig(),
         max_pending_write_bytes: int = 256 << 20,
         host_pool: HostKVPool | None = None,
         host_transfer: HostTransfer | None = None,
     ) -> None:
-        if prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(
-                f"hicache prefetch policy {prefetch_policy!r}; one of {', '.join(PREFETCH_POLICIES)}"
-            )
         super().__init__(
             req_to_token_pool,
             token_to_kv_pool_allocator,
@@ -86,23 +102,39 @@ class HiRadixCache(HostRadixCache):
         self.page_tokens = storage.identity.page_tokens
         if self.page_tokens % page_size:
             raise ValueError(f"storage pages of {self.page_tokens} tokens with pool pages of {page_size}")
-        self.prefetch_policy = prefetch_policy
-        self.prefetch_timeout_s = prefetch_timeout_s
+        self.prefetch_policy = prefetch.policy
+        self.prefetch_timeout_s = prefetch.timeout_s
+        self.prefetch_timeout_per_ki_token_s = prefetch.timeout_per_ki_token_s
         self.writer = StorageWriter(storage, max_pending_write_bytes)
-        self.prefetcher = StoragePrefetcher(storage)
+        dtype = getattr(torch, storage.identity.kv_dtype)
+        page_bytes = math.prod(storage.identity.page_shape()) * dtype.itemsize
+        self.prefetcher = StoragePrefetcher(storage, prefetch.max_bytes, page_bytes)
         self._stored: set[str] = set()  # keys this cache wrote or read (known to be in storage)
+        self._touched: dict[str, int] = {}  # key -> pages submitted when its recency was refreshed
         self.storage_hit_tokens = 0  # tokens loaded from storage into the pool
         self.storage_pages_loaded = 0
 
+    # ---- page keys ----
+
+    def _page_keys(self, tokens: tuple[int, ...], num_pages: int) -> list[str]:
+        """The storage keys of the first `num_pages` pages of `tokens` (every key is made here)."""
+        return page_keys(tokens, self.page_tokens, num_pages)
+
     # ---- reading back ----
 
-    def prefetch_from_storage(self, key: list[int] | tuple[int, ...]) -> None:
-        """A request was received: start reading the pages of `key` that neither the device nor
-        the host holds (without touching the tree)."""
+    def prefetch_from_storage(self, rid: str, key: list[int] | tuple[int, ...]) -> None:
+        """Request `rid` was queued: start reading the pages of `key` that neither the device nor
+        the host holds (without touching the tree). The prefetch is the request's own."""
         tokens = self._page_aligned(as_token_key(key))
-        matched = self._held_len(tokens)
-        if len(tokens) - matched >= self.page_tokens:
-            self._prefetch(tokens, matched)
+        self.prefetcher.release(rid)
+        first = self._held_len(tokens) // self.page_tokens
+        num_pages = len(tokens) // self.page_tokens
+        if first >= num_pages:
+            return
+        keys = self._page_keys(tokens, num_pages)[first:]
+        pts = self.page_tokens
+        chunks = [tokens[(first + i) * pts : (first + i + 1) * pts] for i in range(len(keys))]
+        self.prefetcher.request(rid, first, keys, chunks)
 
     def _held_len(self, tokens: tuple[int, ...]) -> int:
         """How much of `tokens` the tree holds, on the device or the host."""
@@ -116,49 +148,117 @@ class HiRadixCache(HostRadixCache):
             node = child
         return i
 
-    def _prefetch(self, tokens: tuple[int, ...], matched: int) -> PrefetchOp | None:
-        first = matched // self.page_tokens
-        num_pages = len(tokens) // self.page_tokens
-        if first >= num_pages:
-            return None
-        keys = page_keys(tokens, self.page_tokens, num_pages)[first:]
-        pts = self.page_tokens
-        chunks = [tokens[(first + i) * pts : (first + i + 1) * pts] for i in range(len(keys))]
-        return self.prefetcher.request(keys, chunks)
+    def check_prefetch_progress(self, rid: str) -> bool:
+        """Whether request `rid` may be admitted now (SGLang's check_prefetch_progress): its
+        prefetch is done, or the policy does not wait (best_effort), or waited long enough
+        (timeout: since it started; wait_complete: since its last page arrived). Never blocks."""
+        op = self.prefetcher.get(rid)
+        if op is None or op.done.is_set() or self.prefetch_policy == "best_effort":
+            return True
+        since = op.created if self.prefetch_policy == "timeout" else op.last_progress
+        if time.monotonic() - since < self._prefetch_timeout(op):
+            return False
+        self.prefetcher.give_up(op)
+        return True
+
+    def _prefetch_timeout(self, op: PrefetchOp) -> float:
+        tokens = len(op.keys) * self.page_tokens
+        return self.prefetch_timeout_s + self.prefetch_timeout_per_ki_token_s * tokens / 1024
+
+    def wait_for_prefetch(self, timeout_s: float) -> None:
+        """Nothing can run but requests waiting for prefetches: wait at most `timeout_s` for a
+        page to arrive (instead of spinning)."""
+        self.prefetcher.wait_progress(timeout_s)
+
+    def release_prefetch(self, rid: str) -> None:
+        """Request `rid` left the waiting queue without being admitted: revoke its prefetch."""
+        self.prefetcher.release(rid)
 
     def load_from_storage(self, req: CacheReq, key: list[int] | tuple[int, ...]) -> int:
         """Load what follows the tree's device match of `key`: the host tier's nodes, then the
-        pages storage has (admission calls it just before offering `req`). Returns how many
-        tokens it loaded; then the request's next match is that much longer, and other
-        requests' earlier matches may be stale (the load may evict)."""
+        pages the request's own prefetch has read (admission calls it just before offering
+        `req`). Returns how many tokens it loaded; then the request's next match is that much
+        longer, and other requests' earlier matches may be stale (the load may evict)."""
         from_host = super().load_from_storage(req, key)
-        from_storage = self._load_storage_pages(key)
+        self._touch_hits(key, len(req.prefix_indices) + from_host)
+        from_storage = self._load_storage_pages(req.rid, key)
         if from_storage and not getattr(req, "retracted_stain", False):
             req.storage_hit_tokens = getattr(req, "storage_hit_tokens", 0) + from_storage
         return from_host + from_storage
 
-    def _load_storage_pages(self, key: list[int] | tuple[int, ...]) -> int:
+    def _load_storage_pages(self, rid: str, key: list[int] | tuple[int, ...]) -> int:
+        op = self.prefetcher.get(rid)
+        if op is None:
+            return 0
         tokens = self._page_aligned(as_token_key(key))
         values, node = self._match_prefix_helper(tokens) if tokens else ([], self.root_node)
         matched = sum(len(v) for v in values)
-        op = self._prefetch(tokens, matched) if len(tokens) - matched >= self.page_tokens else None
-        if op is None:
-            return 0
-        self._wait(op)
-        pages = list(op.pages)  # what has arrived (the thread only appends)
+        pages, keys = self._usable_pages(op, tokens, matched)
+        pages, keys = self._fitting_pages(pages, keys)
         if not pages:
+            self.prefetcher.release(rid)
             return 0
-        loaded = self._load_pages(tokens, values, node, matched, pages)
-        if loaded:
-            self.prefetcher.discard(op)
-            self._stored.update(op.keys[: len(pages)])
+        loaded = self._load_pages(tokens, values, node, matched, pages, keys)
+        if loaded:  # else no pool room: the pages stay for the request's next turn
+            self.prefetcher.release(rid)
+            self._stored.update(keys)
         return loaded
 
-    def _wait(self, op: PrefetchOp) -> None:
-        if self.prefetch_policy == "wait_complete":
-            op.wait(None)
-        elif self.prefetch_policy == "timeout":
-            op.wait(self.prefetch_timeout_s)
+    def _touch_hits(self, key: list[int] | tuple[int, ...], hit_len: int) -> None:
+        """The stored pages of a device or host hit were used: refresh their recency, so that the
+        size bound keeps a hot prefix served from the tree (once per page between writes:
+        the order against newer pages is all that counts)."""
+        num = hit_len // self.page_tokens
+        if not num:
+            return
+        self._forget_gone()
+        stamp = self.writer.submitted
+        keys = self._page_keys(as_token_key(key)[: num * self.page_tokens], num)
+        keys = [k for k in keys if k in self._stored and self._touched.get(k) != stamp]
+        for k in keys:
+            self._touched[k] = stamp
+        if keys:
+            self.writer.touch(keys)
+        if len(self._touched) > 1 << 20:
+            self._touched.clear()
+
+    def _forget_gone(self) -> None:
+        """Keys whose pages storage deleted (size bound, bad file) or never wrote (a failed
+        write) are written again the next time a request goes through them."""
+        for key in self.storage.take_removed() + self.writer.take_failed():
+            self._stored.discard(key)
+            self._touched.pop(key, None)
+
+    def _usable_pages(
+        self, op: PrefetchOp, tokens: tuple[int, ...], matched: int
+    ) -> tuple[list[torch.Tensor], list[str]]:
+        """The pages of `op` that continue the tree's match of `tokens`: those from the page the
+        match ends in, as long as their keys are the request's own."""
+        pages = op.arrived()
+        num_pages = len(tokens) // self.page_tokens
+        start = matched // self.page_tokens
+        if start < op.first_page or start >= num_pages:
+            return [], []
+        own = self._page_keys(tokens, num_pages)
+        end = op.first_page
+        for page_key in op.keys[: len(pages)]:
+            if end >= num_pages or own[end] != page_key:
+                break
+            end += 1
+        lo, hi = start - op.first_page, end - op.first_page
+        return pages[lo:hi], op.keys[lo:hi]
+
+    def _fitting_pages(
+        self, pages: list[torch.Tensor], keys: list[str]
+    ) -> tuple[list[torch.Tensor], list[str]]:
+        """The leading pages whose dtype and shape are the pool's; a page that is not is named,
+        deleted and recomputed (with those after it)."""
+        dtype, shape = self.kv_pool.dtype, self.storage.identity.page_shape()
+        for i, (page, key) in enumerate(zip(pages, keys)):
+            if page.dtype != dtype or tuple(page.shape) != shape:
+                self.storage.discard(key, f"a page of {page.dtype} {tuple(page.shape)}, not {dtype} {shape}")
+                return pages[:i], keys[:i]
+        return pages, keys
 
     def _load_pages(
         self,
@@ -167,6 +267,7 @@ class HiRadixCache(HostRadixCache):
         node: TreeNode,
         matched: int,
         pages: list[torch.Tensor],
+        keys: list[str],
     ) -> int:
         skip = matched - matched // self.page_tokens * self.page_tokens  # of the first page, in the tree
         num = len(pages) * self.page_tokens - skip
@@ -177,7 +278,13 @@ class HiRadixCache(HostRadixCache):
         if self.pool_write_stream is not None:
             self.pool_write_stream.submit(self._scatter, slots, data, label="hicache-load")
         else:
-            self._scatter(slots, data)
+            try:
+                self._scatter(slots, data)
+            except (RuntimeError, ValueError) as e:  # nothing refers to the slots yet
+                self.token_to_kv_pool_allocator.free(slots)
+                for key in keys:
+                    self.storage.discard(key, f"cannot be copied into the KV pool ({e})")
+                return 0
         prefix = torch.cat(values) if values else self._empty()
         end = matched + num
         # counted_len=end: loading is no request's hit (lfu / slru count the request's own insert).
@@ -209,7 +316,8 @@ class HiRadixCache(HostRadixCache):
         num_pages = len(slots) // self.page_tokens
         if not num_pages:
             return
-        keys = page_keys(tokens, self.page_tokens, num_pages)
+        keys = self._page_keys(tokens, num_pages)
+        self._forget_gone()
         ends = _node_ends(nodes)
         todo = [k for k, key in enumerate(keys) if key not in self._stored]
         if self.write_policy == "write_through_selective":
@@ -233,7 +341,6 @@ class HiRadixCache(HostRadixCache):
             page = data[:, :, j * pts : (j + 1) * pts]
             if self.writer.submit(keys[k], tokens[k * pts : (k + 1) * pts], page):
                 self._stored.add(keys[k])
-                self.prefetcher.forget(keys[k])
         if len(self._stored) > 1 << 20:
             self._stored.clear()
 
@@ -278,7 +385,8 @@ class HiRadixCache(HostRadixCache):
         if num_pages <= first:
             return
         slots = torch.cat([p.value for p in path])
-        keys = page_keys(tokens, self.page_tokens, num_pages)
+        keys = self._page_keys(tokens, num_pages)
+        self._forget_gone()
         self._submit(keys, [k for k in range(first, num_pages) if keys[k] not in self._stored], tokens, slots)
 
     # ---- life ----
@@ -296,9 +404,16 @@ class HiRadixCache(HostRadixCache):
             "storage_hit_tokens": self.storage_hit_tokens,
             "storage_pages_loaded": self.storage_pages_loaded,
             "storage_pages_written": self.writer.written,
+            "storage_pages_present": self.writer.present,
             "storage_pages_dropped": self.writer.dropped,
             "storage_write_failures": self.writer.failed,
             "storage_pages_queued": self.writer.queued(),
+            "storage_prefetches": self.prefetcher.started,
+            "storage_prefetches_in_flight": self.prefetcher.num_ops(),
+            "storage_prefetches_given_up": self.prefetcher.given_up,
+            "storage_prefetches_truncated": self.prefetcher.truncated,
+            "storage_prefetch_bytes": self.prefetcher.held_bytes(),
+            "storage_prefetch_reserved_bytes": self.prefetcher.reserved_bytes,
         }
 
     def tier_stats(self) -> dict[str, int]:

@@ -31,6 +31,7 @@ from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
 
 NewBatch = Callable[[list[Req]], ScheduleBatch]
+PREFETCH_POLL_S = 0.002  # a round that runs nothing waits this long for a storage prefetch
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class PrefillAdmission:
         # the last prefill round found it full (None: it did not).
         self.num_departures = 0
         self.full_at_departures: int | None = None
+        self.waiting_for_prefetch = False  # this round skipped requests whose prefetch runs
 
     @property
     def waiting_queue(self) -> list[Req]:
@@ -149,7 +151,13 @@ class PrefillAdmission:
     def get_new_batch_prefill(self, running: ScheduleBatch) -> StepPlan:
         if not self._prefill_may_admit(running):
             return StepPlan(None, running)
-        return self.apply_prefill_plan(self.plan_prefill(running), running)
+        self.waiting_for_prefetch = False
+        plan = self.apply_prefill_plan(self.plan_prefill(running), running)
+        if plan.batch is None and plan.running_batch.is_empty() and self.waiting_for_prefetch:
+            # Nothing runs and queued requests wait for storage reads: wait briefly for a page
+            # instead of spinning.
+            self.pools.tree_cache.wait_for_prefetch(PREFETCH_POLL_S)
+        return plan
 
     def _num_allocatable_reqs(self, running_bs: int, chunked_in_batch: bool = False) -> int:
         """How many requests this prefill batch may hold (the chunked request keeps its row)."""
@@ -218,6 +226,9 @@ class PrefillAdmission:
                 req.init_next_round_input(self.pools.tree_cache)
             if trie is not None and self._prefix_being_computed(req, trie):
                 continue  # wait one round: it will hit the cache instead of computing it again
+            if not self.pools.tree_cache.check_prefetch_progress(req.rid):
+                self.waiting_for_prefetch = True
+                continue  # its pages are still being read from storage: it stays queued
             if len(adder.can_run_list) >= self._num_allocatable_reqs(len(running.reqs), chunked_in_batch):
                 full = True
             if full and not self._preempt_for(adder, req, matched):

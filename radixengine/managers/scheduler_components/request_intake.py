@@ -96,6 +96,7 @@ class RequestIntake:
         streamer: OutputStreamer,
         active_reqs: Callable[[], list[Req]],
         on_queued: Callable[[Req], None] | None = None,
+        on_dropped: Callable[[Req], None] | None = None,
     ) -> None:
         self.limits = limits
         self.config = config
@@ -107,6 +108,9 @@ class RequestIntake:
         # Called as a request enters the waiting queue: the hierarchical cache starts reading its
         # prefix from storage then (SGLang's _prefetch_kvcache), not at its first admission.
         self.on_queued = on_queued
+        # Called as a queued request leaves the queue without being admitted (aborted, pushed out
+        # by a more important one): its prefetch is revoked.
+        self.on_dropped = on_dropped
         # Admission orders it and takes from it in place (the list object never changes).
         self.waiting_queue: list[Req] = []
         # Answered at the end of the step, once its results are processed (under overlap a
@@ -188,10 +192,15 @@ class RequestIntake:
                 self.finish_at_once(req, "The request queue is full.", 503)
                 return
             self.waiting_queue.remove(worst)
+            self._dropped(worst)
             self.finish_at_once(worst, "The request is aborted by a higher priority request.", 503)
         self.waiting_queue.append(req)
         if self.on_queued is not None:
             self.on_queued(req)
+
+    def _dropped(self, req: Req) -> None:
+        if self.on_dropped is not None:
+            self.on_dropped(req)
 
     def remove_admitted(self, reqs: list[Req]) -> None:
         admitted = {id(r) for r in reqs}
@@ -205,12 +214,16 @@ class RequestIntake:
                 self.streamer.add(req)
             else:
                 self.waiting_queue.append(req)
+                if self.on_queued is not None:
+                    self.on_queued(req)
 
     def abort_request(self, rid: str) -> None:
         req = self.grammar_manager.abort_request(rid)
         if req is None:
             i = next((i for i, r in enumerate(self.waiting_queue) if r.rid == rid), None)
             req = None if i is None else self.waiting_queue.pop(i)
+            if req is not None:
+                self._dropped(req)
         if req is not None:
             req.to_abort = True
             req.check_finished(self.eos_token_ids)

@@ -58,6 +58,19 @@ class HiCacheStorage(Protocol):
         tokens; None otherwise (a bad file is named in a warning and not used)."""
 
     def set(self, key: str, tokens: tuple[int, ...], page: torch.Tensor) -> bool:
-        """Store a page; False if it was not stored (the backend may have turned itself off)."""
+        """Store a page; False if it could not be (it may be stored again later)."""
 
     def exists(self, key: str) -> bool: ...
+
+    def touch(self, key: str) -> bool:
+        """Mark the page of `key` used now (the size bound deletes the least recently used);
+        False if storage does not have it."""
+
+    def take_removed(self) -> list[str]:
+        """Keys whose pages were deleted (size bound, bad files) since the last call."""
+
+    def discard(self, key: str, problem: str) -> None:
+        """The page of `key` cannot be used: name it and `problem` in a warning, delete it."""
+
+    def describe(self, key: str) -> str:
+        """Where the page of `key` is (for messages)."""
