@@ -117,7 +117,7 @@ class ServerArgs:
     hicache_write_policy: str = "write_through"
     hicache_storage_backend: str | None = None
     hicache_storage_dir: str | None = None
-    hicache_storage_max_bytes: int = 0
+    hicache_storage_max_bytes: int | None = None  # None: the variable, else 8 GiB; 0: no bound
     hicache_storage_prefetch_policy: str = "best_effort"
     hicache_host_tier_on_cpu: bool = False  # the host tier over a CPU pool (tests its logic)
 

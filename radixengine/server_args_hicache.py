@@ -16,6 +16,7 @@ from typing import Protocol
 
 from radixengine.mem_cache.storage.policies import (
     DEFAULT_FILE_BACKEND_DIR,
+    DEFAULT_FILE_BACKEND_MAX_BYTES,
     FILE_BACKEND_DIR_ENV,
     FILE_BACKEND_MAX_SIZE_ENV,
     HICACHE_PREFETCH_POLICIES,
@@ -58,8 +59,9 @@ HICACHE_HELP = {
         f"The file backend's folder; default ${FILE_BACKEND_DIR_ENV}, else {DEFAULT_FILE_BACKEND_DIR}."
     ),
     "hicache_storage_max_bytes": (
-        f"Size bound of the file backend's folder in bytes (least recently used pages are deleted "
-        f"past it); 0: no bound. Default ${FILE_BACKEND_MAX_SIZE_ENV}, else 0."
+        f"Size bound of the file backend's folder in bytes, all its subfolders together (least "
+        f"recently used pages are deleted past it); 0: no bound (a warning at start). Default "
+        f"${FILE_BACKEND_MAX_SIZE_ENV}, else {DEFAULT_FILE_BACKEND_MAX_BYTES >> 30} GiB."
     ),
     "hicache_storage_prefetch_policy": (
         "How long admission waits for a request's pages being read from storage: best_effort "
@@ -78,7 +80,7 @@ class HiCacheArgs(Protocol):
     hicache_size: int
     hicache_storage_backend: str | None
     hicache_storage_dir: str | None
-    hicache_storage_max_bytes: int
+    hicache_storage_max_bytes: int | None
     hicache_host_tier_on_cpu: bool
 
 
@@ -87,9 +89,11 @@ def resolve_storage_dir(args: HiCacheArgs) -> str:
 
 
 def resolve_storage_max_bytes(args: HiCacheArgs) -> int:
-    if args.hicache_storage_max_bytes:
+    """The folder's size bound: the flag, else SGLang's variable, else the default; 0: none."""
+    if args.hicache_storage_max_bytes is not None:
         return args.hicache_storage_max_bytes
-    return int(os.environ.get(FILE_BACKEND_MAX_SIZE_ENV) or 0)
+    env = os.environ.get(FILE_BACKEND_MAX_SIZE_ENV)
+    return int(env) if env else DEFAULT_FILE_BACKEND_MAX_BYTES
 
 
 def validate_hicache(args: HiCacheArgs) -> None:
@@ -101,7 +105,7 @@ def validate_hicache(args: HiCacheArgs) -> None:
             raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
     if args.hicache_ratio <= 0:
         raise ValueError(f"--hicache-ratio must be > 0, got {args.hicache_ratio}")
-    if args.hicache_size < 0 or args.hicache_storage_max_bytes < 0:
+    if args.hicache_size < 0 or (args.hicache_storage_max_bytes or 0) < 0:
         raise ValueError("--hicache-size and --hicache-storage-max-bytes must be >= 0")
     if not args.enable_hierarchical_cache:
         for name in ("hicache_storage_backend", "hicache_host_tier_on_cpu"):

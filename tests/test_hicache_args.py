@@ -63,12 +63,14 @@ def test_the_folder_and_its_bound_come_from_sglang_variables(monkeypatch):
     args = ServerArgs(device="cpu", **STORAGE)
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", raising=False)
-    assert resolve_storage_dir(args) == "/tmp/hicache" and resolve_storage_max_bytes(args) == 0
+    assert resolve_storage_dir(args) == "/tmp/hicache" and resolve_storage_max_bytes(args) == 8 << 30
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", "/data/kv")
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", "5000")
     assert resolve_storage_dir(args) == "/data/kv" and resolve_storage_max_bytes(args) == 5000
     flagged = ServerArgs(device="cpu", hicache_storage_dir="/mine", hicache_storage_max_bytes=7, **STORAGE)
     assert resolve_storage_dir(flagged) == "/mine" and resolve_storage_max_bytes(flagged) == 7
+    unbounded = ServerArgs(device="cpu", hicache_storage_max_bytes=0, **STORAGE)
+    assert resolve_storage_max_bytes(unbounded) == 0  # explicitly: no bound, over the variable
 
 
 def test_metrics_count_storage_tokens_apart():

@@ -805,3 +805,20 @@ def test_pages_already_on_disk_are_not_written_again_after_a_restart(tmp_path):
     assert stats["storage_pages_present"] > 0
     assert {p: p.stat().st_ino for p in files(tmp_path)} == before
     close(sched)
+
+
+# ---- the folder's default bound ----------------------------------------------------------------
+
+
+def test_the_folder_is_bounded_by_default_and_an_unbounded_one_is_named(tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="radixengine.managers.hicache_factory"):
+        bounded = hicache_scheduler(tmp_path)
+    assert bounded.tree_cache.storage.max_bytes == 8 << 30
+    assert "no size bound" not in caplog.text
+    bounded.close()
+    with caplog.at_level(logging.WARNING, logger="radixengine.managers.hicache_factory"):
+        unbounded = hicache_scheduler(tmp_path, hicache_storage_max_bytes=0)
+    assert unbounded.tree_cache.storage.max_bytes == 0
+    assert f"{tmp_path} has no size bound" in caplog.text
+    unbounded.close()

@@ -66,9 +66,7 @@ def make_radix_cache(
     )
     if args.hicache_storage_backend is None:
         return HostRadixCache(req_to_token_pool, allocator, page_size, **common)
-    storage = HiCacheFile(
-        resolve_storage_dir(args), kv_identity(args, pool, page_size), resolve_storage_max_bytes(args)
-    )
+    storage = make_file_backend(args, pool, page_size)
     return HiRadixCache(
         req_to_token_pool,
         allocator,
@@ -80,6 +78,27 @@ def make_radix_cache(
         ),
         **common,
     )
+
+
+def make_file_backend(args: ServerArgs, pool: MHATokenToKVPool, page_size: int) -> HiCacheFile:
+    folder, max_bytes = resolve_storage_dir(args), resolve_storage_max_bytes(args)
+    if max_bytes == 0:
+        logger.warning(
+            "hicache storage: %s has no size bound (--hicache-storage-max-bytes 0): it grows by every "
+            "new prefix until the disk is full",
+            folder,
+        )
+    storage = HiCacheFile(folder, kv_identity(args, pool, page_size), max_bytes)
+    free = storage.free_disk_bytes()
+    if max_bytes and free is not None and free + storage.total_bytes() < max_bytes:
+        logger.warning(
+            "hicache storage: the size bound of %s (%d bytes) is more than its disk has free (%d "
+            "bytes); a full disk deletes the least recently used pages",
+            folder,
+            max_bytes,
+            free,
+        )
+    return storage
 
 
 def make_host_tier(

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import struct
 import threading
 import time
@@ -289,6 +290,13 @@ class HiCacheFile:
         _unlink_quietly(path)
         if path.parent == self.dir:
             self._removed.append(path.stem)
+
+    def free_disk_bytes(self) -> int | None:
+        """Free bytes on the folder's disk; None if unknown."""
+        try:
+            return shutil.disk_usage(self.root).free
+        except OSError:
+            return None
 
     def total_bytes(self) -> int:
         """Bytes of the pages in the folder, as last counted (it counts the writes of this
