@@ -198,3 +198,12 @@ def test_a_cpu_run_never_imports_the_cuda_part():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_host_loads_in_flight_is_back_at_zero_when_idle():
+    sched = make_scheduler(max_total_tokens=512, **HOST, hicache_ratio=4)
+    evict_and_come_back(sched)
+    state = sched.get_internal_state()
+    assert state["host_tokens_loaded"] >= 128
+    assert state["host_loads_in_flight"] == 0
+    sched.close()

@@ -1,4 +1,5 @@
-"""Operating the server: liveness (/health, /health_generate), Prometheus /metrics, and what the
+"""Operating the server: liveness (/health, /health_generate), Prometheus /metrics, clearing the
+storage tier (/hicache/storage-backend/clear), and what the
 server is and how loaded it is in SGLang's shapes (what sglang-router and bench_serving read):
 /model_info, /server_info, /v1/loads, /get_load."""
 
@@ -57,6 +58,18 @@ async def metrics(request: Request) -> Response:
 
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@router.post("/hicache/storage-backend/clear")
+async def clear_hicache_storage(request: Request) -> Response:
+    """SGLang's: delete the storage tier's pages (/flush_cache leaves them, as in SGLang)."""
+    try:
+        result = await tm_of(request).clear_hicache_storage()
+    except EngineDeadError as e:
+        return error_response(str(e), 503)
+    if not result.success:
+        return error_response(result.message, 400)
+    return Response(result.message + "\n", media_type="text/plain")
 
 
 @router.get("/model_info")

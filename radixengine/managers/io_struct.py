@@ -224,6 +224,17 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class ClearHiCacheReqInput:
+    pass
+
+
+@dataclass
+class ClearHiCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 

@@ -89,6 +89,29 @@ class SchedulerStatsCollector:
             "storage_pages_queued",
             "Pages waiting in the storage writer's queue.",
         ),
+        "hicache_host_loads_in_flight": ("host_loads_in_flight", "Host-to-device copies not finished yet."),
+        "hicache_storage_bytes": ("storage_bytes", "Bytes of the pages in the storage folder."),
+        "hicache_storage_max_bytes": ("storage_max_bytes", "The storage folder's size bound (0: none)."),
+        "hicache_storage_prefetch_bytes": (
+            "storage_prefetch_bytes",
+            "Bytes of pages read ahead from storage and not loaded yet.",
+        ),
+        "hicache_storage_prefetches_in_flight": (
+            "storage_prefetches_in_flight",
+            "Queued requests holding a storage prefetch.",
+        ),
+        "hicache_device_hit_rate": (
+            "cache_hit_rate_device",
+            "Prompt tokens served from the device tree / all prompt tokens, since start.",
+        ),
+        "hicache_host_hit_rate": (
+            "cache_hit_rate_host",
+            "Prompt tokens loaded from the host tier / all prompt tokens, since start.",
+        ),
+        "hicache_storage_hit_rate": (
+            "cache_hit_rate_storage",
+            "Prompt tokens loaded from storage / all prompt tokens, since start.",
+        ),
     }
     COUNTERS = {
         "num_retracted_requests_total": (
@@ -114,6 +137,24 @@ class SchedulerStatsCollector:
         "hicache_storage_dropped_pages_total": (
             "storage_pages_dropped",
             "Pages not written: the writer's queue was at its byte bound.",
+        ),
+        "hicache_storage_present_pages_total": (
+            "storage_pages_present",
+            "Pages not written because storage already had them.",
+        ),
+        "hicache_storage_prefetches_total": ("storage_prefetches", "Storage prefetches started."),
+        "hicache_storage_prefetch_pages_total": ("storage_prefetch_pages_read", "Pages read by prefetches."),
+        "hicache_storage_prefetch_misses_total": (
+            "storage_prefetch_misses",
+            "Prefetches that stopped at a page storage does not have.",
+        ),
+        "hicache_storage_prefetches_given_up_total": (
+            "storage_prefetches_given_up",
+            "Prefetches admission stopped waiting for (timeout, wait_complete's stall).",
+        ),
+        "hicache_storage_prefetches_truncated_total": (
+            "storage_prefetches_truncated",
+            "Prefetches cut short by the prefetch memory bound.",
         ),
     }
     # sglang:realtime_tokens_total{mode}: state key per mode.

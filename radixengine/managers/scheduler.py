@@ -179,8 +179,7 @@ class Scheduler:
             self.eos_token_ids,
             self.streamer,
             self._active_reqs,
-            on_queued=lambda req: self.tree_cache.prefetch_from_storage(req.rid, req.origin_input_ids),
-            on_dropped=lambda req: self.tree_cache.release_prefetch(req.rid),
+            self.tree_cache,
         )
 
     def _new_result_processor(self) -> BatchResultProcessor:

@@ -22,6 +22,8 @@ from radixengine.managers.generate_output import GenerateOutput
 from radixengine.managers.io_struct import (
     AbortReq,
     BatchStrOut,
+    ClearHiCacheReqInput,
+    ClearHiCacheReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -92,6 +94,7 @@ class TokenizerManager:
         self._pending_replies: dict[type, deque] = {
             FlushCacheReqOutput: deque(),
             GetInternalStateReqOutput: deque(),
+            ClearHiCacheReqOutput: deque(),
         }
 
     def init_model_info(self, served: ServedModel) -> None:
@@ -192,6 +195,9 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._request_reply(FlushCacheReqInput(), FlushCacheReqOutput)
+
+    async def clear_hicache_storage(self) -> ClearHiCacheReqOutput:
+        return await self._request_reply(ClearHiCacheReqInput(), ClearHiCacheReqOutput)
 
     async def get_internal_state(self) -> dict:
         reply = await self._request_reply(GetInternalStateReq(), GetInternalStateReqOutput)

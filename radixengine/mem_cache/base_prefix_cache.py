@@ -173,6 +173,11 @@ class BasePrefixCache(ABC):
         to progress; nothing to wait for without a storage tier."""
         return None
 
+    def clear_storage(self) -> tuple[bool, str]:
+        """Delete the storage tier's pages (SGLang's /hicache/storage-backend/clear): whether it
+        did, and what it says."""
+        return False, "No storage tier: start with --hicache-storage-backend file."
+
     def release_prefetch(self, rid: str) -> None:
         """Request `rid` left the waiting queue without being admitted: drop its prefetch."""
         return None

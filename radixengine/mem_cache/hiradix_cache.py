@@ -395,6 +395,17 @@ class HiRadixCache(HostRadixCache):
         """Wait until every page handed to the writer is written."""
         self.writer.flush()
 
+    def clear_storage(self) -> tuple[bool, str]:
+        """Delete this identity's pages from the folder (other engines' subfolders stay). Pages
+        the writer has queued are still written; prefetched pages already read stay usable."""
+        deleted = self.storage.clear()
+        self._stored.clear()
+        self._touched.clear()
+        return (
+            True,
+            f"Hierarchical cache storage cleared: {deleted} pages deleted from {self.storage.describe('')}.",
+        )
+
     def close(self, timeout_s: float | None = None) -> None:
         self.writer.close(timeout_s)
         self.prefetcher.close()
@@ -414,6 +425,10 @@ class HiRadixCache(HostRadixCache):
             "storage_prefetches_truncated": self.prefetcher.truncated,
             "storage_prefetch_bytes": self.prefetcher.held_bytes(),
             "storage_prefetch_reserved_bytes": self.prefetcher.reserved_bytes,
+            "storage_prefetch_pages_read": self.prefetcher.pages_read,
+            "storage_prefetch_misses": self.prefetcher.misses,
+            "storage_bytes": self.storage.total_bytes(),
+            "storage_max_bytes": self.storage.max_bytes,
         }
 
     def tier_stats(self) -> dict[str, int]:

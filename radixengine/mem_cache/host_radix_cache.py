@@ -313,5 +313,5 @@ class HostRadixCache(RadixCache):
             "host_tokens_written": self.host_tokens_written,
             "host_tokens_loaded": self.host_tokens_loaded,
             "host_tokens_evicted": self.host_tokens_evicted,
-            "host_loads_in_flight": len(self._loads_in_flight),
+            "host_loads_in_flight": sum(not ack.done() for ack, _ in self._loads_in_flight),
         }

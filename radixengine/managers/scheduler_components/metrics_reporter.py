@@ -148,6 +148,7 @@ class MetricsReporter:
     ) -> dict:
         m = self.memory
         available, evictable = m.allocator.available_size(), m.tree_cache.evictable_size()
+        tiers = m.tree_cache.tier_stats()
         s = self.stats
         return {
             "num_running_reqs": len({id(r) for r in queues.running if not r.finished()}),
@@ -171,5 +172,22 @@ class MetricsReporter:
             "gen_throughput": self.last_gen_throughput,
             "num_spec_verify_reqs": s.num_spec_verify_reqs,
             "avg_spec_accept_length": s.avg_spec_accept_length,
-            **m.tree_cache.tier_stats(),  # the hierarchical cache's host and storage counters
+            **tier_hit_rates(s.num_prefill_tokens + s.num_cached_tokens, s.num_cached_tokens, tiers),
+            **tiers,  # the hierarchical cache's host and storage counters
         }
+
+
+def tier_hit_rates(prompt_tokens: int, cached_tokens: int, tiers: dict[str, int]) -> dict[str, float]:
+    """The prompt tokens each tier served, as a fraction of all prompt tokens (they add up to
+    cache_hit_rate); none without the hierarchical cache."""
+    if not tiers:
+        return {}
+    host = tiers.get("host_tokens_loaded", 0)
+    storage = tiers.get("storage_hit_tokens", 0)
+    device = max(cached_tokens - host - storage, 0)
+    total = prompt_tokens or 1
+    return {
+        "cache_hit_rate_device": device / total,
+        "cache_hit_rate_host": host / total,
+        "cache_hit_rate_storage": storage / total,
+    }

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from radixengine.managers.grammar_manager import GrammarManager
 from radixengine.managers.io_struct import (
     AbortReq,
+    ClearHiCacheReqInput,
+    ClearHiCacheReqOutput,
     FlushCacheReqInput,
     GetInternalStateReq,
     TokenizedGenerateReqInput,
@@ -20,6 +22,7 @@ from radixengine.managers.req import Tokenizer
 from radixengine.managers.schedule_batch import Req
 from radixengine.managers.schedule_policy import lowest_priority_value, priority_sign
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
+from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 
 logger = logging.getLogger("radixengine.managers.scheduler")
 
@@ -95,8 +98,7 @@ class RequestIntake:
         eos_token_ids: frozenset[int],
         streamer: OutputStreamer,
         active_reqs: Callable[[], list[Req]],
-        on_queued: Callable[[Req], None] | None = None,
-        on_dropped: Callable[[Req], None] | None = None,
+        tree_cache: BasePrefixCache | None = None,
     ) -> None:
         self.limits = limits
         self.config = config
@@ -105,12 +107,10 @@ class RequestIntake:
         self.eos_token_ids = eos_token_ids
         self.streamer = streamer
         self.active_reqs = active_reqs  # requests admitted and not yet released
-        # Called as a request enters the waiting queue: the hierarchical cache starts reading its
-        # prefix from storage then (SGLang's _prefetch_kvcache), not at its first admission.
-        self.on_queued = on_queued
-        # Called as a queued request leaves the queue without being admitted (aborted, pushed out
-        # by a more important one): its prefetch is revoked.
-        self.on_dropped = on_dropped
+        # As a request enters the waiting queue the hierarchical cache starts reading its prefix
+        # from storage (SGLang's _prefetch_kvcache); a request that leaves the queue without being
+        # admitted (aborted, pushed out by a more important one) has that prefetch revoked.
+        self.tree_cache = tree_cache
         # Admission orders it and takes from it in place (the list object never changes).
         self.waiting_queue: list[Req] = []
         # Answered at the end of the step, once its results are processed (under overlap a
@@ -123,10 +123,18 @@ class RequestIntake:
                 self.handle_generate_request(msg)
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg.rid)
+            elif isinstance(msg, ClearHiCacheReqInput):
+                self.streamer.sink.send(self._clear_storage())
             elif isinstance(msg, (FlushCacheReqInput, GetInternalStateReq)):
                 self.deferred.append(msg)
             else:
                 logger.error("scheduler: ignoring a message of unknown type %s", type(msg).__name__)
+
+    def _clear_storage(self) -> ClearHiCacheReqOutput:
+        """SGLang's /hicache/storage-backend/clear: delete the storage tier's pages."""
+        if self.tree_cache is None:
+            return ClearHiCacheReqOutput(False, "No storage tier.")
+        return ClearHiCacheReqOutput(*self.tree_cache.clear_storage())
 
     def take_deferred(self) -> list[ControlMessage]:
         msgs, self.deferred = self.deferred, []
@@ -195,12 +203,15 @@ class RequestIntake:
             self._dropped(worst)
             self.finish_at_once(worst, "The request is aborted by a higher priority request.", 503)
         self.waiting_queue.append(req)
-        if self.on_queued is not None:
-            self.on_queued(req)
+        self._queued(req)
+
+    def _queued(self, req: Req) -> None:
+        if self.tree_cache is not None:
+            self.tree_cache.prefetch_from_storage(req.rid, req.origin_input_ids)
 
     def _dropped(self, req: Req) -> None:
-        if self.on_dropped is not None:
-            self.on_dropped(req)
+        if self.tree_cache is not None:
+            self.tree_cache.release_prefetch(req.rid)
 
     def remove_admitted(self, reqs: list[Req]) -> None:
         admitted = {id(r) for r in reqs}
@@ -214,8 +225,7 @@ class RequestIntake:
                 self.streamer.add(req)
             else:
                 self.waiting_queue.append(req)
-                if self.on_queued is not None:
-                    self.on_queued(req)
+                self._queued(req)
 
     def abort_request(self, rid: str) -> None:
         req = self.grammar_manager.abort_request(rid)

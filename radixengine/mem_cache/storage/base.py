@@ -52,6 +52,7 @@ class HiCacheStorage(Protocol):
     may be called from a background thread; none raises for a missing or bad page."""
 
     identity: KVIdentity
+    max_bytes: int  # the size bound; 0: none
 
     def get(self, key: str, tokens: tuple[int, ...]) -> torch.Tensor | None:
         """The page stored under `key` if it is there, whole and of this identity and these
@@ -73,4 +74,10 @@ class HiCacheStorage(Protocol):
         """The page of `key` cannot be used: name it and `problem` in a warning, delete it."""
 
     def describe(self, key: str) -> str:
-        """Where the page of `key` is (for messages)."""
+        """Where the page of `key` is, or with "" where the pages are (for messages)."""
+
+    def clear(self) -> int:
+        """Delete every page of this identity; returns how many."""
+
+    def total_bytes(self) -> int:
+        """Bytes the pages take (the size bound's count)."""

@@ -115,7 +115,7 @@ class HiCacheFile:
         return self.dir / f"{key}{SUFFIX}"
 
     def describe(self, key: str) -> str:
-        return str(self.path_of(key))
+        return str(self.path_of(key) if key else self.dir)
 
     # ---- reads ----
 
@@ -290,6 +290,14 @@ class HiCacheFile:
         _unlink_quietly(path)
         if path.parent == self.dir:
             self._removed.append(path.stem)
+
+    def clear(self) -> int:
+        """Delete every page of this identity's subfolder; returns how many."""
+        pages = self._list(SUFFIX)
+        for path in pages:
+            self._delete(path)
+        self._total_bytes = self._scan_bytes()
+        return len(pages)
 
     def free_disk_bytes(self) -> int | None:
         """Free bytes on the folder's disk; None if unknown."""

@@ -197,6 +197,8 @@ class StoragePrefetcher:
         self._progress = threading.Condition()
         self.truncated = 0  # prefetches cut short by the byte bound
         self.given_up = 0  # prefetches not finished in time
+        self.pages_read = 0
+        self.misses = 0  # prefetches that stopped at a page storage does not have
         for _ in range(num_readers):
             self._start_reader()
 
@@ -311,9 +313,11 @@ class StoragePrefetcher:
             page = self.storage.get(key, tokens)
             with op.lock:
                 op.reading = False
+                self.misses += page is None and not op.revoked
                 if page is None or op.revoked:
                     return
                 op.pages.append(page)
+                self.pages_read += 1
                 op.last_progress = time.monotonic()
             self._notify()
 
