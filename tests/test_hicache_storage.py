@@ -26,6 +26,7 @@ from test_engine_utils import subprocess_env
 
 from radixengine.managers.io_struct import AbortReq
 from radixengine.mem_cache.hiradix_cache import STORAGE_PAGE_TOKENS as PT
+from radixengine.mem_cache.storage import file_backend
 from radixengine.mem_cache.storage.base import KVIdentity, page_keys
 from radixengine.mem_cache.storage.file_backend import TMP_SUFFIX, HiCacheFile
 
@@ -822,3 +823,27 @@ def test_the_folder_is_bounded_by_default_and_an_unbounded_one_is_named(tmp_path
     assert unbounded.tree_cache.storage.max_bytes == 0
     assert f"{tmp_path} has no size bound" in caplog.text
     unbounded.close()
+
+
+def test_size_bound_is_the_whole_folders(tmp_path, monkeypatch):
+    """Two models' engines on one folder: the bound counts both subfolders, and the least recently
+    used pages go whichever model wrote them."""
+    monkeypatch.setattr(file_backend, "RESCAN_S", 0.0)  # count the folder at every write
+    first = KVIdentity("m1", "float32", 64, 2, 2, 16)
+    second = KVIdentity("m2", "float32", 64, 2, 2, 16)
+    page = torch.ones(first.page_shape())
+    probe = HiCacheFile(tmp_path / "probe", first)
+    probe.set("0" * 32, tuple(range(64)), page)
+    page_bytes = probe.path_of("0" * 32).stat().st_size
+    store = tmp_path / "store"
+    a = HiCacheFile(store, first, max_bytes=4 * page_bytes)
+    b = HiCacheFile(store, second, max_bytes=4 * page_bytes)
+    for i in range(3):
+        a.set(f"{i:032x}", tuple(range(64)), page)
+        os.utime(a.path_of(f"{i:032x}"), (i, i))
+    for i in range(3):
+        b.set(f"{i:032x}", tuple(range(64)), page)
+    on_disk = list(store.glob("*/*.kv"))
+    assert sum(p.stat().st_size for p in on_disk) <= 4 * page_bytes
+    assert not a.path_of(f"{0:032x}").exists()  # the oldest page, of the other model
+    assert {p.stem for p in (store / second.tag()).glob("*.kv")} == {f"{i:032x}" for i in range(3)}

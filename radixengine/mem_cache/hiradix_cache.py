@@ -199,8 +199,10 @@ class HiRadixCache(HostRadixCache):
             self.prefetcher.release(rid)
             return 0
         loaded = self._load_pages(tokens, values, node, matched, pages, keys)
-        if loaded:  # else no pool room: the pages stay for the request's next turn
-            self.prefetcher.release(rid)
+        if loaded is None:  # no pool room: the pages stay for the request's next turn
+            return 0
+        self.prefetcher.release(rid)
+        if loaded:
             self._stored.update(keys)
         return loaded
 
@@ -268,12 +270,14 @@ class HiRadixCache(HostRadixCache):
         matched: int,
         pages: list[torch.Tensor],
         keys: list[str],
-    ) -> int:
+    ) -> int | None:
+        """Copy `pages` in after the tree's match; how many tokens, 0 if the copy failed, None
+        if the pool has no room for them."""
         skip = matched - matched // self.page_tokens * self.page_tokens  # of the first page, in the tree
         num = len(pages) * self.page_tokens - skip
         slots = self._alloc_protecting(node, num)
         if slots is None:
-            return 0
+            return None
         data = torch.cat(pages, dim=2)[:, :, skip:]
         if self.pool_write_stream is not None:
             self.pool_write_stream.submit(self._scatter, slots, data, label="hicache-load")

@@ -40,6 +40,7 @@ SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 600.0  # a temporary file this old belongs to a writer that died
 EVICT_TO = 0.9  # the size bound's eviction frees down to this fraction of it
+RESCAN_S = 30.0  # how often a writer counts the whole folder again (others write to it too)
 WRITE_WARNING_INTERVAL_S = 300  # write failures are logged at most once in this long
 
 
@@ -55,6 +56,7 @@ class HiCacheFile:
         self._warned: set[str] = set()
         self._identity_json = asdict(identity)
         self._total_bytes = 0
+        self._scanned_at = 0.0
         self._open()
 
     # ---- set-up ----
@@ -103,6 +105,7 @@ class HiCacheFile:
     def _scan_bytes(self) -> int:
         """Bytes of the pages in the whole folder (every identity's subfolder: the bound is the
         folder's)."""
+        self._scanned_at = time.monotonic()
         total = 0
         for path in _pages_under(self.root):
             try:
@@ -256,10 +259,16 @@ class HiCacheFile:
         return self.evict_to(max(self._scan_bytes() - nbytes, 0)) > 0
 
     def _account(self, nbytes: int) -> None:
-        with self._lock:
-            self._total_bytes += nbytes
-            over = self.max_bytes and self._total_bytes > self.max_bytes
-        if over:
+        """Count a page written; the folder is counted afresh every `RESCAN_S` (other engines'
+        pages count against the bound too)."""
+        if time.monotonic() - self._scanned_at >= RESCAN_S:
+            total = self._scan_bytes()
+            with self._lock:
+                self._total_bytes = total
+        else:
+            with self._lock:
+                self._total_bytes += nbytes
+        if self.max_bytes and self._total_bytes > self.max_bytes:
             self.evict_to(int(self.max_bytes * EVICT_TO))
 
     def evict_to(self, target_bytes: int) -> int:
@@ -284,6 +293,7 @@ class HiCacheFile:
             deleted += 1
         with self._lock:
             self._total_bytes = total
+            self._scanned_at = time.monotonic()
         return deleted
 
     def _delete(self, path: Path) -> None:
