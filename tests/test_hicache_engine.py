@@ -155,3 +155,22 @@ def test_speculation_with_the_host_and_storage_tiers(model_path, tmp_path):
     assert cold["meta_info"]["spec_verify_ct"] > 0 and warm["meta_info"]["spec_verify_ct"] > 0
     hf = load_hf_model(model_path, dtype=torch.float32)
     assert warm["output_ids"] == cold["output_ids"] == hf_greedy(hf, [prompt], 24)[0]
+
+
+def test_page_files_of_another_dtype_are_recomputed_and_the_engine_serves_on(model_path, tmp_path):
+    """Every page file rewritten as bfloat16 with a valid checksum (a header that lies about the
+    model's KV dtype): the restarted engine recomputes, answers the same tokens, and serves on."""
+    from test_hicache_storage import as_bfloat16, rewrite_page
+
+    with _engine(model_path, hicache_storage_dir=str(tmp_path)) as first:
+        cold = first.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        _wait_for_pages(tmp_path, 12)
+    for path in tmp_path.glob("*/*.kv"):
+        rewrite_page(path, lambda h: {**h, "dtype": "bfloat16"}, as_bfloat16)
+    with _engine(model_path, hicache_storage_dir=str(tmp_path)) as second:
+        warm = second.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        again = second.generate(input_ids=PROMPT_IDS[:100], sampling_params=GREEDY)
+        assert second.get_server_info()["num_running_reqs"] == 0
+    assert warm["output_ids"] == cold["output_ids"]
+    assert warm["meta_info"]["cached_tokens_details"]["storage"] == 0
+    assert again["meta_info"]["cached_tokens"] > 0  # from the tree the first request filled

@@ -671,7 +671,7 @@ def test_prefetch_memory_is_bounded_in_bytes(tmp_path):
 # ---- files whose header lies -------------------------------------------------------------------
 
 
-def _rewrite(path: Path, edit_header, edit_payload=lambda p: p) -> None:
+def rewrite_page(path: Path, edit_header, edit_payload=lambda p: p) -> None:
     """Rewrite a page file with an edited header and payload, its checksum and length updated
     (a file another writer made: every check of the bytes passes)."""
     import json
@@ -690,14 +690,14 @@ def _rewrite(path: Path, edit_header, edit_payload=lambda p: p) -> None:
     path.write_bytes(MAGIC + struct.pack("<I", len(raw)) + raw + payload)
 
 
-def _as_bfloat16(payload: bytes) -> bytes:
+def as_bfloat16(payload: bytes) -> bytes:
     page = torch.frombuffer(bytearray(payload), dtype=torch.float32)
     return page.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
 
 
 def test_page_of_another_dtype_is_recomputed_named_and_deleted(tmp_path, caplog):
     for path in _write_pages(tmp_path):  # every page: the copy into the pool would raise
-        _rewrite(path, lambda h: {**h, "dtype": "bfloat16"}, _as_bfloat16)
+        rewrite_page(path, lambda h: {**h, "dtype": "bfloat16"}, as_bfloat16)
     bad = [_page_file(tmp_path, 0)]
     sched = hicache_scheduler(tmp_path)
     with caplog.at_level(logging.WARNING, logger=STORAGE_LOGGER):
@@ -719,7 +719,7 @@ def test_page_of_another_dtype_is_recomputed_named_and_deleted(tmp_path, caplog)
 def test_header_that_is_not_an_object_is_a_bad_file(tmp_path, caplog, header):
     _write_pages(tmp_path)
     bad = _page_file(tmp_path, 0)
-    _rewrite(bad, lambda h: header)
+    rewrite_page(bad, lambda h: header)
     sched = hicache_scheduler(tmp_path)
     with caplog.at_level(logging.WARNING):
         reqs, results = run(sched, PROMPTS[:1], "r")
