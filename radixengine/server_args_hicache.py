@@ -64,8 +64,10 @@ HICACHE_HELP = {
         f"${FILE_BACKEND_MAX_SIZE_ENV}, else {DEFAULT_FILE_BACKEND_MAX_BYTES >> 30} GiB."
     ),
     "hicache_storage_prefetch_policy": (
-        "How long admission waits for a request's pages being read from storage: best_effort "
-        "(default; what has arrived), wait_complete (all of them), timeout (at most 2 s)."
+        "How long a queued request waits for its pages being read from storage (it stays queued, "
+        "other batches run): best_effort (default; admitted with what has arrived), timeout (at most "
+        "2 s + 0.25 s per 1024 tokens of the read), wait_complete (all of them, unless no page "
+        "arrives for that long)."
     ),
 }
 
