@@ -300,3 +300,63 @@ def test_litellm_responses(server, client, monkeypatch):
                                      extra_body={"ignore_eos": True})  # fmt: skip
     text = "".join(part.text for item in r.output if item.type == "message" for part in item.content)
     assert text == direct.output_text and r.usage.output_tokens == 16
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete_with_its_partial_arguments(client):
+    """A forced call that max_output_tokens cuts inside its arguments: the response and the call
+    item are `incomplete` (reason max_output_tokens), the arguments are the text written so far
+    (a prefix of the whole call's, never a closed reading such as `{}`), the stream says the same;
+    on the chat path, finish_reason `length` and the same partial arguments."""
+    forced = {"type": "function", "name": "set_units"}
+    kw = dict(model="m", tools=[TOOL], tool_choice=forced, **GREEDY)
+    whole = client.responses.create(input=PROMPT, max_output_tokens=200, **kw)
+    (full,) = [i for i in whole.output if i.type == "function_call"]
+    assert whole.status == "completed" and full.status == "completed"
+    cut_args = []
+    for budget in range(20, whole.usage.output_tokens, 6):
+        r = client.responses.create(input=PROMPT, max_output_tokens=budget, **kw)
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        calls = [i for i in r.output if i.type == "function_call"]
+        if not calls:  # cut before the call's name was whole
+            continue
+        (call,) = calls
+        assert call.status == "incomplete" and call.name == "set_units" and r.output[-1] == call
+        assert full.arguments.startswith(call.arguments)
+        cut_args.append(call.arguments)
+        events = list(client.responses.create(input=PROMPT, max_output_tokens=budget, stream=True, **kw))
+        deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        (done,) = [
+            e for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"
+        ]
+        assert deltas == done.item.arguments == call.arguments and done.item.status == "incomplete"
+        assert events[-1].type == "response.incomplete"
+        chat_choice = chat(
+            client,
+            [{"role": "user", "content": PROMPT}],
+            tools=[SETTINGS],
+            tool_choice={"type": "function", "function": {"name": "set_units"}},
+            max_tokens=budget,
+        ).choices[0]
+        assert chat_choice.finish_reason == "length"
+        assert chat_choice.message.tool_calls[0].function.arguments == call.arguments
+    assert any(2 < len(a) < len(full.arguments) for a in cut_args), cut_args  # cuts inside the arguments
+
+
+def test_a_forced_function_is_called_exactly_once(client):
+    """A named tool_choice: one call (OpenAI's forced function), with parallel_tool_calls left on."""
+    forced = {"type": "function", "name": "set_units"}
+    r = client.responses.create(
+        input=PROMPT, tools=[TOOL], tool_choice=forced, max_output_tokens=300, **GREEDY
+    )
+    assert r.status == "completed"
+    assert [i.name for i in r.output if i.type == "function_call"] == ["set_units"]
+    c = chat(
+        client,
+        [{"role": "user", "content": PROMPT}],
+        tools=[SETTINGS],
+        tool_choice={"type": "function", "function": {"name": "set_units"}},
+        max_tokens=300,
+    ).choices[0]
+    assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == [
+        "set_units"
+    ]

@@ -78,14 +78,16 @@ def function_call_item(call: dict, status: str = "completed", fid: str | None = 
 
 
 def output_items(message: dict, status: str) -> list[dict]:
-    """A chat answer's message as output items: reasoning, then text, then the calls."""
+    """A chat answer's message as output items: reasoning, then text, then the calls; the last
+    item takes `status` (incomplete: max_output_tokens cut it, a call's arguments included)."""
     items = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(message["reasoning_content"]))
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
-        items.append(message_item(message.get("content") or "", status))
+        items.append(message_item(message.get("content") or ""))
     items.extend(function_call_item(call) for call in calls)
+    items[-1]["status"] = status
     return items
 
 
@@ -205,7 +207,8 @@ class ResponseEvents:
         self.open = item
         return [self.event("response.output_item.added", output_index=self._index(), item=_copy(item))]
 
-    def _close(self) -> list[dict]:
+    def _close(self, last: bool = False) -> list[dict]:
+        """Close the open item: the last one is incomplete when max_output_tokens cut it."""
         item, self.open = self.open, None
         if item is None:
             return []
@@ -223,8 +226,7 @@ class ResponseEvents:
                                      text=part["text"], **extra))  # fmt: skip
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                      content_index=0, part=dict(part)))  # fmt: skip
-        incomplete = self.finish_reason == "length" and item["type"] == "message"
-        item["status"] = "incomplete" if incomplete else "completed"
+        item["status"] = "incomplete" if last and self.finish_reason == "length" else "completed"
         events.append(self.event("response.output_item.done", output_index=index, item=_copy(item)))
         return events
 
@@ -233,7 +235,7 @@ class ResponseEvents:
         events = []
         if not self.output:
             events += self._text("message", "")
-        events += self._close()
+        events += self._close(last=True)
         reasoning = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
         usage = usage_of(self.chat_usage, self.count_tokens(reasoning) if reasoning else 0)
         finish(self.response, self.finish_reason, self.output, usage)
