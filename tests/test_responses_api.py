@@ -360,3 +360,39 @@ def test_a_forced_function_is_called_exactly_once(client):
     assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == [
         "set_units"
     ]
+
+
+def _strict(model, body: dict):
+    """The installed openai client's own schema, validated strictly (its client skips validation)."""
+    return pydantic.TypeAdapter(model).validate_python(body, strict=True)
+
+
+def test_every_response_and_event_passes_the_clients_strict_schema(server, client):
+    """Every shape a client may get: text, a call, a cut call, a stored response, the stream's
+    events; usage carries input_tokens_details.cache_write_tokens (the prompt's tokens the radix
+    cache did not hold, which it keeps)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    forced = {"type": "function", "name": "set_units"}
+    bodies = [
+        dict(input=PROMPT, max_output_tokens=6),
+        dict(input=PROMPT, max_output_tokens=200, tools=[TOOL], tool_choice=forced),
+        dict(input=PROMPT, max_output_tokens=40, tools=[TOOL], tool_choice=forced),
+    ]
+    for body in bodies:
+        raw = client.responses.with_raw_response.create(model="m", **body, **GREEDY).http_response.json()
+        r = _strict(Response, raw)
+        details = r.usage.input_tokens_details
+        assert details.cache_write_tokens == r.usage.input_tokens - details.cached_tokens
+        stored = httpx.get(f"{server.base_url}/v1/responses/{r.id}", timeout=30).json()
+        assert _strict(Response, stored).id == r.id
+        with httpx.stream(
+            "POST",
+            f"{server.base_url}/v1/responses",
+            json={"model": "m", "stream": True, **body, **GREEDY},
+            timeout=60,
+        ) as resp:
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+        for event in events:
+            _strict(ResponseStreamEvent, event)
+        assert _strict(Response, events[-1]["response"]).usage.input_tokens == r.usage.input_tokens

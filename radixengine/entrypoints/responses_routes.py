@@ -36,6 +36,7 @@ from radixengine.entrypoints.responses_protocol import (
 )
 from radixengine.entrypoints.responses_serving import (
     ResponseEvents,
+    UsageCounter,
     assistant_messages,
     base_response,
     item_id,
@@ -86,14 +87,14 @@ async def _create(request: Request, req: ResponsesRequest) -> Response:
     if req.background:
         return _start_background(tm, store, chat_req, objs, base, conversation)
     if req.stream:
-        events = ResponseEvents(base, _token_counter(tm))
+        events = ResponseEvents(base, _usage_counter(tm))
         chunks = openai_streams.chat_stream(tm, chat_req, merged_stream(tm, objs))
         stream = _keeping(store, req, conversation, response_events(events, chunks))
         return await sse_response(request, stream, objs, RESPONSES_SSE)
     outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
     if isinstance(outs, Response):
         return outs
-    response = response_from_chat(base, oai.chat_response(tm, chat_req, outs), _token_counter(tm))
+    response = response_from_chat(base, oai.chat_response(tm, chat_req, outs), _usage_counter(tm))
     if req.store:
         store.put(StoredResponse(response, conversation + assistant_messages(response["output"])))
     return JSONResponse(response)
@@ -115,8 +116,11 @@ def _history(store: ResponseStore, previous_id: str | None) -> list[dict]:
     return [dict(m) for m in entry.messages]
 
 
-def _token_counter(tm: TokenizerManager):
-    return lambda text: len(tm.tokenizer.encode(text, add_special_tokens=False))
+def _usage_counter(tm: TokenizerManager) -> UsageCounter:
+    return UsageCounter(
+        lambda text: len(tm.tokenizer.encode(text, add_special_tokens=False)),
+        caches_prompts=not tm.server_args.disable_radix_cache,
+    )
 
 
 async def _keeping(store: ResponseStore, req: ResponsesRequest, conversation: list[dict], events):
@@ -143,7 +147,7 @@ def _start_background(
         try:
             outs = await collect_all(tm, objs)
             entry.response = response_from_chat(
-                dict(base), oai.chat_response(tm, chat_req, outs), _token_counter(tm)
+                dict(base), oai.chat_response(tm, chat_req, outs), _usage_counter(tm)
             )
             entry.messages = conversation + assistant_messages(entry.response["output"])
         except asyncio.CancelledError:
