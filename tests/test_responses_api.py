@@ -396,3 +396,52 @@ def test_every_response_and_event_passes_the_clients_strict_schema(server, clien
         for event in events:
             _strict(ResponseStreamEvent, event)
         assert _strict(Response, events[-1]["response"]).usage.input_tokens == r.usage.input_tokens
+
+
+def test_input_items_are_listed_in_pages(server, client):
+    """GET /v1/responses/{id}/input_items (client.responses.input_items.list): the request's own
+    input as items with ids, the last first by default, in cursor pages (after, limit, order)."""
+    from openai.types.responses import ResponseItemList
+
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "set_units",
+        "arguments": '{"unit": "celsius"}',
+    }
+    given = [
+        {"role": "user", "content": PROMPT},
+        call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+        {"role": "user", "content": [{"type": "input_text", "text": "and now?"}]},
+    ]
+    r = client.responses.create(model="m", input=given, tools=[TOOL], max_output_tokens=3, **GREEDY)
+    newest_first = client.responses.input_items.list(r.id)
+    assert [i.type for i in newest_first.data] == [
+        "message",
+        "function_call_output",
+        "function_call",
+        "message",
+    ]
+    assert not newest_first.has_more and len({i.id for i in newest_first.data}) == 4
+    paged = list(client.responses.input_items.list(r.id, order="asc", limit=1))  # follows `after`
+    assert [i.id for i in paged] == [i.id for i in reversed(newest_first.data)]
+    first, second = paged[0], paged[1]
+    assert first.role == "user" and first.content[0].type == "input_text" and first.content[0].text == PROMPT
+    assert (second.call_id, second.name, second.arguments) == ("call_1", "set_units", call["arguments"])
+    assert paged[2].output == "ok" and paged[3].content[0].text == "and now?"
+    page = client.responses.input_items.list(r.id, order="asc", limit=3)
+    assert page.has_more and page.first_id == paged[0].id and page.last_id == paged[2].id
+    raw = httpx.get(
+        f"{server.base_url}/v1/responses/{r.id}/input_items", params={"limit": 2}, timeout=30
+    ).json()
+    _strict(ResponseItemList, raw)
+    plain = client.responses.create(model="m", input=PROMPT, max_output_tokens=2, **GREEDY)
+    (item,) = client.responses.input_items.list(plain.id).data
+    assert item.role == "user" and item.content[0].text == PROMPT
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        client.responses.input_items.list(r.id, limit=0)
+    with pytest.raises(openai.BadRequestError, match="after"):
+        client.responses.input_items.list(r.id, after="msg_nope")
