@@ -18,6 +18,7 @@ import openai
 import pydantic
 import pytest
 from test_engine_utils import build_tiny_model, children_paused, launch_test_server, stop_test_server
+from test_http import assert_idle_accounting
 from test_tool_calls import QWEN_STYLE_TEMPLATE, SETTINGS
 
 from radixengine.entrypoints.response_store import ResponseStore, StoredResponse
@@ -302,7 +303,7 @@ def test_litellm_responses(server, client, monkeypatch):
     assert text == direct.output_text and r.usage.output_tokens == 16
 
 
-def test_a_call_cut_by_max_output_tokens_is_incomplete_with_its_partial_arguments(client):
+def test_a_call_cut_by_max_output_tokens_is_incomplete_with_its_partial_arguments(server, client):
     """A forced call that max_output_tokens cuts inside its arguments: the response and the call
     item are `incomplete` (reason max_output_tokens), the arguments are the text written so far
     (a prefix of the whole call's, never a closed reading such as `{}`), the stream says the same;
@@ -340,6 +341,7 @@ def test_a_call_cut_by_max_output_tokens_is_incomplete_with_its_partial_argument
         assert chat_choice.finish_reason == "length"
         assert chat_choice.message.tool_calls[0].function.arguments == call.arguments
     assert any(2 < len(a) < len(full.arguments) for a in cut_args), cut_args  # cuts inside the arguments
+    assert_idle_accounting(server)
 
 
 def test_a_forced_function_is_called_exactly_once(client):
@@ -445,3 +447,4 @@ def test_input_items_are_listed_in_pages(server, client):
         client.responses.input_items.list(r.id, limit=0)
     with pytest.raises(openai.BadRequestError, match="after"):
         client.responses.input_items.list(r.id, after="msg_nope")
+    assert_idle_accounting(server)

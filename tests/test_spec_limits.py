@@ -1,6 +1,7 @@
 """Speculative decoding at the edges of a request and of the models: drafts near the end of the
 context (max_new_tokens, the req_to_token row) in both loops and both algorithms; a STANDALONE
-draft model of another vocabulary refused at start; one whose context is shorter than the
+draft model of another vocabulary or tokenizer refused at start (the tokenizer through the real
+server); one whose context is shorter than the
 target's drafts while it fits, then the request decodes plainly. Greedy output equals
 transformers' and the token accounting holds after each (run_to_completion checks it)."""
 
@@ -110,3 +111,35 @@ def test_a_draft_model_of_a_shorter_context_drafts_while_it_fits(tmp_path, caplo
     assert_matches_oracle(reqs, results)
     assert sched.stats.avg_spec_accept_length > 3.0  # drafted (and accepted) where it fit
     _assert_draft_pools_free(sched)
+
+
+def _refused_at_start(target: str, draft: str, log) -> str:
+    """The server's log once it exited (it must refuse to start)."""
+    from test_engine_utils import start_test_server
+
+    args = ["--dtype", "float32", "--num-threads", "1", "--speculative-algorithm", "STANDALONE"]
+    proc = start_test_server(target, log, [*args, "--speculative-draft-model-path", draft])
+    try:
+        assert proc.wait(timeout=120) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return log.read_text()
+
+
+def test_the_server_refuses_a_draft_of_another_tokenizer(tmp_path):
+    """Through the real server: a draft model of the target's vocabulary size whose tokenizer
+    gives two tokens each other's ids stops the start with the reason (another vocabulary size:
+    test_a_draft_model_of_another_vocabulary_is_refused_at_start)."""
+    from test_engine_utils import build_tiny_model
+
+    target = build_tiny_model(str(tmp_path / "target"))
+    swapped = tmp_path / "swapped"
+    shutil.copytree(target, swapped)
+    path = swapped / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    path.write_text(json.dumps(tokenizer))
+    log = _refused_at_start(target, str(swapped), tmp_path / "swapped.log")
+    assert "the draft model's tokenizer differs from the target's (token 'a'" in log
