@@ -18,6 +18,7 @@ import openai
 import pydantic
 import pytest
 from test_engine_utils import build_tiny_model, children_paused, launch_test_server, stop_test_server
+from test_http import assert_idle_accounting
 from test_tool_calls import QWEN_STYLE_TEMPLATE, SETTINGS
 
 from radixengine.entrypoints.response_store import ResponseStore, StoredResponse
@@ -300,3 +301,150 @@ def test_litellm_responses(server, client, monkeypatch):
                                      extra_body={"ignore_eos": True})  # fmt: skip
     text = "".join(part.text for item in r.output if item.type == "message" for part in item.content)
     assert text == direct.output_text and r.usage.output_tokens == 16
+
+
+def test_a_call_cut_by_max_output_tokens_is_incomplete_with_its_partial_arguments(server, client):
+    """A forced call that max_output_tokens cuts inside its arguments: the response and the call
+    item are `incomplete` (reason max_output_tokens), the arguments are the text written so far
+    (a prefix of the whole call's, never a closed reading such as `{}`), the stream says the same;
+    on the chat path, finish_reason `length` and the same partial arguments."""
+    forced = {"type": "function", "name": "set_units"}
+    kw = dict(model="m", tools=[TOOL], tool_choice=forced, **GREEDY)
+    whole = client.responses.create(input=PROMPT, max_output_tokens=200, **kw)
+    (full,) = [i for i in whole.output if i.type == "function_call"]
+    assert whole.status == "completed" and full.status == "completed"
+    cut_args = []
+    for budget in range(20, whole.usage.output_tokens, 6):
+        r = client.responses.create(input=PROMPT, max_output_tokens=budget, **kw)
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        calls = [i for i in r.output if i.type == "function_call"]
+        if not calls:  # cut before the call's name was whole
+            continue
+        (call,) = calls
+        assert call.status == "incomplete" and call.name == "set_units" and r.output[-1] == call
+        assert full.arguments.startswith(call.arguments)
+        cut_args.append(call.arguments)
+        events = list(client.responses.create(input=PROMPT, max_output_tokens=budget, stream=True, **kw))
+        deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        (done,) = [
+            e for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"
+        ]
+        assert deltas == done.item.arguments == call.arguments and done.item.status == "incomplete"
+        assert events[-1].type == "response.incomplete"
+        chat_choice = chat(
+            client,
+            [{"role": "user", "content": PROMPT}],
+            tools=[SETTINGS],
+            tool_choice={"type": "function", "function": {"name": "set_units"}},
+            max_tokens=budget,
+        ).choices[0]
+        assert chat_choice.finish_reason == "length"
+        assert chat_choice.message.tool_calls[0].function.arguments == call.arguments
+    assert any(2 < len(a) < len(full.arguments) for a in cut_args), cut_args  # cuts inside the arguments
+    assert_idle_accounting(server)
+
+
+def test_a_forced_function_is_called_exactly_once(client):
+    """A named tool_choice: one call (OpenAI's forced function), with parallel_tool_calls left on."""
+    forced = {"type": "function", "name": "set_units"}
+    r = client.responses.create(
+        input=PROMPT, tools=[TOOL], tool_choice=forced, max_output_tokens=300, **GREEDY
+    )
+    assert r.status == "completed"
+    assert [i.name for i in r.output if i.type == "function_call"] == ["set_units"]
+    c = chat(
+        client,
+        [{"role": "user", "content": PROMPT}],
+        tools=[SETTINGS],
+        tool_choice={"type": "function", "function": {"name": "set_units"}},
+        max_tokens=300,
+    ).choices[0]
+    assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == [
+        "set_units"
+    ]
+
+
+def _strict(model, body: dict):
+    """The installed openai client's own schema, validated strictly (its client skips validation)."""
+    return pydantic.TypeAdapter(model).validate_python(body, strict=True)
+
+
+def test_every_response_and_event_passes_the_clients_strict_schema(server, client):
+    """Every shape a client may get: text, a call, a cut call, a stored response, the stream's
+    events; usage carries input_tokens_details.cache_write_tokens (the prompt's tokens the radix
+    cache did not hold, which it keeps)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    forced = {"type": "function", "name": "set_units"}
+    bodies = [
+        dict(input=PROMPT, max_output_tokens=6),
+        dict(input=PROMPT, max_output_tokens=200, tools=[TOOL], tool_choice=forced),
+        dict(input=PROMPT, max_output_tokens=40, tools=[TOOL], tool_choice=forced),
+    ]
+    for body in bodies:
+        raw = client.responses.with_raw_response.create(model="m", **body, **GREEDY).http_response.json()
+        r = _strict(Response, raw)
+        details = r.usage.input_tokens_details
+        assert details.cache_write_tokens == r.usage.input_tokens - details.cached_tokens
+        stored = httpx.get(f"{server.base_url}/v1/responses/{r.id}", timeout=30).json()
+        assert _strict(Response, stored).id == r.id
+        with httpx.stream(
+            "POST",
+            f"{server.base_url}/v1/responses",
+            json={"model": "m", "stream": True, **body, **GREEDY},
+            timeout=60,
+        ) as resp:
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+        for event in events:
+            _strict(ResponseStreamEvent, event)
+        assert _strict(Response, events[-1]["response"]).usage.input_tokens == r.usage.input_tokens
+
+
+def test_input_items_are_listed_in_pages(server, client):
+    """GET /v1/responses/{id}/input_items (client.responses.input_items.list): the request's own
+    input as items with ids, the last first by default, in cursor pages (after, limit, order)."""
+    from openai.types.responses import ResponseItemList
+
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "set_units",
+        "arguments": '{"unit": "celsius"}',
+    }
+    given = [
+        {"role": "user", "content": PROMPT},
+        call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+        {"role": "user", "content": [{"type": "input_text", "text": "and now?"}]},
+    ]
+    r = client.responses.create(model="m", input=given, tools=[TOOL], max_output_tokens=3, **GREEDY)
+    newest_first = client.responses.input_items.list(r.id)
+    assert [i.type for i in newest_first.data] == [
+        "message",
+        "function_call_output",
+        "function_call",
+        "message",
+    ]
+    assert not newest_first.has_more and len({i.id for i in newest_first.data}) == 4
+    paged = list(client.responses.input_items.list(r.id, order="asc", limit=1))  # follows `after`
+    assert [i.id for i in paged] == [i.id for i in reversed(newest_first.data)]
+    first, second = paged[0], paged[1]
+    assert first.role == "user" and first.content[0].type == "input_text" and first.content[0].text == PROMPT
+    assert (second.call_id, second.name, second.arguments) == ("call_1", "set_units", call["arguments"])
+    assert paged[2].output == "ok" and paged[3].content[0].text == "and now?"
+    page = client.responses.input_items.list(r.id, order="asc", limit=3)
+    assert page.has_more and page.first_id == paged[0].id and page.last_id == paged[2].id
+    raw = httpx.get(
+        f"{server.base_url}/v1/responses/{r.id}/input_items", params={"limit": 2}, timeout=30
+    ).json()
+    _strict(ResponseItemList, raw)
+    plain = client.responses.create(model="m", input=PROMPT, max_output_tokens=2, **GREEDY)
+    (item,) = client.responses.input_items.list(plain.id).data
+    assert item.role == "user" and item.content[0].text == PROMPT
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        client.responses.input_items.list(r.id, limit=0)
+    with pytest.raises(openai.BadRequestError, match="after"):
+        client.responses.input_items.list(r.id, after="msg_nope")
+    assert_idle_accounting(server)

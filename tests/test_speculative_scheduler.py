@@ -332,6 +332,9 @@ def test_speculation_runs_the_overlap_loop_unless_it_is_disabled():
             "num_draft_tokens must be >= 2",
         ),
         (dict(speculative_algorithm="NGRAM", speculative_max_verify_tokens=1), "max-verify-tokens"),
+        (dict(speculative_algorithm="NGRAM", speculative_ngram_capacity=1), "capacity must be 0 .* or >= 4"),
+        (dict(speculative_algorithm="NGRAM", speculative_ngram_capacity=3), "capacity must be 0 .* or >= 4"),
+        (dict(speculative_algorithm="NGRAM", speculative_ngram_capacity=-1), "capacity"),
     ],
 )
 def test_unusable_speculative_configurations_are_refused(kwargs, message):

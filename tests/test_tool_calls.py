@@ -158,6 +158,23 @@ def test_parse_whole_and_streamed_at_every_cut(parser, text, normal, calls):
         assert by_char[2] >= len(calls) + 1
 
 
+@pytest.mark.parametrize(
+    "parser, text",
+    [(p, t) for p, t, _, calls in FORMATS if p != "pythonic" and len(calls) == 1 and "\\u" not in t],
+)
+def test_a_call_cut_short_keeps_its_arguments_text_so_far(parser, text):
+    """Cut anywhere (max_tokens), a call whose name is whole has as arguments a prefix of the
+    whole call's (the text so far, unclosed: never `{}` nor a closed reading that passes for
+    whole arguments), in one go and streamed a character at a time."""
+    (full,) = FunctionCallParser(TOOLS, parser).parse_as_stream(text)[1]
+    for cut in range(len(text)):
+        _, calls = FunctionCallParser(TOOLS, parser).parse_as_stream(text[:cut])
+        if calls:
+            assert full.parameters.startswith(calls[0].parameters), (cut, calls[0].parameters)
+            by_char = streamed(parser, list(text[:cut]))[1]
+            assert by_char == [(full.name, calls[0].parameters)], cut
+
+
 def test_unknown_function_and_python_dict():
     text = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
     assert FunctionCallParser(TOOLS, "qwen25").parse_non_stream(text)[1] == []

@@ -1,5 +1,5 @@
 """The stored responses of /v1/responses (`store: true`): each response object with the
-conversation it ends (for `previous_response_id`), kept in memory within a count and a byte
+conversation it ends (for `previous_response_id`) and its input items, kept in memory within a count and a byte
 bound; past either, the oldest finished responses are dropped first."""
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 class StoredResponse:
     response: dict  # the Response object as GET returns it
     messages: list[dict] = field(default_factory=list)  # the conversation (no instructions) it ends
+    input_items: list[dict] = field(
+        default_factory=list
+    )  # its request's input, as GET .../input_items lists it
     task: asyncio.Task | None = None  # a background response's run while it is not finished
     size: int = 0
 
@@ -43,7 +46,9 @@ class ResponseStore:
         hold. An entry larger than the byte bound alone is not kept."""
         response_id = entry.response["id"]
         self.delete(response_id)
-        entry.size = len(json.dumps(entry.response)) + len(json.dumps(entry.messages))
+        entry.size = sum(
+            len(json.dumps(part)) for part in (entry.response, entry.messages, entry.input_items)
+        )
         if entry.size > self.max_bytes:
             logger.warning("response %s (%d bytes) is larger than the store's bound; not stored", response_id,
                            entry.size)  # fmt: skip

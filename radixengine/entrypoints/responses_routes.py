@@ -27,6 +27,7 @@ from radixengine.entrypoints.request_runner import (
     tm_of,
     with_disconnect_abort,
 )
+from radixengine.entrypoints.response_input_items import input_items, page_of
 from radixengine.entrypoints.response_store import ResponseStore, StoredResponse
 from radixengine.entrypoints.responses_protocol import (
     ResponsesRequest,
@@ -36,6 +37,7 @@ from radixengine.entrypoints.responses_protocol import (
 )
 from radixengine.entrypoints.responses_serving import (
     ResponseEvents,
+    UsageCounter,
     assistant_messages,
     base_response,
     item_id,
@@ -78,24 +80,25 @@ async def _create(request: Request, req: ResponsesRequest) -> Response:
     req.model = req.model or tm.served_model_name
     history = _history(store, req.previous_response_id)
     conversation = history + input_messages(req)
+    items = input_items(req.input)
     chat_req = parse_model(ChatCompletionRequest, chat_body(req, history, conversation[len(history) :]))
     oai.apply_sampling_defaults(chat_req, tm.default_sampling_params)
     objs = oai.chat_requests(tm, chat_req)
     tag_routing_key(request, objs)
     base = base_response(req, item_id("resp"), "queued" if req.background else "in_progress")
     if req.background:
-        return _start_background(tm, store, chat_req, objs, base, conversation)
+        return _start_background(tm, store, chat_req, objs, base, conversation, items)
     if req.stream:
-        events = ResponseEvents(base, _token_counter(tm))
+        events = ResponseEvents(base, _usage_counter(tm))
         chunks = openai_streams.chat_stream(tm, chat_req, merged_stream(tm, objs))
-        stream = _keeping(store, req, conversation, response_events(events, chunks))
+        stream = _keeping(store, req, conversation, items, response_events(events, chunks))
         return await sse_response(request, stream, objs, RESPONSES_SSE)
     outs = await with_disconnect_abort(request, collect_all(tm, objs), objs)
     if isinstance(outs, Response):
         return outs
-    response = response_from_chat(base, oai.chat_response(tm, chat_req, outs), _token_counter(tm))
+    response = response_from_chat(base, oai.chat_response(tm, chat_req, outs), _usage_counter(tm))
     if req.store:
-        store.put(StoredResponse(response, conversation + assistant_messages(response["output"])))
+        store.put(StoredResponse(response, conversation + assistant_messages(response["output"]), items))
     return JSONResponse(response)
 
 
@@ -115,16 +118,21 @@ def _history(store: ResponseStore, previous_id: str | None) -> list[dict]:
     return [dict(m) for m in entry.messages]
 
 
-def _token_counter(tm: TokenizerManager):
-    return lambda text: len(tm.tokenizer.encode(text, add_special_tokens=False))
+def _usage_counter(tm: TokenizerManager) -> UsageCounter:
+    return UsageCounter(
+        lambda text: len(tm.tokenizer.encode(text, add_special_tokens=False)),
+        caches_prompts=not tm.server_args.disable_radix_cache,
+    )
 
 
-async def _keeping(store: ResponseStore, req: ResponsesRequest, conversation: list[dict], events):
+async def _keeping(
+    store: ResponseStore, req: ResponsesRequest, conversation: list[dict], items: list[dict], events
+):
     """The stream's events; the finished response is stored (when asked) as it goes out."""
     async for event in events:
         if req.store and event["type"] in ("response.completed", "response.incomplete"):
             response = event["response"]
-            store.put(StoredResponse(response, conversation + assistant_messages(response["output"])))
+            store.put(StoredResponse(response, conversation + assistant_messages(response["output"]), items))
         yield event
 
 
@@ -135,15 +143,16 @@ def _start_background(
     objs: list[GenerateReqInput],
     base: dict,
     conversation: list[dict],
+    items: list[dict],
 ) -> Response:
-    entry = StoredResponse(base)
+    entry = StoredResponse(base, input_items=items)
     queued = json.loads(json.dumps(base))
 
     async def run() -> None:
         try:
             outs = await collect_all(tm, objs)
             entry.response = response_from_chat(
-                dict(base), oai.chat_response(tm, chat_req, outs), _token_counter(tm)
+                dict(base), oai.chat_response(tm, chat_req, outs), _usage_counter(tm)
             )
             entry.messages = conversation + assistant_messages(entry.response["output"])
         except asyncio.CancelledError:
@@ -191,6 +200,18 @@ async def cancel_response(request: Request, response_id: str) -> Response:
         entry.task.cancel()
         await asyncio.wait({entry.task})
     return JSONResponse(entry.response)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    request: Request, response_id: str, after: str | None = None, limit: int = 20, order: str = "desc"
+) -> Response:
+    """OpenAI's list of the input items a response was made from (`include` is accepted: the
+    items carry all they have)."""
+    entry = store_of(request).get(response_id)
+    if entry is None:
+        return _not_found(response_id)
+    return JSONResponse(page_of(entry.input_items, after, limit, order))
 
 
 def _not_found(response_id: str) -> Response:

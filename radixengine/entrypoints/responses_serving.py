@@ -5,7 +5,8 @@ chunks -> the Responses event sequence (response.created ... response.completed)
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from radixengine.entrypoints.openai_protocol import now
 from radixengine.entrypoints.responses_protocol import ResponsesRequest
@@ -46,15 +47,26 @@ def base_response(req: ResponsesRequest, response_id: str, status: str) -> dict:
     }
 
 
-def usage_of(chat_usage: dict, reasoning_tokens: int) -> dict:
-    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {
-        "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        "total_tokens": chat_usage["total_tokens"],
-    }
+@dataclass(frozen=True)
+class UsageCounter:
+    """What a Response's usage needs beyond the chat usage: the reasoning text's token count, and
+    whether the prompt's computed tokens are written to the cache (the radix cache keeps them)."""
+
+    count_tokens: Callable[[str], int]
+    caches_prompts: bool
+
+    def usage(self, chat_usage: dict, reasoning: str) -> dict:
+        """OpenAI's ResponseUsage: `cached_tokens` read from the radix cache, `cache_write_tokens`
+        the prompt's others, which it keeps (0 with --disable-radix-cache)."""
+        cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        written = chat_usage["prompt_tokens"] - cached if self.caches_prompts else 0
+        return {
+            "input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": self.count_tokens(reasoning) if reasoning else 0},
+            "total_tokens": chat_usage["total_tokens"],
+        }
 
 
 def reasoning_item(text: str, status: str = "completed", rid: str | None = None) -> dict:
@@ -78,14 +90,16 @@ def function_call_item(call: dict, status: str = "completed", fid: str | None = 
 
 
 def output_items(message: dict, status: str) -> list[dict]:
-    """A chat answer's message as output items: reasoning, then text, then the calls."""
+    """A chat answer's message as output items: reasoning, then text, then the calls; the last
+    item takes `status` (incomplete: max_output_tokens cut it, a call's arguments included)."""
     items = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(message["reasoning_content"]))
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
-        items.append(message_item(message.get("content") or "", status))
+        items.append(message_item(message.get("content") or ""))
     items.extend(function_call_item(call) for call in calls)
+    items[-1]["status"] = status
     return items
 
 
@@ -113,13 +127,12 @@ def assistant_messages(output: list[dict]) -> list[dict]:
     return [message]
 
 
-def response_from_chat(base: dict, chat: dict, count_tokens) -> dict:
+def response_from_chat(base: dict, chat: dict, counter: UsageCounter) -> dict:
     """A whole chat completion (one choice) as the finished response."""
     choice = chat["choices"][0]
     message = choice["message"]
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-    reasoning = message.get("reasoning_content") or ""
-    usage = usage_of(chat["usage"], count_tokens(reasoning) if reasoning else 0)
+    usage = counter.usage(chat["usage"], message.get("reasoning_content") or "")
     return finish(base, choice["finish_reason"], output_items(message, status), usage)
 
 
@@ -127,9 +140,9 @@ class ResponseEvents:
     """Chat stream chunks -> Responses events. One output item is open at a time: reasoning text,
     message text, or one function call; a delta of another kind closes it and opens the next."""
 
-    def __init__(self, response: dict, count_tokens) -> None:
+    def __init__(self, response: dict, counter: UsageCounter) -> None:
         self.response = response
-        self.count_tokens = count_tokens
+        self.counter = counter
         self.seq = 0
         self.output: list[dict] = []
         self.open: dict | None = None
@@ -205,7 +218,8 @@ class ResponseEvents:
         self.open = item
         return [self.event("response.output_item.added", output_index=self._index(), item=_copy(item))]
 
-    def _close(self) -> list[dict]:
+    def _close(self, last: bool = False) -> list[dict]:
+        """Close the open item: the last one is incomplete when max_output_tokens cut it."""
         item, self.open = self.open, None
         if item is None:
             return []
@@ -223,8 +237,7 @@ class ResponseEvents:
                                      text=part["text"], **extra))  # fmt: skip
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                      content_index=0, part=dict(part)))  # fmt: skip
-        incomplete = self.finish_reason == "length" and item["type"] == "message"
-        item["status"] = "incomplete" if incomplete else "completed"
+        item["status"] = "incomplete" if last and self.finish_reason == "length" else "completed"
         events.append(self.event("response.output_item.done", output_index=index, item=_copy(item)))
         return events
 
@@ -233,9 +246,9 @@ class ResponseEvents:
         events = []
         if not self.output:
             events += self._text("message", "")
-        events += self._close()
+        events += self._close(last=True)
         reasoning = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "reasoning")
-        usage = usage_of(self.chat_usage, self.count_tokens(reasoning) if reasoning else 0)
+        usage = self.counter.usage(self.chat_usage, reasoning)
         finish(self.response, self.finish_reason, self.output, usage)
         kind = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
         events.append(self.event(kind, response=self.response))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -19,10 +20,13 @@ from radixengine.function_call.partial_json import (
     find_common_prefix,
     is_complete_json,
     partial_json_loads,
+    partial_json_text,
 )
 from radixengine.utils.unicode_check import dumps_json_text
 
 logger = logging.getLogger(__name__)
+
+_ARGUMENTS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
 def tool_names(tools: list) -> dict[str, int]:
@@ -42,6 +46,7 @@ class BaseFormatDetector(ABC):
         self.eot_token = ""  # what closes them
         self.tool_call_separator = ", "
         self._skipped_call = False  # a call of an unknown function was dropped: calls are under way
+        self._call_text = ""  # the JSON text of the call read last, as the model wrote it
 
     # One go ------------------------------------------------------------------------------------
 
@@ -125,6 +130,7 @@ class BaseFormatDetector(ABC):
         if read is None:
             return StreamingParseResult()
         call, start_idx, end_idx = read
+        self._call_text = current_text[start_idx : start_idx + end_idx]
         is_complete = is_complete_json(current_text[start_idx : start_idx + end_idx])
         if "name" in call and call["name"] not in self._tool_indices:
             return self._skip_unknown_call(
@@ -228,7 +234,11 @@ class BaseFormatDetector(ABC):
 
     def unstreamed_arguments(self) -> tuple[int, str] | None:
         """At the end of the stream: the last call's arguments not sent yet (SGLang's
-        `_check_for_unstreamed_tool_args`), as (call index, text)."""
+        `_check_for_unstreamed_tool_args`), as (call index, text). A call cut short (max_tokens)
+        keeps its arguments' text as far as it goes, unclosed (as OpenAI's), never a closed
+        reading of it that would pass for whole arguments."""
+        if self.current_tool_name_sent:
+            return self._cut_call_arguments()
         if not self.prev_tool_call_arr or not self.streamed_args_for_tool:
             return None
         tool_id = len(self.prev_tool_call_arr) - 1
@@ -241,6 +251,18 @@ class BaseFormatDetector(ABC):
             return None
         self.streamed_args_for_tool[tool_id] = expected_json
         return tool_id, expected_json[len(actual) :]
+
+    def _cut_call_arguments(self) -> tuple[int, str] | None:
+        tool_id = self.current_tool_id
+        if tool_id < 0 or tool_id >= len(self.streamed_args_for_tool):
+            return None
+        key = _ARGUMENTS_KEY.search(self._call_text)
+        partial = partial_json_text(self._call_text[key.end() :]) if key else ""
+        sent = self.streamed_args_for_tool[tool_id]
+        if not partial.startswith(sent) or partial == sent:
+            return None
+        self.streamed_args_for_tool[tool_id] = partial
+        return tool_id, partial[len(sent) :]
 
     # Grammars ----------------------------------------------------------------------------------
 

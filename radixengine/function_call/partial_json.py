@@ -1,12 +1,15 @@
 """JSON that may be cut short, as a streamed tool call has it (what SGLang reads with the
 `partial_json_parser` package): the value so far, with every open object, array and (when asked)
 string closed, and how many characters it used. An unfinished key, literal or number sign is left
-out; a number at the very end counts as far as it is valid."""
+out; a number at the very end counts as far as it is valid. `partial_json_text` writes such a
+start out as json.dumps would, without closing it."""
 
 from __future__ import annotations
 
 import json
 import re
+
+from radixengine.utils.unicode_check import dumps_json_text
 
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _NUMBER_CHARS = set("0123456789+-.eE")
@@ -28,6 +31,48 @@ def partial_json_loads(text: str, allow_partial_strings: bool = True) -> tuple[o
     if value is _MISSING:
         raise MalformedJSON("no JSON value yet")
     return value, end
+
+
+def partial_json_text(text: str) -> str:
+    """The start of a JSON value cut short, written as `json.dumps` writes it (", " and ": "
+    between items, strings re-escaped, non-ASCII kept) with nothing closed: what a tool call cut
+    by max_tokens has of its arguments. An unfinished escape at the end is left out."""
+    reader, out, i = _Reader(text, True), [], 0
+    try:
+        while i < len(text):
+            c = text[i]
+            if c == '"':
+                value, i, complete = reader.string(i + 1)
+                dumped = dumps_json_text(value)
+                out.append(dumped if complete else dumped[:-1])
+            elif c in _WHITESPACE:
+                i += 1
+            else:
+                j = i + 1 if c in _PUNCTUATION else _token_end(text, i)
+                out.append(_PUNCTUATION.get(c) or _number_or_literal(text[i:j], complete=j < len(text)))
+                i = j
+    except MalformedJSON:
+        pass
+    return "".join(out)
+
+
+_PUNCTUATION = {",": ", ", ":": ": ", "{": "{", "}": "}", "[": "[", "]": "]"}
+
+
+def _token_end(text: str, i: int) -> int:
+    while i < len(text) and text[i] not in _WHITESPACE and text[i] not in _PUNCTUATION and text[i] != '"':
+        i += 1
+    return i
+
+
+def _number_or_literal(token: str, complete: bool) -> str:
+    """A whole number as json.dumps writes it (1.50 -> 1.5); a literal, or one cut short, as is."""
+    if not complete:
+        return token
+    try:
+        return json.dumps(json.loads(token))
+    except ValueError:
+        return token
 
 
 def is_complete_json(text: str) -> bool:

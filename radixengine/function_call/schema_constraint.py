@@ -127,7 +127,9 @@ def tool_call_constraint(
     compact_json: bool = False,
 ) -> tuple[str, str]:
     """(sampling-parameter name, its value) that forces the calls: the parser's structural tag
-    where it has one, else the JSON array schema."""
+    where it has one, else the JSON array schema. A named function is called exactly once
+    whatever `parallel_tool_calls` (OpenAI's forced function; SGLang's before it read the flag)."""
+    parallel_tool_calls = parallel_tool_calls and forced_function is None
     if detector is not None and detector.supports_structural_tag():
         tag = structural_tag(detector, tools, forced_function, parallel_tool_calls, compact_json)
         return "structural_tag", json.dumps(tag)

@@ -266,6 +266,17 @@ class ScheduleBatch:
         page = self.page_size
         return int(((seq + page - 1) // page - (prefix + page - 1) // page).sum()) * page
 
+    def verify_room(self) -> list[int]:
+        """The most nodes (root included) each request's next verify step may hold: no more than
+        the tokens it may still emit (its max_new_tokens) and than its req_to_token row holds past
+        its KV length (an upper bound while a step of its is in flight); at least its root."""
+        width = self.req_to_token_pool.max_context_len
+        rooms = []
+        for req, kv_len in zip(self.reqs, self.seq_lens_cpu.tolist()):
+            end = min(len(req.origin_input_ids) + req.sampling_params.max_new_tokens - 1, width)
+            rooms.append(max(end - kv_len, 1))
+        return rooms
+
     def check_verify_mem(self, trees: DraftTrees) -> bool:
         num_tokens = self.verify_slots_needed(trees.num_nodes_cpu)
         self._evict_for(num_tokens)

@@ -298,13 +298,17 @@ def _merge_shared(found: Match, shared: tuple[int, np.ndarray] | None) -> None:
     found.continuations.insert(at, cont)
 
 
+SHARED_KEY_LEN = 2  # the shared index finds matches by the hash of this many tokens
+MIN_SHARED_CAPACITY = 2 * SHARED_KEY_LEN
+
+
 class SharedNgramIndex:
     """Recent requests' tokens in a ring of `capacity` tokens (requests separated), and a table
     from the hash of every `key_len`-gram to the end of its latest occurrence. Bounded: a
     position the ring has overwritten is stale and ignored, and the table is rebuilt from the
     ring when it outgrows twice the capacity."""
 
-    def __init__(self, capacity: int, key_len: int = 2) -> None:
+    def __init__(self, capacity: int, key_len: int = SHARED_KEY_LEN) -> None:
         if capacity < 2 * key_len:
             raise ValueError(f"capacity {capacity} is too small for {key_len}-grams")
         self.capacity, self.key_len = capacity, key_len

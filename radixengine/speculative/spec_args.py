@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from radixengine.speculative.ngram_index import NgramParams
+from radixengine.speculative.ngram_index import MIN_SHARED_CAPACITY, SHARED_KEY_LEN, NgramParams
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 DEFAULT_NGRAM_DRAFT_TOKENS = 8
@@ -52,6 +52,12 @@ def validate_speculative_args(args: SpeculativeArgs) -> None:
         )
     if algo == "NGRAM":
         ngram_params(args)  # the n-gram knobs' own checks
+        capacity = args.speculative_ngram_capacity
+        if 0 < capacity < MIN_SHARED_CAPACITY:
+            raise ValueError(
+                f"--speculative-ngram-capacity must be 0 (no shared index) or >= {MIN_SHARED_CAPACITY} "
+                f"(tokens of recent requests; {SHARED_KEY_LEN}-grams are its keys), got {capacity}"
+            )
 
 
 def _validate_standalone(args: SpeculativeArgs) -> None:

@@ -16,6 +16,9 @@ When speculation pays (the rule, deterministic: it depends on the tokens, never 
 - A request drafts from its own tokens and from those of the other requests of the batch (as
   SGLang's NGRAM corpus takes every running request's tokens each step): requests that write the
   same text follow the one ahead; its own match wins a tie of length.
+- A request's nodes never outnumber the tokens it may still emit (its max_new_tokens) nor run
+  past its req_to_token row (`ScheduleBatch.verify_room`; under the overlap loop counted from the
+  KV bound that includes its step in flight): near the end of its context it drafts less.
 - A request with a grammar does not draft (its verify node is its decode step, under its mask);
   a batch whose requests draft nothing decodes plainly.
 
@@ -25,6 +28,7 @@ requests' tokens, the same on every rank (the shared index takes them at the sam
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,8 +38,9 @@ from radixengine.distributed import get_tp_group, single_rank_group
 from radixengine.managers.schedule_batch import Req, ScheduleBatch
 from radixengine.managers.scheduler_components.standalone_drafter import StandaloneDrafter
 from radixengine.model_executor.model_runner import ModelRunner
-from radixengine.model_loader import ModelConfig
+from radixengine.model_loader import ModelConfig, resolve_tokenizer_path
 from radixengine.server_args import ServerArgs
+from radixengine.speculative.draft_model_check import check_draft_model
 from radixengine.speculative.ngram_index import (
     CandidateSource,
     NgramDraft,
@@ -56,6 +61,8 @@ from radixengine.speculative.spec_pacing import (
 )
 from radixengine.speculative.spec_tree import DraftTrees
 from radixengine.utils.random_seed import preserved_random_state
+
+logger = logging.getLogger(__name__)
 
 
 class Drafter(Protocol):
@@ -96,7 +103,8 @@ class SpeculativeDrafter:
             else self._draft_one(req, paced, self._sources(peers, i))
             for i, req in enumerate(batch.reqs)
         ]
-        nodes = self._share(batch, [d.num_nodes for d in full], share)
+        wanted = [min(d.num_nodes, room) for d, room in zip(full, batch.verify_room())]
+        nodes = self._share(batch, wanted, share)
         drafts = [_trim(d, n) for d, n in zip(full, nodes)]
         width = max(d.num_nodes for d in drafts)
         if width == 1:
@@ -116,7 +124,10 @@ class SpeculativeDrafter:
             for i, (req, extra) in enumerate(zip(batch.reqs, extras))
         ]
         # after a step in flight the first token predicts its bonus: the others are the drafts
-        wanted = [1 + len(t) - (extra is not None and len(t) > 0) for t, extra in zip(full, extras)]
+        wanted = [
+            min(1 + len(t) - (extra is not None and len(t) > 0), room)
+            for t, extra, room in zip(full, extras, batch.verify_room())
+        ]
         nodes = self._share(batch, wanted, share)
         return [t[: n - 1 + (extra is not None)] for t, n, extra in zip(full, nodes, extras)]
 
@@ -187,10 +198,23 @@ def make_drafter(args: ServerArgs) -> Drafter | None:
     if args.speculative_algorithm == "NGRAM":
         return SpeculativeDrafter(DrafterConfig(ngram_params(args), args.speculative_max_verify_tokens))
     if args.speculative_algorithm == "STANDALONE":
+        draft, target = draft_and_target_configs(args)
+        target_tokenizer = resolve_tokenizer_path(args.model_path, args.tokenizer_path, args.revision)
+        check_draft_model(draft, target, draft.hf_path, target_tokenizer)
+        if draft.context_len < target.context_len:
+            logger.warning(
+                "the draft model's context (%d tokens) is shorter than the target's (%d): a request "
+                "drafts while its tokens and drafts fit in the draft's context, then decodes plainly",
+                draft.context_len,
+                target.context_len,
+            )
         runner = make_draft_runner(args) if get_tp_group().is_first_rank else None
         steps = standalone_num_steps(args)
+        min_tokens = draft_model_min_tokens(
+            draft.decode_weight_elements(), target.decode_weight_elements(), steps
+        )
         return StandaloneDrafter(
-            runner, steps, args.speculative_max_verify_tokens, draft_min_tokens(args, steps)
+            runner, steps, args.speculative_max_verify_tokens, min_tokens, draft.context_len
         )
     return None
 
@@ -202,12 +226,14 @@ def make_draft_runner(args: ServerArgs) -> ModelRunner:
         return ModelRunner(draft_model_args(args))
 
 
-def draft_min_tokens(args: ServerArgs, steps: int) -> float:
-    """STANDALONE's pacing threshold, from both models' configs (on every rank: the pacing is
-    every rank's, the draft model rank 0's alone)."""
+def draft_and_target_configs(args: ServerArgs) -> tuple[ModelConfig, ModelConfig]:
+    """Both models' configs, on every rank: the checks, the draft's context and the pacing
+    threshold are every rank's, the draft model rank 0's alone."""
     draft = ModelConfig(args.speculative_draft_model_path, None, args.dtype, args.device)
-    target = ModelConfig(args.model_path, None, args.dtype, args.device, revision=args.revision)
-    return draft_model_min_tokens(draft.decode_weight_elements(), target.decode_weight_elements(), steps)
+    target = ModelConfig(
+        args.model_path, args.context_length, args.dtype, args.device, revision=args.revision
+    )
+    return draft, target
 
 
 def draft_model_args(args: ServerArgs) -> ServerArgs:

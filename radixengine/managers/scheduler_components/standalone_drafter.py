@@ -12,7 +12,9 @@ and sampling keeps the target's distribution. The per-step budget is the NGRAM d
 return less than they cost (`min_tokens_per_verify`, from the two models' weights) pauses
 drafting as under NGRAM (speculative/spec_pacing.py); a batch where no request drafts runs no
 draft forward and decodes plainly, and a request that drafts again first extends the draft KV by
-the tokens it missed.
+the tokens it missed. A request's nodes stay within the tokens it may still emit
+(`ScheduleBatch.verify_room`); one whose tokens and drafts no longer fit in the draft model's
+context (shorter than the target's) stops drafting, its draft KV freed, and decodes plainly.
 
 Under tensor parallelism rank 0 alone holds the draft model, whole (built in a one-rank group, so
 its forward runs no collective beside the target's), and broadcasts its drafts: every rank then
@@ -21,6 +23,7 @@ every rank's."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,12 +65,18 @@ class _Context:
 
 class StandaloneDrafter:
     def __init__(
-        self, runner: ModelRunner | None, num_steps: int, max_verify_tokens: int, min_tokens_per_verify: float
+        self,
+        runner: ModelRunner | None,
+        num_steps: int,
+        max_verify_tokens: int,
+        min_tokens_per_verify: float,
+        context_len: int,
     ) -> None:
         self.runner = runner  # None on a tensor-parallel rank other than 0
         self.num_steps = num_steps  # draft tokens a request proposes per step
         self.max_verify_tokens = max_verify_tokens
         self.min_tokens_per_verify = min_tokens_per_verify
+        self.context_len = context_len  # the draft model's: positions its forwards may reach
         self.states: dict[int, tuple[Req, DraftKV]] = {}  # id(req) -> its draft KV
         self.pacing: dict[int, tuple[Req, SpecPacing]] = {}  # id(req) -> how its drafts fared
 
@@ -90,25 +99,48 @@ class StandaloneDrafter:
         limit = verify_nodes_per_request(self.max_verify_tokens, batch.batch_size(), self.num_steps + 1)
         if limit == 0:
             return None
+        contexts = [_Context(r, e) for r, e in zip(batch.reqs, extras)]
+        self._release_past_context(c for c in contexts if not self._in_context(c, limit))
+        rooms = [min(limit, room) for room in batch.verify_room()]
         drafting = [
-            _Context(r, e)
-            for r, e in zip(batch.reqs, extras)
-            if r.grammar is None and not self._pacing_of(r).skips_this_step()
+            c
+            for c, room in zip(contexts, rooms)
+            if c.req.grammar is None
+            and room > 1
+            and self._in_context(c, limit)
+            and not self._pacing_of(c.req).skips_this_step()
         ]
         if not drafting:
             return None
-        drafted = None if self.runner is None else self._drafts_on_rank0(batch, extras, drafting, limit)
+        drafted = None if self.runner is None else self._drafts_on_rank0(batch, extras, drafting, rooms)
         return broadcast_pyobj(drafted, src=0)
 
     def _drafts_on_rank0(
-        self, batch: ScheduleBatch, extras: list[list[int] | None], drafting: list[_Context], limit: int
+        self, batch: ScheduleBatch, extras: list[list[int] | None], drafting: list[_Context], rooms: list[int]
     ) -> list[list[int]] | None:
+        limit = max(rooms)
         if not self._make_room(drafting, limit):
             return None
         steps = limit if any(c.extra is not None for c in drafting) else limit - 1
         with single_rank_group():
             drafted = self._run_draft_model(drafting, steps)
-        return [drafted.get(id(r), [])[: limit - (1 if e is None else 0)] for r, e in zip(batch.reqs, extras)]
+        # each request's nodes within its room (its root, or under overlap the predicted bonus, first)
+        return [
+            drafted.get(id(r), [])[: room - (1 if e is None else 0)]
+            for r, e, room in zip(batch.reqs, extras, rooms)
+        ]
+
+    def _in_context(self, ctx: _Context, limit: int) -> bool:
+        """Whether the draft model's forwards for this request stay inside its context (its last
+        draft's position is seqlen + limit - 2 at most)."""
+        return ctx.seqlen + limit - 1 <= self.context_len
+
+    def _release_past_context(self, contexts: Iterable[_Context]) -> None:
+        """Requests past the draft model's context never draft again: their draft KV goes."""
+        for ctx in contexts:
+            entry = self.states.pop(id(ctx.req), None)
+            if entry is not None:
+                self._drop(entry[1])
 
     def on_verified(self, req: Req, tokens: int) -> None:
         """Paces the request's drafting; the next draft drops what the verify rejected."""
