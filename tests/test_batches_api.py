@@ -14,7 +14,13 @@ import httpx
 import openai
 import psutil
 import pytest
-from test_engine_utils import build_tiny_model, children_paused, launch_test_server, stop_test_server
+from test_engine_utils import (
+    build_tiny_model,
+    children_paused,
+    launch_test_server,
+    stop_test_server,
+    wait_until,
+)
 
 MESSAGES = [{"role": "user", "content": "hello world this is a test"}]
 MAX_LINES = 40
@@ -65,7 +71,7 @@ def wait_batch(client, batch_id: str, until=("completed", "failed", "cancelled")
 
 
 def lines_of(client, file_id: str) -> list[dict]:
-    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+    return [json.loads(line) for line in client.files.content(file_id).content.split(b"\n") if line]
 
 
 def test_chat_batch_in_openai_line_format(client):
@@ -99,6 +105,31 @@ def test_chat_batch_in_openai_line_format(client):
     assert refused["custom_id"] == "refused" and refused["response"]["status_code"] == 400
     assert refused["response"]["body"]["error"]["param"] == "temperature"
     assert batch.id in [b.id for b in client.batches.list()]
+
+
+LINE_BREAKS = "\u2028\u2029\u0085"  # what str.splitlines() ends a line at and JSON may hold raw
+
+
+def test_lines_end_at_newline_only(client):
+    """A line written with ensure_ascii=False keeps U+2028 / U+2029 / U+0085 raw: still one line,
+    as OpenAI and vLLM read it; a CRLF file reads as LF; line numbers count newlines."""
+    good = [
+        chat_line(f"id{c}{i}", messages=[{"role": "user", "content": f"a{c}b"}])
+        for i, c in enumerate(LINE_BREAKS)
+    ]
+    text = "".join(json.dumps(x, ensure_ascii=False) + "\r\n" for x in good) + "{bad\r\n"
+    assert len(text.splitlines()) > len(good) + 1  # what a splitlines() reader would see
+    upload = client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.request_counts.total == 4
+    batch = wait_batch(client, batch.id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
+    out = lines_of(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in out) == sorted(x["custom_id"] for x in good)
+    (error,) = lines_of(client, batch.error_file_id)
+    assert error["error"]["message"].startswith("line 4: invalid JSON")
 
 
 def test_completions_batch(client):
@@ -175,9 +206,10 @@ def kill_tree(proc) -> None:
 
 
 def test_restart_resumes_without_redoing_finished_lines(model, tmp_path):
-    # One line at a time: four short lines, one long one (killed in flight), then three short.
-    lines = [chat_line(f"s{i}", max_tokens=3) for i in range(4)] + [chat_line("long", max_tokens=3000)]
-    lines += [chat_line(f"t{i}", max_tokens=3) for i in range(3)]
+    # One line at a time: four short lines, one long one (killed in flight), then three short. The
+    # custom_ids hold line breaks that JSON keeps raw: the logs read back at \n only.
+    lines = [chat_line(f"s{i}{LINE_BREAKS}", max_tokens=3) for i in range(4)]
+    lines += [chat_line("long", max_tokens=3000)] + [chat_line(f"t{i}", max_tokens=3) for i in range(3)]
     first = serve(model, tmp_path, "first.log", max_running=1)
     client = openai.OpenAI(base_url=first.base_url + "/v1", api_key="none", max_retries=0)
     try:
@@ -190,22 +222,72 @@ def test_restart_resumes_without_redoing_finished_lines(model, tmp_path):
             time.sleep(0.02)
         log = tmp_path / "batch_dir" / "batches" / f"{batch.id}.output.jsonl"
         with children_paused(first):
-            before = log.read_text().splitlines()
+            before = log.read_text().split("\n")[:-1]
             kill_tree(first)
     finally:
         stop_test_server(first)
-    assert [json.loads(line)["custom_id"] for line in before] == ["s0", "s1", "s2", "s3"]
+    assert [json.loads(line)["custom_id"] for line in before] == [f"s{i}{LINE_BREAKS}" for i in range(4)]
     second = serve(model, tmp_path, "second.log", max_running=1)
     try:
         client = openai.OpenAI(base_url=second.base_url + "/v1", api_key="none", max_retries=0)
         done = wait_batch(client, batch.id, timeout=300)
         assert done.status == "completed" and done.request_counts.completed == 8
-        out = client.files.content(done.output_file_id).text.splitlines()
+        out = client.files.content(done.output_file_id).text.split("\n")[:-1]
         assert sorted(json.loads(line)["custom_id"] for line in out) == sorted(
             line["custom_id"] for line in lines
         )
         assert out[:4] == before  # the finished lines were not answered again
         assert json.loads(out[4])["response"]["body"]["usage"]["completion_tokens"] == 3000
+    finally:
+        stop_test_server(second)
+
+
+def test_a_run_that_fails_ends_the_batch_failed_and_a_cancel_ends_it(model, tmp_path):
+    """Two batches left unfinished by a kill, whose state on disk a restart cannot use (the input
+    file's bytes gone; a result log line that is not a result): each ends `failed` with the reason
+    in `errors`, the results so far in its files; a cancel answers that real end (not a batch left
+    `cancelling`), and the input file can then be deleted."""
+    first = serve(model, tmp_path, "first.log", max_running=1)
+    client = openai.OpenAI(base_url=first.base_url + "/v1", api_key="none", max_retries=0)
+    try:
+        gone = client.files.create(file=("a.jsonl", jsonl([chat_line("a0"), chat_line("a1", max_tokens=3000)])),
+                                   purpose="batch")  # fmt: skip
+        broken = client.files.create(file=("b.jsonl", jsonl([chat_line("b0")])), purpose="batch")
+        a = client.batches.create(
+            input_file_id=gone.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_until(lambda: client.batches.retrieve(a.id).request_counts.completed == 1, "a0 answered")
+        with children_paused(first):
+            b = client.batches.create(input_file_id=broken.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")  # fmt: skip
+            wait_until(lambda: client.batches.retrieve(b.id).status == "in_progress", "b in progress")
+            kill_tree(first)
+    finally:
+        stop_test_server(first)
+    root = tmp_path / "batch_dir"
+    (root / "files" / f"{gone.id}.data").unlink()
+    with open(root / "batches" / f"{b.id}.output.jsonl", "a") as f:
+        f.write("not a result\n")
+    second = serve(model, tmp_path, "second.log", max_running=1)
+    try:
+        client = openai.OpenAI(base_url=second.base_url + "/v1", api_key="none", max_retries=0)
+        why = {
+            a.id: f"No such file or directory: {gone.id}.data",
+            b.id: "output.jsonl line 1 is not a result line",
+        }
+        for batch_id in (b.id, a.id):
+            assert client.batches.cancel(batch_id).status in ("failed", "cancelling")
+            done = wait_batch(client, batch_id, timeout=60)
+            assert done.status == "failed" and done.failed_at and done.errors.data[0].code == "batch_failed"
+            assert (
+                why[batch_id] in done.errors.data[0].message
+                and str(tmp_path) not in done.errors.data[0].message
+            )
+        assert [
+            line["custom_id"] for line in lines_of(client, client.batches.retrieve(a.id).output_file_id)
+        ] == ["a0"]
+        assert client.files.delete(broken.id).deleted
+        assert f"batch {b.id} failed" in (tmp_path / "second.log").read_text()
     finally:
         stop_test_server(second)
 
