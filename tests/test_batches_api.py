@@ -132,6 +132,25 @@ def test_lines_end_at_newline_only(client):
     assert error["error"]["message"].startswith("line 4: invalid JSON")
 
 
+def test_a_line_that_is_not_utf8_is_an_error_line(client):
+    good = json.dumps(chat_line("good")).encode()
+    latin1 = json.dumps(
+        chat_line("latin-1", messages=[{"role": "user", "content": "caf\u00e9"}]), ensure_ascii=False
+    ).encode("latin-1")
+    upload = client.files.create(file=("in.jsonl", good + b"\n" + latin1 + b"\n"), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch = wait_batch(client, batch.id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+    (error,) = lines_of(client, batch.error_file_id)
+    at = latin1.index(b"\xe9")
+    assert (
+        error["custom_id"] is None
+        and error["error"]["message"] == f"line 2: not valid UTF-8 (byte {at + 1}: b'\\xe9')"
+    )
+
+
 def test_completions_batch(client):
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": "m", "prompt": f"hello {i}", "max_tokens": 2, "temperature": 0}} for i in range(3)]  # fmt: skip

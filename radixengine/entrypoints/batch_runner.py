@@ -21,7 +21,7 @@ from radixengine.entrypoints.openai_routes import answer_body
 from radixengine.managers.request_errors import EngineDeadError, RequestError
 from radixengine.managers.schedule_policy import lowest_priority_value
 from radixengine.managers.tokenizer_manager import TokenizerManager
-from radixengine.utils.jsonl import numbered_lines
+from radixengine.utils.jsonl import decode_line, numbered_lines
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +42,22 @@ class Line:
 
 
 def parse_lines(data: bytes, endpoint: str) -> list[Line]:
-    """The input file's non-empty lines; a malformed one (not a JSON object, no custom_id,
+    """The input file's non-empty lines; a malformed one (not UTF-8, not a JSON object, no custom_id,
     another method or url, no body object, a custom_id seen before) carries its reason."""
     lines: list[Line] = []
     seen: set[str] = set()
     for n, raw in numbered_lines(data.split(b"\n")):
-        lines.append(_parse_line(n, raw.decode("utf-8", errors="replace"), endpoint, seen))
+        lines.append(_parse_line(n, raw, endpoint, seen))
     return lines
 
 
-def _parse_line(n: int, raw: str, endpoint: str, seen: set[str]) -> Line:
+def _parse_line(n: int, raw: bytes, endpoint: str, seen: set[str]) -> Line:
     try:
-        obj = json.loads(raw)
+        text = decode_line(raw)
+    except ValueError as e:
+        return Line(n, None, error=f"line {n}: {e}")
+    try:
+        obj = json.loads(text)
     except ValueError as e:
         return Line(n, None, error=f"line {n}: invalid JSON: {e}")
     if not isinstance(obj, dict):
