@@ -45,7 +45,7 @@ def serve(model, root, log_name: str = "server.log", max_running: int = 4):
     """A server on `root / "batch_dir"`."""
     args = ["--dtype", "float32", "--num-threads", "1", "--max-total-tokens", "16384", "--batch-dir",
             str(root / "batch_dir"), "--batch-max-running", str(max_running), "--max-batch-lines", str(MAX_LINES),
-            "--max-batch-file-bytes", "100000"]  # fmt: skip
+            "--max-batch-file-bytes", "100000", "--log-requests", "--log-requests-level", "0"]  # fmt: skip
     return launch_test_server(model, root / log_name, args)
 
 
@@ -174,6 +174,33 @@ def test_cancel(server, client):
         assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
         batch = wait_batch(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at and batch.request_counts.completed == 0
+
+
+def test_batch_max_running_holds_for_all_batches_together(server, client):
+    """Three batches of four lines under --batch-max-running 4, created while the engine is
+    paused: at no time are more than 4 batch lines in the engine (the server's request log, in
+    order: each line's Receive and Finish)."""
+    start = server.log.stat().st_size
+    uploads = [client.files.create(file=(f"{k}.jsonl", jsonl([chat_line(f"{k}-{i}") for i in range(4)])),
+                                   purpose="batch") for k in range(3)]  # fmt: skip
+    with children_paused(server):
+        batches = [client.batches.create(input_file_id=u.id, endpoint="/v1/chat/completions", completion_window="24h")
+                   for u in uploads]  # fmt: skip
+        wait_until(
+            lambda: all(client.batches.retrieve(b.id).status == "in_progress" for b in batches), "runs"
+        )
+        time.sleep(1)  # (before the fix, every batch's lines reached the engine here)
+    for b in batches:
+        assert wait_batch(client, b.id).request_counts.completed == 4
+    with open(server.log, "rb") as f:
+        f.seek(start)
+        log = f.read().decode()
+    in_engine, most = 0, 0
+    for line in log.splitlines():
+        if "interactive=False" in line:
+            in_engine += ("Receive: " in line) - ("Finish: " in line)
+            most = max(most, in_engine)
+    assert most == 4 and in_engine == 0
 
 
 LIMITS = [

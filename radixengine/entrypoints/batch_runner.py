@@ -1,7 +1,8 @@
 """Running /v1/batches: each batch's input lines (OpenAI's batch format: `custom_id`, `method`,
 `url`, `body`) answered through the chat / completions logic, at most `--batch-max-running`
-lines in the engine at once, each at the lowest priority; every answer appended to the batch's
-result log as it comes. At the end the logs become the output file (status 200) and the error
+lines of all batches together in the engine at once, each a batch line that yields to
+interactive requests (managers/req.py); every answer appended to the batch's result log as it
+comes. At the end the logs become the output file (status 200) and the error
 file (refusals, and malformed lines found before the run). A restarted server resumes every
 unfinished batch and skips the custom_ids its logs already hold: each line is answered once."""
 
@@ -19,7 +20,6 @@ from radixengine.entrypoints.batch_store import TERMINAL, BatchStore, ResultLog,
 from radixengine.entrypoints.file_store import FileStore
 from radixengine.entrypoints.openai_routes import answer_body
 from radixengine.managers.request_errors import EngineDeadError, RequestError
-from radixengine.managers.schedule_policy import lowest_priority_value
 from radixengine.managers.tokenizer_manager import TokenizerManager
 from radixengine.utils.jsonl import decode_line, numbered_lines
 
@@ -92,7 +92,7 @@ class BatchRunner:
         self.batches = batches
         self.max_lines = server_args.max_batch_lines
         self.max_running = server_args.batch_max_running
-        self.priority = lowest_priority_value(server_args.schedule_low_priority_values_first)
+        self.slots = asyncio.Semaphore(self.max_running)  # lines of all batches in the engine at once
         self.tasks: dict[str, asyncio.Task] = {}
         self.live: dict[str, dict] = {}  # the Batch objects of the running batches
         self.stopping = False
@@ -217,7 +217,8 @@ class BatchRunner:
 
         async def worker() -> None:
             for line in pending:
-                await self._answer(batch, line, logs)
+                async with self.slots:
+                    await self._answer(batch, line, logs)
 
         workers = [asyncio.ensure_future(worker()) for _ in range(self.max_running)]
         try:
@@ -230,7 +231,7 @@ class BatchRunner:
     async def _answer(self, batch: dict, line: Line, logs: dict[str, ResultLog]) -> None:
         rid = req_id()
         try:
-            body = await answer_body(self.tm, batch["endpoint"], line.body, self.priority)
+            body = await answer_body(self.tm, batch["endpoint"], line.body, interactive=False)
             logs["output"].append(_response_line(line, rid, 200, body))
         except RequestError as e:
             error = {
