@@ -8,6 +8,8 @@ answered exactly once, the lines finished before the kill kept as they were."""
 from __future__ import annotations
 
 import json
+import select
+import socket
 import time
 
 import httpx
@@ -232,7 +234,8 @@ def test_upload_limits(server, client):
     assert e.value.body["param"] == "file"
     r = httpx.post(server.base_url + "/v1/files", files={"file": ("big.jsonl", b"x" * 100001)},
                    data={"purpose": "batch"})  # fmt: skip
-    assert r.status_code == 413 and r.json()["error"]["param"] == "file"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"  # OpenAI's 400 "File is too large"
+    assert r.json()["error"]["message"].startswith("File is too large")
     with pytest.raises(openai.BadRequestError):
         client.files.create(file=("in.jsonl", jsonl([chat_line("a")])), purpose="fine-tune")
     upload = client.files.create(file=("in.jsonl", jsonl([chat_line("a")])), purpose="batch")
@@ -240,6 +243,53 @@ def test_upload_limits(server, client):
     client.files.delete(upload.id)
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(upload.id)
+
+
+def test_a_chunked_upload_is_cut_at_the_limit(server):
+    """An upload without Content-Length (chunked) past --max-batch-file-bytes (100,000 here) is
+    refused once the server has read about that much (the limit and 1 MiB for the form), not
+    after the whole body: the client, which would send 64 MiB, is answered (or cut off) long
+    before it is done."""
+    boundary = "b0undary"
+    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}\r\n'
+            f'Content-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n').encode()  # fmt: skip
+    chunk = b"x" * (1 << 16)
+    host, port = server.base_url.removeprefix("http://").split(":")
+    sent, total = 0, 64 << 20
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(f"POST /v1/files HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n"
+                     f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n".encode())  # fmt: skip
+        try:
+            for piece in [head] + [chunk] * (total // len(chunk)):
+                if select.select([sock], [], [], 0)[0]:
+                    break  # answered
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                sent += len(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server closed the connection on the rest of the body
+        answer = read_answer(sock)
+    assert sent < total // 4, f"the server read {sent} bytes of the upload"
+    if answer:  # (a reset can drop the answer on the way)
+        assert answer.startswith(b"HTTP/1.1 400") and b"File is too large" in answer, answer[:300]
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """An HTTP answer with a Content-Length, read whole (what came before a reset otherwise)."""
+    answer = b""
+    try:
+        while b"\r\n\r\n" not in answer and (data := sock.recv(1 << 16)):
+            answer += data
+        if b"\r\n\r\n" not in answer:
+            return answer
+        head, _, body = answer.partition(b"\r\n\r\n")
+        length = int(
+            next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+        )
+        while len(body) < length and (data := sock.recv(1 << 16)):
+            body += data
+        return head + b"\r\n\r\n" + body
+    except ConnectionResetError:
+        return answer
 
 
 def kill_tree(proc) -> None:
