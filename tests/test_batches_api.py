@@ -245,6 +245,24 @@ def test_upload_limits(server, client):
         client.files.retrieve(upload.id)
 
 
+def test_files_list_pages(server, client):
+    """GET /v1/files takes OpenAI's limit, after and order: the pages, followed by `after` (the
+    openai client's auto-paging), add up to the whole list, newest first or (asc) oldest first."""
+    for i in range(3):
+        client.files.create(file=(f"p{i}.jsonl", jsonl([chat_line("a")])), purpose="batch")
+    whole = [f.id for f in client.files.list(purpose="batch")]
+    assert len(whole) >= 3
+    page = client.files.list(purpose="batch", limit=2)
+    assert [f.id for f in page.data] == whole[:2] and page.has_more
+    assert [f.id for f in client.files.list(purpose="batch", limit=2)] == whole  # auto-paged
+    assert [f.id for f in client.files.list(purpose="batch", limit=1, order="asc")] == whole[::-1]
+    last = client.files.list(purpose="batch", after=whole[-2])
+    assert [f.id for f in last.data] == whole[-1:] and not last.has_more
+    for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order")):
+        r = httpx.get(f"{server.base_url}/v1/files?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
 def test_a_chunked_upload_is_cut_at_the_limit(server):
     """An upload without Content-Length (chunked) past --max-batch-file-bytes (100,000 here) is
     refused once the server has read about that much (the limit and 1 MiB for the form), not

@@ -19,6 +19,7 @@ from radixengine.managers.request_errors import RequestError
 router = APIRouter()
 PURPOSES = ("batch",)
 CHUNK = 1 << 20
+MAX_LIST = 10000  # OpenAI's most files in one page of GET /v1/files (and its default)
 
 
 def runner_of(request: Request) -> BatchRunner:
@@ -108,10 +109,26 @@ def _too_large(limit: int) -> Response:
 
 
 @router.get("/v1/files")
-async def list_files(request: Request, purpose: str | None = None) -> dict:
-    data = runner_of(request).files.list(purpose)
-    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-    return {"object": "list", "data": data, "has_more": False, "first_id": first, "last_id": last}
+async def list_files(
+    request: Request, purpose: str | None = None, limit: str = str(MAX_LIST), after: str | None = None,
+    order: str = "desc",
+) -> dict:  # fmt: skip
+    """OpenAI's cursor page: by `created_at` (`order` desc or asc), from the file after `after`,
+    at most `limit` (1..10000, default 10000)."""
+    if not (limit.isdigit() and 1 <= int(limit) <= MAX_LIST):
+        raise RequestError(f"limit must be an integer from 1 to {MAX_LIST}, got {limit!r}", param="limit")
+    if order not in ("asc", "desc"):
+        raise RequestError(f"order must be asc or desc, got {order!r}", param="order")
+    files = runner_of(request).files.list(purpose)  # newest first
+    if order == "asc":
+        files.reverse()
+    if after is not None:
+        ids = [f["id"] for f in files]
+        files = files[ids.index(after) + 1 :] if after in ids else []
+    page = files[: int(limit)]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    return {"object": "list", "data": page, "has_more": len(files) > len(page), "first_id": first,
+            "last_id": last}  # fmt: skip
 
 
 @router.get("/v1/files/{file_id}")
