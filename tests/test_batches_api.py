@@ -21,6 +21,7 @@ from test_engine_utils import (
     children_paused,
     launch_test_server,
     stop_test_server,
+    wait_for_idle_accounting,
     wait_until,
 )
 
@@ -62,6 +63,13 @@ def server(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def assert_idle_accounting(server) -> None:
+    """Nothing runs or waits, every KV slot is free, evictable or protected, and the scheduler's
+    idle self-check (which also checks the req_to_token rows) has logged no broken accounting."""
+    wait_for_idle_accounting(lambda: httpx.get(server.base_url + "/get_server_info", timeout=60).json())
+    assert "token accounting broken" not in server.log.read_text()
 
 
 def wait_batch(client, batch_id: str, until=("completed", "failed", "cancelled"), timeout: float = 120):
@@ -112,7 +120,7 @@ def test_chat_batch_in_openai_line_format(client):
 LINE_BREAKS = "\u2028\u2029\u0085"  # what str.splitlines() ends a line at and JSON may hold raw
 
 
-def test_lines_end_at_newline_only(client):
+def test_lines_end_at_newline_only(server, client):
     """A line written with ensure_ascii=False keeps U+2028 / U+2029 / U+0085 raw: still one line,
     as OpenAI and vLLM read it; a CRLF file reads as LF; line numbers count newlines."""
     good = [
@@ -132,9 +140,10 @@ def test_lines_end_at_newline_only(client):
     assert sorted(line["custom_id"] for line in out) == sorted(x["custom_id"] for x in good)
     (error,) = lines_of(client, batch.error_file_id)
     assert error["error"]["message"].startswith("line 4: invalid JSON")
+    assert_idle_accounting(server)
 
 
-def test_a_line_that_is_not_utf8_is_an_error_line(client):
+def test_a_line_that_is_not_utf8_is_an_error_line(server, client):
     good = json.dumps(chat_line("good")).encode()
     latin1 = json.dumps(
         chat_line("latin-1", messages=[{"role": "user", "content": "caf\u00e9"}]), ensure_ascii=False
@@ -151,6 +160,7 @@ def test_a_line_that_is_not_utf8_is_an_error_line(client):
         error["custom_id"] is None
         and error["error"]["message"] == f"line 2: not valid UTF-8 (byte {at + 1}: b'\\xe9')"
     )
+    assert_idle_accounting(server)
 
 
 def test_completions_batch(client):
@@ -176,6 +186,7 @@ def test_cancel(server, client):
         assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
         batch = wait_batch(client, batch.id)
     assert batch.status == "cancelled" and batch.cancelled_at and batch.request_counts.completed == 0
+    assert_idle_accounting(server)
 
 
 def test_batch_max_running_holds_for_all_batches_together(server, client):
@@ -203,6 +214,7 @@ def test_batch_max_running_holds_for_all_batches_together(server, client):
             in_engine += ("Receive: " in line) - ("Finish: " in line)
             most = max(most, in_engine)
     assert most == 4 and in_engine == 0
+    assert_idle_accounting(server)
 
 
 LIMITS = [
@@ -352,6 +364,7 @@ def test_restart_resumes_without_redoing_finished_lines(model, tmp_path):
         )
         assert out[:4] == before  # the finished lines were not answered again
         assert json.loads(out[4])["response"]["body"]["usage"]["completion_tokens"] == 3000
+        assert_idle_accounting(second)
     finally:
         stop_test_server(second)
 
@@ -402,6 +415,7 @@ def test_a_run_that_fails_ends_the_batch_failed_and_a_cancel_ends_it(model, tmp_
         ] == ["a0"]
         assert client.files.delete(broken.id).deleted
         assert f"batch {b.id} failed" in (tmp_path / "second.log").read_text()
+        assert_idle_accounting(second)
     finally:
         stop_test_server(second)
 

@@ -230,3 +230,4 @@ def test_jsonl_lines_duplicates_and_bytes_that_are_not_utf8(tmp_path):
                            env=subprocess_env())  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert "--resume: 2 results already in" in again.stderr and json.loads(again.stdout)["run_now"] == 0
+    assert "token accounting broken" not in proc.stderr  # the engine's idle self-check

@@ -229,6 +229,8 @@ class BatchRunner:
             await asyncio.wait(workers)
 
     async def _answer(self, batch: dict, line: Line, logs: dict[str, ResultLog]) -> None:
+        """Run one line: its answer (or the refusal, or an internal error) appended to the output
+        or error log. The one place a line runs; an engine that went down stops the batch."""
         rid = req_id()
         try:
             body = await answer_body(self.tm, batch["endpoint"], line.body, interactive=False)
