@@ -13,7 +13,10 @@ Each input line is a JSON object in one of two formats:
   (`id`, `custom_id`, `response` with `status_code`, `request_id` and `body`, `error`).
 Every result also carries `line` (its input line number).
 
-A malformed line is reported with its line number and skipped; the rest of the file still runs.
+The input is JSON Lines as OpenAI and vLLM read it: a line ends at `\\n` only (not at the U+2028,
+U+2029 or U+0085 a JSON string may hold raw). A malformed line (not UTF-8, not JSON, a
+`custom_id` or `id` an earlier line has) is reported with its line number and skipped; the rest
+of the file still runs.
 A request the engine refuses gets a result with `error` (OpenAI format: a `response` with its
 status code and error body). All requests go to the engine at once, so that the scheduler sees
 the whole batch (and shares common prefixes). Each result is appended to the output and flushed
@@ -39,6 +42,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from radixengine.server_args import ServerArgs
+from radixengine.utils.jsonl import decode_line, numbered_lines
 
 SAMPLE_INPUT = Path(__file__).with_name("prompts.jsonl")
 PROMPT_KEYS = ("text", "prompt", "messages", "input_ids")
@@ -116,15 +120,23 @@ def parse_openai_line(obj: dict, line: int, defaults: dict) -> Item:
 
 
 def read_items(path: str, defaults: dict) -> tuple[list[Item], list[tuple[int, str]]]:
-    items, bad = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
+    """The input's lines (JSON Lines: a line ends at \\n only) and the malformed ones, a line whose
+    key (`custom_id`, else `id`) an earlier line has among them, as /v1/batches refuses it: its
+    result could not be told from the first one's (nor skipped alone by --resume)."""
+    items, bad, seen = [], [], set()
+    with open(path, "rb") as f:
+        for n, raw in numbered_lines(f):
             try:
-                items.append(parse_line(raw, n, defaults))
+                item = parse_line(decode_line(raw), n, defaults)
             except ValueError as e:
                 bad.append((n, str(e)))
+                continue
+            if item.key in seen:
+                name = repr(item.custom_id) if item.custom_id is not None else item.key[1]
+                bad.append((n, f"{item.key[0]} {name} is not unique in the file"))
+                continue
+            seen.add(item.key)
+            items.append(item)
     return items, bad
 
 
@@ -197,7 +209,7 @@ def read_done(path: str) -> set[tuple]:
     if len(whole) != len(data):
         with open(path, "r+b") as f:
             f.truncate(len(whole))
-    return {record_key(json.loads(line)) for line in whole.decode("utf-8").splitlines()}
+    return {record_key(json.loads(line)) for _, line in numbered_lines(whole.split(b"\n"))}
 
 
 def sort_output(path: str) -> list[dict]:

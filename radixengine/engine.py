@@ -276,7 +276,7 @@ class Engine:
         streamed) as the HTTP route gives it; a refused one raises `RequestError`."""
         from radixengine.entrypoints.openai_routes import answer_body
 
-        coro = answer_body(self.tokenizer_manager, url, body, None)
+        coro = answer_body(self.tokenizer_manager, url, body)
         return await asyncio.wrap_future(self._runtime.submit(coro))
 
     def chat(

@@ -123,8 +123,8 @@ SERVER_ARGS_HELP = {
         "its unfinished batches from it. Default: ~/.cache/radixengine/batches."
     ),
     "batch_max_running": (
-        "How many lines of /v1/batches are in the engine at once (at the lowest priority); the rest wait "
-        "in the batch. Default: 16."
+        "How many lines of /v1/batches, of all batches together, are in the engine at once (each yields to "
+        "interactive requests); the rest wait in their batch. Default: 16."
     ),
     "max_batch_file_bytes": "Largest /v1/files upload, in bytes (default 200 MiB, as OpenAI).",
     "max_batch_lines": "Most request lines in one batch input file (default 50000, as OpenAI).",

@@ -162,7 +162,14 @@ def make_scheduler(
 # Requests ----------------------------------------------------------------------------------------
 
 
-def gen_req(rid: str, ids: list[int], max_new_tokens: int = 16, priority: int | None = None, **params):
+def gen_req(
+    rid: str,
+    ids: list[int],
+    max_new_tokens: int = 16,
+    priority: int | None = None,
+    interactive: bool = True,
+    **params,
+):
     params.setdefault("temperature", 0.0)
     return TokenizedGenerateReqInput(
         rid=rid,
@@ -170,6 +177,7 @@ def gen_req(rid: str, ids: list[int], max_new_tokens: int = 16, priority: int | 
         input_ids=list(ids),
         sampling_params=SamplingParams(max_new_tokens=max_new_tokens, **params),
         priority=priority,
+        interactive=interactive,
     )
 
 

@@ -192,3 +192,42 @@ def test_openai_format_and_resume_after_a_kill(tmp_path):
     ]
     kept = {json.loads(line)["line"]: line for line in partial}
     assert all(line in out.read_text().splitlines() for line in kept.values())  # not run again
+
+
+def test_jsonl_lines_duplicates_and_bytes_that_are_not_utf8(tmp_path):
+    """Lines end at \\n only: a line holding U+2028 / U+2029 / U+0085 raw is one line, and its
+    result (which holds them raw too) is read back by --resume. A custom_id or id an earlier line
+    has, and a line that is not UTF-8, are malformed lines named by number, not run."""
+    model = build_tiny_model(str(tmp_path / "model"))
+    breaks = "\u2028\u2029\u0085"
+    lines = [
+        {"custom_id": f"c{breaks}", "url": "/v1/completions", "body": {"prompt": f"a{breaks}b", "max_tokens": 2}},
+        {"id": f"own{breaks}", "text": f"x{breaks}y", "sampling_params": {"max_new_tokens": 2}},
+        {"custom_id": f"c{breaks}", "url": "/v1/completions", "body": {"prompt": "again", "max_tokens": 2}},
+        {"id": f"own{breaks}", "text": "again", "sampling_params": {"max_new_tokens": 2}},
+    ]  # fmt: skip
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    data = b"".join(json.dumps(x, ensure_ascii=False).encode() + b"\r\n" for x in lines)
+    src.write_bytes(data + b'{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    proc = subprocess.run(batch_cmd(model, src, dst), capture_output=True, text=True, timeout=300,
+                          env=subprocess_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        f"{src}:3: skipped malformed line: custom_id {'c' + breaks!r} is not unique in the file"
+        in proc.stderr
+    )
+    assert f'{src}:4: skipped malformed line: id "own' in proc.stderr
+    assert f"{src}:5: skipped malformed line: not valid UTF-8 (byte 14: b'\\xe9')" in proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["requests"] == 2 and summary["failed"] == 0 and summary["malformed_lines"] == 3
+    results = [json.loads(line) for line in dst.read_bytes().split(b"\n") if line]
+    assert [(r["line"], r.get("custom_id", r.get("id"))) for r in results] == [
+        (1, f"c{breaks}"),
+        (2, f"own{breaks}"),
+    ]
+    assert breaks.encode() in dst.read_bytes()  # written raw (ensure_ascii=False)
+    again = subprocess.run(batch_cmd(model, src, dst, "--resume"), capture_output=True, text=True, timeout=300,
+                           env=subprocess_env())  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "--resume: 2 results already in" in again.stderr and json.loads(again.stdout)["run_now"] == 0
+    assert "token accounting broken" not in proc.stderr  # the engine's idle self-check

@@ -1,7 +1,8 @@
 """Running /v1/batches: each batch's input lines (OpenAI's batch format: `custom_id`, `method`,
 `url`, `body`) answered through the chat / completions logic, at most `--batch-max-running`
-lines in the engine at once, each at the lowest priority; every answer appended to the batch's
-result log as it comes. At the end the logs become the output file (status 200) and the error
+lines of all batches together in the engine at once, each a batch line that yields to
+interactive requests (managers/req.py); every answer appended to the batch's result log as it
+comes. At the end the logs become the output file (status 200) and the error
 file (refusals, and malformed lines found before the run). A restarted server resumes every
 unfinished batch and skips the custom_ids its logs already hold: each line is answered once."""
 
@@ -19,8 +20,8 @@ from radixengine.entrypoints.batch_store import TERMINAL, BatchStore, ResultLog,
 from radixengine.entrypoints.file_store import FileStore
 from radixengine.entrypoints.openai_routes import answer_body
 from radixengine.managers.request_errors import EngineDeadError, RequestError
-from radixengine.managers.schedule_policy import lowest_priority_value
 from radixengine.managers.tokenizer_manager import TokenizerManager
+from radixengine.utils.jsonl import decode_line, numbered_lines
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +42,22 @@ class Line:
 
 
 def parse_lines(data: bytes, endpoint: str) -> list[Line]:
-    """The input file's non-empty lines; a malformed one (not a JSON object, no custom_id,
+    """The input file's non-empty lines; a malformed one (not UTF-8, not a JSON object, no custom_id,
     another method or url, no body object, a custom_id seen before) carries its reason."""
     lines: list[Line] = []
     seen: set[str] = set()
-    for n, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
-        if raw.strip():
-            lines.append(_parse_line(n, raw, endpoint, seen))
+    for n, raw in numbered_lines(data.split(b"\n")):
+        lines.append(_parse_line(n, raw, endpoint, seen))
     return lines
 
 
-def _parse_line(n: int, raw: str, endpoint: str, seen: set[str]) -> Line:
+def _parse_line(n: int, raw: bytes, endpoint: str, seen: set[str]) -> Line:
     try:
-        obj = json.loads(raw)
+        text = decode_line(raw)
+    except ValueError as e:
+        return Line(n, None, error=f"line {n}: {e}")
+    try:
+        obj = json.loads(text)
     except ValueError as e:
         return Line(n, None, error=f"line {n}: invalid JSON: {e}")
     if not isinstance(obj, dict):
@@ -78,7 +82,7 @@ def _parse_line(n: int, raw: str, endpoint: str, seen: set[str]) -> Line:
 
 def count_lines(path: Path) -> int:
     with open(path, "rb") as f:
-        return sum(1 for raw in f if raw.strip())
+        return sum(1 for _ in numbered_lines(f))
 
 
 class BatchRunner:
@@ -88,7 +92,7 @@ class BatchRunner:
         self.batches = batches
         self.max_lines = server_args.max_batch_lines
         self.max_running = server_args.batch_max_running
-        self.priority = lowest_priority_value(server_args.schedule_low_priority_values_first)
+        self.slots = asyncio.Semaphore(self.max_running)  # lines of all batches in the engine at once
         self.tasks: dict[str, asyncio.Task] = {}
         self.live: dict[str, dict] = {}  # the Batch objects of the running batches
         self.stopping = False
@@ -155,7 +159,7 @@ class BatchRunner:
         batch.update(status="cancelling", cancelling_at=int(time.time()))
         self.batches.save(batch)
         task = self.tasks.get(batch_id)
-        if batch_id in self.live:
+        if batch_id in self.live:  # a run holds it (a run leaves `live` whatever way it ends)
             task.cancel()  # its lines in the engine are aborted; the run finishes it as cancelled
         elif task is None or task.done():
             self._start(batch_id)  # (a run not started yet reads the cancel from disk)
@@ -164,24 +168,40 @@ class BatchRunner:
     # A run ------------------------------------------------------------------------------------
 
     async def _run(self, batch_id: str) -> None:
-        batch = self.live[batch_id] = self.batches.get(batch_id)
-        logs = {
-            kind: ResultLog(self.batches.log_path(batch_id, kind)) for kind in ("output", "error", "invalid")
-        }
+        """One run of a batch, to its end: a terminal status, or (the server stopping, the engine
+        down) left unfinished for a restart to resume. Whatever else fails ends it `failed`."""
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            logger.error("batch %s: its Batch object cannot be read; it does not run", batch_id)
+            self.tasks.pop(batch_id, None)
+            return
+        self.live[batch_id] = batch
+        logs: dict[str, ResultLog] = {}
         try:
-            if batch["status"] in ("validating", "in_progress"):
-                await self._answer_all(batch, logs)
-            self._finish(batch, logs, "cancelled" if batch["status"] == "cancelling" else "completed")
-        except asyncio.CancelledError:
-            if not self.stopping and batch["status"] == "cancelling":
-                self._finish(batch, logs, "cancelled")
+            self._finish(batch, await self._run_lines(batch, logs))
         except EngineDeadError:
             logger.warning("batch %s stopped: the engine is down; a restart resumes it", batch_id)
+        except Exception as e:
+            logger.exception("batch %s failed", batch_id)
+            self._fail(batch, f"the batch's run failed: {_reason(e)}")
         finally:
             for log in logs.values():
                 log.close()
             self.tasks.pop(batch_id, None)
             self.live.pop(batch_id, None)
+
+    async def _run_lines(self, batch: dict, logs: dict[str, ResultLog]) -> str:
+        """Open the result logs (into `logs`) and answer the lines not in them yet; returns the
+        status the batch ends with. A cancel (not the server's stop) ends it `cancelled`."""
+        try:
+            for kind in ("output", "error", "invalid"):
+                logs[kind] = ResultLog(self.batches.log_path(batch["id"], kind))
+            if batch["status"] in ("validating", "in_progress"):
+                await self._answer_all(batch, logs)
+        except asyncio.CancelledError:
+            if self.stopping or batch["status"] != "cancelling":
+                raise
+        return "cancelled" if batch["status"] == "cancelling" else "completed"
 
     async def _answer_all(self, batch: dict, logs: dict[str, ResultLog]) -> None:
         lines = parse_lines(self.files.data_path(batch["input_file_id"]).read_bytes(), batch["endpoint"])
@@ -197,7 +217,8 @@ class BatchRunner:
 
         async def worker() -> None:
             for line in pending:
-                await self._answer(batch, line, logs)
+                async with self.slots:
+                    await self._answer(batch, line, logs)
 
         workers = [asyncio.ensure_future(worker()) for _ in range(self.max_running)]
         try:
@@ -208,9 +229,11 @@ class BatchRunner:
             await asyncio.wait(workers)
 
     async def _answer(self, batch: dict, line: Line, logs: dict[str, ResultLog]) -> None:
+        """Run one line: its answer (or the refusal, or an internal error) appended to the output
+        or error log. The one place a line runs; an engine that went down stops the batch."""
         rid = req_id()
         try:
-            body = await answer_body(self.tm, batch["endpoint"], line.body, self.priority)
+            body = await answer_body(self.tm, batch["endpoint"], line.body, interactive=False)
             logs["output"].append(_response_line(line, rid, 200, body))
         except RequestError as e:
             error = {
@@ -231,18 +254,17 @@ class BatchRunner:
         batch["request_counts"].update(completed=logs["output"].count, failed=failed)
         self.batches.save(batch)
 
-    def _finish(self, batch: dict, logs: dict[str, ResultLog], status: str) -> None:
+    def _finish(self, batch: dict, status: str) -> None:
         """The logs become the output file and the error file (malformed lines first); the batch
         ends `status`. Each step can be done again: a kill in between finishes on restart."""
-        for log in logs.values():
-            log.close()
         if batch["status"] != "finalizing":
             ids = {"output": self.files.new_id(), "error": self.files.new_id()}
             batch.update(status="finalizing", finalizing_at=int(time.time()), _final=status, _file_ids=ids)
             self.batches.save(batch)
+        paths = {kind: self.batches.log_path(batch["id"], kind) for kind in ("output", "error", "invalid")}
         sources = {"output": ["output"], "error": ["invalid", "error"]}
         for kind, names in sources.items():
-            data = b"".join(logs[n].path.read_bytes() for n in names if logs[n].path.exists())
+            data = b"".join(paths[n].read_bytes() for n in names if paths[n].exists())
             if data:
                 file_id = batch["_file_ids"][kind]
                 self.files.write(file_id, data, f"{batch['id']}_{kind}.jsonl", f"batch_{kind}")
@@ -251,9 +273,32 @@ class BatchRunner:
         batch.pop("_file_ids")
         batch.update(status=final, **{f"{final}_at": int(time.time())})
         self.batches.save(batch)
-        for log in logs.values():
-            log.path.unlink(missing_ok=True)
+        for path in paths.values():
+            path.unlink(missing_ok=True)
         logger.info("batch %s %s: %s", batch["id"], final, batch["request_counts"])
+
+    def _fail(self, batch: dict, message: str) -> None:
+        """The batch ends `failed`, `message` in its `errors`, the results so far in its files
+        (without them when even that fails)."""
+        error = {"code": "batch_failed", "message": message, "param": None, "line": None}
+        batch["errors"] = {"object": "list", "data": [error]}
+        if batch["status"] == "finalizing":
+            batch["_final"] = "failed"
+        try:
+            self._finish(batch, "failed")
+        except Exception:
+            logger.exception("batch %s: its results cannot be written to files", batch["id"])
+            for key in ("_final", "_file_ids"):
+                batch.pop(key, None)
+            batch.update(status="failed", failed_at=int(time.time()))
+            self.batches.save(batch)
+
+
+def _reason(e: Exception) -> str:
+    """What failed, naming a file of the batch folder by its name only."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{type(e).__name__}: {e.strerror}: {Path(e.filename).name}"
+    return f"{type(e).__name__}: {e}"
 
 
 def _response_line(line: Line, rid: str, status_code: int, body: dict) -> dict:

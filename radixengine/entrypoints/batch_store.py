@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from radixengine.entrypoints.file_store import write_json_atomic
+from radixengine.utils.jsonl import numbered_lines
 from radixengine.utils.unicode_check import dumps_json_text
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -81,8 +82,13 @@ class ResultLog:
         if len(whole) != len(data):
             with open(self.path, "r+b") as f:
                 f.truncate(len(whole))
-        for line in whole.decode("utf-8").splitlines():
-            self.custom_ids.add(json.loads(line)["custom_id"])
+        for n, line in numbered_lines(whole.split(b"\n")):
+            try:
+                self.custom_ids.add(json.loads(line)["custom_id"])
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(
+                    f"{self.path.name} line {n} is not a result line ({type(e).__name__}: {e})"
+                ) from None
             self.count += 1
 
     def append(self, record: dict) -> None:

@@ -4,8 +4,12 @@ the batch folder (`--batch-dir`), so they survive a restart."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from radixengine.entrypoints.batch_runner import BatchRunner, count_lines
 from radixengine.entrypoints.batch_store import TERMINAL
@@ -15,6 +19,7 @@ from radixengine.managers.request_errors import RequestError
 router = APIRouter()
 PURPOSES = ("batch",)
 CHUNK = 1 << 20
+MAX_LIST = 10000  # OpenAI's most files in one page of GET /v1/files (and its default)
 
 
 def runner_of(request: Request) -> BatchRunner:
@@ -29,9 +34,47 @@ def runner_of(request: Request) -> BatchRunner:
 async def upload_file(request: Request) -> Response:
     runner = runner_of(request)
     limit = runner.tm.server_args.max_batch_file_bytes
-    if int(request.headers.get("content-length") or 0) > limit + CHUNK:  # the form's own bytes aside
+    body_limit = limit + CHUNK  # the form's own bytes aside
+    if int(request.headers.get("content-length") or 0) > body_limit:
         return _too_large(limit)
-    form = await request.form()
+    try:
+        form = await read_form(request, body_limit)
+    except BodyTooLarge:
+        return _too_large(limit)
+    try:
+        return await _store_upload(runner, form, limit)
+    finally:
+        await form.close()
+
+
+class BodyTooLarge(MultiPartException):
+    """(A MultiPartException: the parser then closes the files it opened.)"""
+
+
+async def read_form(request: Request, max_bytes: int) -> FormData:
+    """The multipart form of the request, reading no more than `max_bytes` of its body (a chunked
+    upload has no Content-Length to refuse it by): BodyTooLarge past that. Another content type
+    is an empty form."""
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        return FormData()
+
+    async def bounded() -> AsyncIterator[bytes]:
+        received = 0
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > max_bytes:
+                raise BodyTooLarge(f"more than {max_bytes} bytes")
+            yield chunk
+
+    try:
+        return await MultiPartParser(request.headers, bounded()).parse()
+    except BodyTooLarge:
+        raise
+    except MultiPartException as e:
+        raise RequestError(f"the body is not a valid multipart form: {e.message}", param="file") from None
+
+
+async def _store_upload(runner: BatchRunner, form: FormData, limit: int) -> Response:
     upload, purpose = form.get("file"), form.get("purpose")
     if purpose not in PURPOSES:
         raise RequestError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}", param="purpose")
@@ -59,16 +102,33 @@ async def upload_file(request: Request) -> Response:
 
 
 def _too_large(limit: int) -> Response:
+    """OpenAI answers a batch file over its size limit with a 400 (`File is too large.`)."""
     return error_response(
-        f"The file is larger than {limit} bytes (--max-batch-file-bytes)", 413, param="file"
+        f"File is too large: more than {limit} bytes (--max-batch-file-bytes)", 400, param="file"
     )
 
 
 @router.get("/v1/files")
-async def list_files(request: Request, purpose: str | None = None) -> dict:
-    data = runner_of(request).files.list(purpose)
-    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-    return {"object": "list", "data": data, "has_more": False, "first_id": first, "last_id": last}
+async def list_files(
+    request: Request, purpose: str | None = None, limit: str = str(MAX_LIST), after: str | None = None,
+    order: str = "desc",
+) -> dict:  # fmt: skip
+    """OpenAI's cursor page: by `created_at` (`order` desc or asc), from the file after `after`,
+    at most `limit` (1..10000, default 10000)."""
+    if not (limit.isdigit() and 1 <= int(limit) <= MAX_LIST):
+        raise RequestError(f"limit must be an integer from 1 to {MAX_LIST}, got {limit!r}", param="limit")
+    if order not in ("asc", "desc"):
+        raise RequestError(f"order must be asc or desc, got {order!r}", param="order")
+    files = runner_of(request).files.list(purpose)  # newest first
+    if order == "asc":
+        files.reverse()
+    if after is not None:
+        ids = [f["id"] for f in files]
+        files = files[ids.index(after) + 1 :] if after in ids else []
+    page = files[: int(limit)]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    return {"object": "list", "data": page, "has_more": len(files) > len(page), "first_id": first,
+            "last_id": last}  # fmt: skip
 
 
 @router.get("/v1/files/{file_id}")

@@ -72,9 +72,9 @@ def _fill_defaults(tm: TokenizerManager, req: CompletionRequest | ChatCompletion
         req.seed = req.sampling_seed
 
 
-async def answer_body(tm: TokenizerManager, url: str, body: dict, priority: int | None) -> dict:
-    """The JSON answer of one non-streaming chat or completions body (a batch line), its
-    requests at `priority`; a refusal raises RequestError as the route would answer it."""
+async def answer_body(tm: TokenizerManager, url: str, body: dict, interactive: bool = True) -> dict:
+    """The JSON answer of one non-streaming chat or completions body (with `interactive` False, a
+    batch line: see managers/req.py); a refusal raises RequestError as the route would answer it."""
     if url == "/v1/chat/completions":
         req = parse_model(ChatCompletionRequest, body)
         max_tokens = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -92,7 +92,7 @@ async def answer_body(tm: TokenizerManager, url: str, body: dict, priority: int 
         else:
             objs, prompts = oai.completion_requests(tm, req)
         for obj in objs:
-            obj.priority = priority
+            obj.interactive = interactive
         outs = await collect_all(tm, objs)
     if isinstance(req, ChatCompletionRequest):
         return oai.chat_response(tm, req, outs)

@@ -42,6 +42,9 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     priority: int | list[int] | None = None
     routing_key: str | list[str] | None = None  # the tenant, for --schedule-policy dlpm (SGLang's field)
+    # False: a line of /v1/batches, which yields to interactive requests (see managers/req.py).
+    # Not a field of any HTTP body.
+    interactive: bool = True
     chat_template_kwargs: dict | None = None
     continue_final_message: bool = False
     tools: list[dict] | None = None  # OpenAI tool definitions, for the chat template
@@ -202,6 +205,7 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1
     priority: int | None = None
     routing_key: str | None = None
+    interactive: bool = True
     # A request the front end already knows is bad: the scheduler finishes it at once with this
     # error instead of running it (keeps one path for every finish).
     error: str | None = None

@@ -47,7 +47,11 @@ class TimeStats:
 
 
 class Req:
-    """One generation request and its progress. Identity semantics (hashable by object)."""
+    """One generation request and its progress. Identity semantics (hashable by object).
+
+    A batch line (`interactive` False: a line of /v1/batches) yields to interactive requests,
+    whatever the policy and priorities: ordered after them (schedule_policy.py), admitted only
+    when none waits (prefill_admission.py), retracted before them (retraction_policy.py)."""
 
     def __init__(
         self,
@@ -61,6 +65,7 @@ class Req:
         priority: int | None = None,
         logprob_start_len: int = -1,
         routing_key: str | None = None,
+        interactive: bool = True,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -74,6 +79,7 @@ class Req:
         self.stream = stream
         self.priority = priority
         self.routing_key = routing_key  # the tenant (fair scheduling, managers/fair_policy.py)
+        self.interactive = interactive  # False: a batch line (see the class's docstring)
         self.start_wait()
 
         self.output_ids: list[int] = []

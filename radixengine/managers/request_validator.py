@@ -64,6 +64,7 @@ class RequestValidator:
             logprob_start_len=obj.logprob_start_len if obj.return_logprob else -1,
             priority=obj.priority,
             routing_key=obj.routing_key,
+            interactive=obj.interactive,
         )
 
     def make_sampling_params(self, params: dict | SamplingParams | None, prompt_len: int) -> SamplingParams:

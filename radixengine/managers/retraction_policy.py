@@ -20,18 +20,20 @@ if TYPE_CHECKING:
 def retraction_order(
     reqs: list[Req], policy: str = "length", low_priority_values_first: bool = False
 ) -> list[int]:
-    """Indices into `reqs`, the one to keep longest first: retraction pops from the end."""
+    """Indices into `reqs`, the one to keep longest first: retraction pops from the end. Batch
+    lines (not `interactive`) go before any interactive request, whatever the policy."""
 
-    def length_key(req: Req) -> tuple[int, int]:
-        return (len(req.output_ids), -len(req.origin_input_ids))
+    def length_key(req: Req) -> tuple[int, int, int]:
+        return (req.interactive, len(req.output_ids), -len(req.origin_input_ids))
 
     if policy == "priority":
         sign = priority_sign(low_priority_values_first)  # priority * sign ascending: the most important first
         unset = lowest_priority_value(low_priority_values_first)
 
-        def key(req: Req) -> tuple[int, int, int]:
+        def key(req: Req) -> tuple[int, int, int, int]:
             priority = unset if req.priority is None else req.priority
-            return (-priority * sign, *length_key(req))
+            interactive, *length = length_key(req)
+            return (interactive, -priority * sign, *length)
 
     else:
         key = length_key

@@ -1,5 +1,5 @@
-"""SchedulePolicy: the order of the waiting queue (SGLang's policies and priorities), and the
-in-batch prefix trie. Which requests then fit is PrefillAdder's (prefill_adder.py)."""
+"""SchedulePolicy: the order of the waiting queue (SGLang's policies and priorities, then every
+batch line after every interactive request), and the in-batch prefix trie. Which requests then fit is PrefillAdder's (prefill_adder.py)."""
 
 from __future__ import annotations
 
@@ -200,6 +200,8 @@ class SchedulePolicy:
             self.rng.shuffle(waiting_queue)
         if self.enable_priority_scheduling:
             self._sort_by_priority(waiting_queue, by_arrival=policy == CacheAgnosticPolicy.FCFS)
+        if not all(r.interactive for r in waiting_queue):
+            waiting_queue.sort(key=lambda r: not r.interactive)  # stable: batch lines last
 
     def _sort_by_priority(self, waiting_queue: list[Req], by_arrival: bool) -> None:
         """Stable: within a priority, the policy's order (FCFS: arrival)."""

@@ -222,6 +222,8 @@ class PrefillAdmission:
         chunked_in_batch = bool(adder.can_run_list)
         full = self.batch_is_full(running)
         for req in self.waiting_queue:
+            if not req.interactive and self._interactive_waiting(adder):
+                break  # batch lines come last in the queue: none runs while an interactive one waits
             if req not in matched:
                 req.init_next_round_input(self.pools.tree_cache)
             if trie is not None and self._prefix_being_computed(req, trie):
@@ -242,6 +244,12 @@ class PrefillAdmission:
             if res != AddReqResult.CONTINUE:
                 return full or res == AddReqResult.NO_TOKEN
         return full
+
+    def _interactive_waiting(self, adder: PrefillAdder) -> bool:
+        """Whether an interactive request is waiting and not admitted this round (checked at batch
+        lines only, of which the runner keeps at most --batch-max-running in the engine)."""
+        admitted = {id(r) for r in adder.can_run_list}
+        return any(r.interactive and id(r) not in admitted for r in self.waiting_queue)
 
     def _add_one_req(self, adder: PrefillAdder, req: Req, matched: set[Req]) -> AddReqResult:
         res = adder.add_one_req(req)

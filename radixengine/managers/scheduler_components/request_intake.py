@@ -85,6 +85,7 @@ def req_from_input(recv: TokenizedGenerateReqInput) -> Req:
         priority=recv.priority,
         logprob_start_len=recv.logprob_start_len if recv.return_logprob else -1,
         routing_key=recv.routing_key,
+        interactive=recv.interactive,
     )
 
 
@@ -160,10 +161,10 @@ class RequestIntake:
         self._add_request_to_queue(req)
 
     def _init_request(self, req: Req) -> str | None:
-        """The request's scheduler-side state (stop-string window, default priority), or why it
-        cannot run."""
+        """The request's scheduler-side state (stop-string window, default priority; a batch line
+        the lowest whatever it asked, so that it never preempts), or why it cannot run."""
         req.init_stop_str_window(self.tokenizer)
-        if self.config.enable_priority_scheduling and req.priority is None:
+        if self.config.enable_priority_scheduling and (req.priority is None or not req.interactive):
             req.priority = lowest_priority_value(self.config.schedule_low_priority_values_first)
         return validate_request(req, self.limits)
 
