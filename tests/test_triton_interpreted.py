@@ -13,7 +13,11 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-INTERPRETED = ["tests/test_triton_extend_attention.py"]
+INTERPRETED = [
+    "tests/test_triton_extend_attention.py",
+    "tests/test_triton_rope_kv.py",
+    "tests/test_triton_decode_launches.py",
+]
 
 
 @pytest.mark.skipif(
