@@ -135,9 +135,12 @@ def extend_attention(
     if num_tokens == 0 or bs == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    wide = q.is_cuda and head_dim <= 128
-    block_m = block_m or (64 if wide else 16)
-    block_n = block_n or (64 if wide else 16)
+    # 64 x 64 tiles where a head row is at most 256 bytes (bf16 up to 128 dims, fp32 up to 64):
+    # q, K and V tiles then fit in shared memory with the loop's pipelining; 32 above; 16 in
+    # the interpreter (a CPU), where smaller tiles run faster.
+    tile = 16 if not q.is_cuda else 64 if block_d * q.element_size() <= 256 else 32
+    block_m = block_m or tile
+    block_n = block_n or tile
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_attention[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts,
