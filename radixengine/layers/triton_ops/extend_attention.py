@@ -135,10 +135,7 @@ def extend_attention(
     if num_tokens == 0 or bs == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    # 64 x 64 tiles where a head row is at most 256 bytes (bf16 up to 128 dims, fp32 up to 64):
-    # q, K and V tiles then fit in shared memory with the loop's pipelining; 32 above; 16 in
-    # the interpreter (a CPU), where smaller tiles run faster.
-    tile = 16 if not q.is_cuda else 64 if block_d * q.element_size() <= 256 else 32
+    tile = _tile(q, block_d)
     block_m = block_m or tile
     block_n = block_n or tile
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
@@ -151,3 +148,12 @@ def extend_attention(
         BLOCK_M=block_m, BLOCK_N=block_n, F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
     )  # fmt: skip
     return out
+
+
+def _tile(q: torch.Tensor, block_d: int) -> int:
+    """64 x 64 tiles where a head row is at most 256 bytes (bf16 up to 128 dims, fp32 up to 64):
+    q, K and V tiles then fit in shared memory with the loop's pipelining; 32 above; 16 in the
+    interpreter (a CPU), where smaller tiles run faster."""
+    if not q.is_cuda:
+        return 16
+    return 64 if block_d * q.element_size() <= 256 else 32
