@@ -104,3 +104,49 @@ def test_decode_step_kernels_per_layer(tmp_path, monkeypatch):
     # 11 today (18 with the torch rotary and K/V write); the target is 8: rotary fused with the
     # K/V write, and one decode stage where the batch alone fills the GPU.
     assert total == 11
+
+
+def test_decode_splits_come_from_the_batch_size():
+    from radixengine.layers.triton_ops.decode_attention import decode_num_splits
+
+    assert decode_num_splits(1, 3, 132) == 16  # a small batch: the most splits
+    assert decode_num_splits(8, 3, 132) == 16
+    assert decode_num_splits(64, 3, 132) == 2
+    assert decode_num_splits(88, 3, 132) == 1  # 264 programs: two per SM without splitting
+    assert decode_num_splits(512, 8, 132) == 1
+    assert decode_num_splits(1, 1, 132, max_splits=4) == 4
+
+
+@pytest.mark.parametrize("window_left,logit_cap", [(-1, 0.0), (5, 3.0)])
+def test_one_split_writes_the_output_in_stage_one(window_left, logit_cap, monkeypatch):
+    """With one split stage 1 writes the output itself (stage 2 is not launched), equal to the
+    split kernel's and the reference's."""
+    from radixengine.layers.attention.native_cpu_ops import decode_attention_reference
+    from radixengine.layers.triton_ops import decode_attention as module
+
+    torch.manual_seed(3)
+    lens = [1, 7, 40]
+    k_buf, v_buf = torch.randn(60, 2, 32), torch.randn(60, 2, 32)
+    req_to_token = torch.zeros(3, 44, dtype=torch.int32)
+    slots = torch.randperm(59) + 1
+    start = 0
+    for row, n in enumerate(lens):
+        req_to_token[row, :n] = slots[start : start + n].int()
+        start += n
+    args = (torch.randn(3, 6, 32), k_buf, v_buf, req_to_token, torch.arange(3), torch.tensor(lens), 0.2)
+    launched = []
+    stage2 = module._decode_stage2
+
+    class Counting:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return stage2[grid]
+
+    monkeypatch.setattr(module, "_decode_stage2", Counting())
+    one = module.decode_attention(*args, num_splits=1, window_left=window_left, logit_cap=logit_cap)
+    assert not launched
+    split = module.decode_attention(*args, num_splits=4, window_left=window_left, logit_cap=logit_cap)
+    assert len(launched) == 1
+    ref = decode_attention_reference(*args, window_left=window_left, logit_cap=logit_cap)
+    torch.testing.assert_close(one, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(split, ref, atol=1e-4, rtol=1e-4)

@@ -42,16 +42,21 @@ class ExtendMetadata:
 
 class TritonAttnBackend(TorchNativeAttnBackend):
     supports_cuda_graph = True
-    # Splits of each request's KV in decode; fixed so the grid depends on the batch size alone.
+    # The most splits of each request's KV in decode; the count depends on the batch size alone
+    # (`decode_num_splits`), so a graph captured for a batch size keeps it.
     num_kv_splits = 16
 
     def __init__(self, model_runner=None) -> None:
         super().__init__(model_runner)
-        from radixengine.layers.triton_ops.decode_attention import decode_attention
+        from radixengine.layers.triton_ops.decode_attention import decode_attention, decode_num_splits
         from radixengine.layers.triton_ops.extend_attention import extend_attention
 
-        self._decode_attention = functools.partial(decode_attention, num_splits=self.num_kv_splits)
+        self._decode_attention = decode_attention
+        self._decode_num_splits = decode_num_splits
         self._extend_attention = extend_attention
+        device = getattr(model_runner, "device", None)
+        cuda = device is not None and torch.device(device).type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 132
         self.extend_metadata: ExtendMetadata | None = None
 
     def init_forward_metadata(self, forward_batch) -> None:
@@ -95,4 +100,8 @@ class TritonAttnBackend(TorchNativeAttnBackend):
         return out.reshape(q.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True) -> torch.Tensor:
-        return paged_decode(self._decode_attention, (q, k, v), layer, forward_batch, save_kv_cache)
+        splits = self._decode_num_splits(
+            forward_batch.batch_size, layer.tp_k_head_num, self.num_sms, self.num_kv_splits
+        )
+        kernel = functools.partial(self._decode_attention, num_splits=splits)
+        return paged_decode(kernel, (q, k, v), layer, forward_batch, save_kv_cache)

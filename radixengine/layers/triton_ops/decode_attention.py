@@ -24,7 +24,7 @@ def _decode_stage1(
     stride_mb, stride_mh, stride_ms,
     scale, window_left, logit_cap,
     KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
@@ -44,9 +44,11 @@ def _decode_stage1(
     mid = MidO + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + d[None, :]
     lse_at = MidLse + b * (stride_mb // stride_ms) + heads * NUM_SPLITS + s
     if end > start:
-        tl.store(mid, acc / l_i[:, None], mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(lse_at, m_i + tl.log(l_i), mask=g_mask)
-    else:
+        out = (acc / l_i[:, None]).to(MidO.dtype.element_ty)
+        tl.store(mid, out, mask=g_mask[:, None] & d_mask[None, :])
+        if not DIRECT:
+            tl.store(lse_at, m_i + tl.log(l_i), mask=g_mask)
+    elif not DIRECT:
         tl.store(lse_at, tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf"), mask=g_mask)
 
 
@@ -137,23 +139,44 @@ def decode_attention(
     bs, num_heads, head_dim = q.shape
     num_kv = k_buffer.shape[1]
     block_d = triton.next_power_of_2(head_dim)
-    mid_o = torch.empty((bs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((bs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q) if out is None else out
+    direct = num_splits == 1  # one split: stage 1 writes the output, no stage 2
+    mid_o, mid_lse, mid_strides = _split_buffers(out, num_splits)
     group = num_heads // num_kv
     _decode_stage1[(bs, num_kv, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0), *mid_strides,
         scale, window_left, float(logit_cap),
         KV_GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, block_d), BLOCK_N=max(16, block_n), NUM_SPLITS=num_splits,
-        F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda, DIRECT=direct,
     )  # fmt: skip
+    if direct:
+        return out
     _decode_stage2[(bs, num_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
     )  # fmt: skip
     return out
+
+
+def _split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Stage 1's partial outputs and log-sum-exps, and the partials' (request, head, split)
+    strides; with one split the output itself (no log-sum-exp is written)."""
+    if num_splits == 1:
+        return out, out, (out.stride(0), out.stride(1), 1)
+    bs, num_heads, head_dim = out.shape
+    mid_o = torch.empty((bs, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device)
+    mid_lse = torch.empty((bs, num_heads, num_splits), dtype=torch.float32, device=out.device)
+    return mid_o, mid_lse, mid_o.stride()[:3]
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Splits of each request's KV: enough programs (batch x KV heads x splits) for two per
+    streaming multiprocessor, a power of two up to `max_splits`; 1 when the batch alone fills
+    the GPU (stage 1 then writes the output and stage 2 is not launched). From the batch size
+    alone, so the CUDA graph captured for a batch size keeps its split count."""
+    want = -(-2 * num_sms // max(1, batch_size * num_kv_heads))
+    return min(max_splits, triton.next_power_of_2(want)) if want > 1 else 1
