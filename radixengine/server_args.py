@@ -124,7 +124,7 @@ class ServerArgs:
     # Runtime
     num_threads: int | None = None  # CPU intra-op threads; None: all cores
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 160
+    cuda_graph_max_bs: int = 512
     trace_file: str | None = None
     enable_metrics: bool = False
     decode_log_interval: int = 40

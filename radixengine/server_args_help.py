@@ -204,7 +204,8 @@ SERVER_ARGS_HELP = {
     ),
     "num_threads": "CPU: intra-op threads of the forward. Default: all cores.",
     "disable_cuda_graph": "CUDA: run decode without CUDA graphs.",
-    "cuda_graph_max_bs": "CUDA: largest decode batch captured in a CUDA graph.",
+    "cuda_graph_max_bs": "CUDA: largest decode batch captured in a CUDA graph (lowered to "
+    "--max-running-requests and to what a quarter of the free GPU memory holds).",
     "trace_file": "Write a Chrome trace (chrome://tracing) of the scheduler's phases to this file.",
     "enable_metrics": (
         "Serve Prometheus metrics on /metrics, with SGLang's names and labels (sglang:num_running_reqs, "

@@ -101,6 +101,7 @@ _WORKER_ARGS = (
     "disable_shared_prefix_attention",
     "shared_prefix_attention_min_len",
     "kv_cache_dtype",
+    "device",
 )
 
 
@@ -113,11 +114,12 @@ def _worker(
     disable_shared_prefix_attention: bool,
     shared_prefix_attention_min_len: int,
     kv_cache_dtype: str = "auto",
+    device: str = TEST_DEVICE,
 ) -> TpModelWorker:
     return TpModelWorker(
         ServerArgs(
             model_path=tiny_model_dir(),
-            device=TEST_DEVICE,
+            device=device,
             dtype="float32",
             attention_backend=attention_backend,
             disable_shared_prefix_attention=disable_shared_prefix_attention,

@@ -128,3 +128,22 @@ def test_summary_takes_each_stages_latest_run(tmp_path):
     ]
     (tmp_path / "stages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
     assert [(s["stage"], s["rc"]) for s in gpu_summary.read_stages(tmp_path)] == [("env", 0), ("suite", 0)]
+
+
+@pytest.mark.parametrize("launch_side, verdict", [(0, "met."), (2, "not met.")])
+def test_summary_judges_the_syncs_per_decode_step(tmp_path, launch_side, verdict):
+    def row(loop: str, syncs: float, launch: int) -> dict:
+        return {
+            "loop": loop,
+            "decode_steps": 15,
+            "syncs_per_step": syncs,
+            "launch_side_syncs_per_step": launch / 15,
+            "max_launch_side_syncs": launch,
+            "sources": {"radixengine/layers/sampler.py:114": 15} if launch else {},
+        }
+
+    data = {"model": "smollm2", "bs": 8, "rows": [row("normal", 2.0, 3), row("overlap", 0.0, launch_side)]}
+    (tmp_path / "syncs.json").write_text(json.dumps(data))
+    lines = gpu_summary.syncs_section(tmp_path)
+    assert lines[-1].endswith(verdict)
+    assert "| normal | 15 | 2.00 | 0.20 | radixengine/layers/sampler.py:114 (15) |" in lines

@@ -11,7 +11,14 @@ from model_utils import ModelDriver, make_runner, save_tiny_model
 
 from radixengine.layers.native_small_ops import native_small_ops
 from radixengine.layers.rotary_embedding import RotaryEmbedding
-from radixengine.model_executor.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
+from radixengine.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    DecodeShapes,
+    capture_batch_sizes,
+    decode_row_bytes,
+    decode_shapes,
+    graph_max_bs,
+)
 
 
 class _Stream:
@@ -57,6 +64,20 @@ def test_capture_batch_sizes():
     assert capture_batch_sizes(10) == [1, 2, 4, 8, 10]
     assert capture_batch_sizes(32) == [1, 2, 4, 8, 12, 16, 24, 32]
     assert capture_batch_sizes(160)[-3:] == [144, 152, 160]
+    big = capture_batch_sizes(512)
+    assert big[-1] == 512 and {256, 272, 496} <= set(big) and len(big) == 5 + 31 + 16
+    assert all(b - a <= 16 for a, b in zip(big, big[1:]))  # padding wastes at most 15 rows
+
+
+def test_graph_max_bs_is_bounded_by_memory_and_running_requests():
+    smollm2 = DecodeShapes(576, 1536, 9, 3, 64, 49152)
+    row = decode_row_bytes(smollm2, 2)
+    assert 300_000 < row < 600_000  # ~0.4 MiB a row: batch 512 takes ~0.2 GiB
+    assert graph_max_bs(512, 1024, 100 * 2**30, row) == 512
+    assert graph_max_bs(512, 200, 100 * 2**30, row) == 200
+    assert graph_max_bs(512, 1024, None, row) == 512
+    assert graph_max_bs(512, 1024, 40 * row, row) == 10  # a quarter of the free memory
+    assert graph_max_bs(512, 1024, 0, row) == 1
 
 
 @pytest.fixture
@@ -94,3 +115,32 @@ def test_capture_recomputes_rope_and_replay_pads(tiny, fake_cuda):
     assert graphs.req_pool_indices[3] == 0 and graphs.seq_lens[3] == 1 and graphs.out_cache_loc[3] == 0
     assert graphs.seq_lens[:3].tolist() == [4, 3, 2]
     assert graphs.positions[:3].tolist() == [3, 2, 1]
+
+
+def test_memory_lowers_the_largest_graph_and_a_larger_batch_is_logged_once(
+    tiny, fake_cuda, caplog, monkeypatch
+):
+    runner = make_runner(tiny, cuda_graph_max_bs=8)
+    ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
+    original_forward = CudaGraphRunner._forward
+
+    def forward(self, fb):
+        fake_cuda.append({"ropes": ropes})
+        return original_forward(self, fb)
+
+    monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
+    row = decode_row_bytes(decode_shapes(runner), runner.dtype.itemsize)
+    with caplog.at_level("INFO", logger="radixengine.model_executor.cuda_graph_runner"):
+        graphs = CudaGraphRunner(runner, free_bytes=4 * 2 * row + 1)  # a quarter: 2 rows
+    assert graphs.capture_bs == [1, 2]
+    assert "CUDA graphs up to batch 2, not 8" in caplog.text
+    driver = ModelDriver(runner)
+    driver.extend({"a": [1, 2, 3], "b": [4, 5], "c": [6]})
+    runner.cuda_graph_runner = graphs
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="radixengine.model_executor.cuda_graph_runner"):
+        first = driver.decode({"a": 7, "b": 8, "c": 9})  # 3 rows: above the largest graph, eager
+        second = driver.decode({"a": 1, "b": 2, "c": 3})
+    assert first.shape == second.shape == (3, runner.model_config.vocab_size)
+    told = [r for r in caplog.records if "above the largest CUDA graph" in r.message]
+    assert len(told) == 1 and "decode batch 3" in told[0].message

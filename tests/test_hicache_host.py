@@ -187,7 +187,7 @@ def test_a_cpu_run_never_imports_the_cuda_part():
         """
         import sys
         from sched_utils import gen_req, make_scheduler, run_to_completion
-        sched = make_scheduler(enable_hierarchical_cache=True, hicache_host_tier_on_cpu=True)
+        sched = make_scheduler(device="cpu", enable_hierarchical_cache=True, hicache_host_tier_on_cpu=True)
         run_to_completion(sched, [gen_req("a", [5, 6, 7, 8], 2)])
         assert sched.tree_cache.host_pool is not None
         print("radixengine.mem_cache.hicache_cuda" in sys.modules)
@@ -195,6 +195,7 @@ def test_a_cpu_run_never_imports_the_cuda_part():
     )
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join((str(Path(__file__).parent), env["PYTHONPATH"]))
+    env["RADIXENGINE_TEST_DEVICE"] = "cpu"  # a CPU run, also where the suite runs on a GPU
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"

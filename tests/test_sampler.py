@@ -238,7 +238,11 @@ def test_unseeded_rows_use_torch_rng() -> None:
     assert not torch.equal(_sample(logits, params)[0], first)
 
 
-def test_nan_and_inf_logits() -> None:
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host_check", "device_flag"])
+def test_nan_and_inf_logits(sync_free: bool) -> None:
+    """The same tokens and flags whether the check reads the device (CPU) or keeps its flag on
+    the device (GPU: read with the tokens when the result is processed)."""
+    sampler = Sampler(sync_free=sync_free)
     logits = torch.randn(4, 20)
     logits[0, :10] = float("nan")
     logits[1, 3] = float("inf")
@@ -248,19 +252,35 @@ def test_nan_and_inf_logits() -> None:
     logits[3, 9] = 0.0
     params = [SamplingParams()] * 4
     for _ in range(20):
-        ids, logprobs = _sample(logits, params, logprob=True)
+        ids, logprobs, invalid_rows, _ = sampler(logits, _info(params, 20), True)
+        assert invalid_rows is None or not invalid_rows.any()
         assert ids[0] >= 10 and ids[1] in (3, 7) and ids[2] != 5 and ids[3] == 9
         assert torch.isfinite(logprobs).all()
-    greedy_ids, _ = _sample(logits, [SamplingParams(temperature=0)] * 4)
+    greedy_ids = sampler(logits, _info([SamplingParams(temperature=0)] * 4, 20))[0]
     assert greedy_ids[0] >= 10 and greedy_ids[1] == 3 and greedy_ids[3] == 9
 
     bad = torch.randn(3, 20)
     bad[1] = float("nan")
     bad[2, :] = float("-inf")
     for params in ([SamplingParams()] * 3, [SamplingParams(temperature=0)] * 3):
-        ids, _, invalid_rows, _ = Sampler()(bad, _info(params, 20), True)
+        ids, _, invalid_rows, _ = sampler(bad, _info(params, 20), True)
         assert invalid_rows.tolist() == [False, True, True]  # flagged, not raised
         assert ((ids >= 0) & (ids < 20)).all()  # still valid ids (their results are void)
+
+
+def test_sync_free_sampling_draws_what_the_host_path_draws() -> None:
+    """Top-p without reading the device sorts the whole vocabulary; the kept set, and so every
+    seeded draw, is the host path's."""
+    logits = torch.randn(6, 300) * 3
+    params = [
+        SamplingParams(top_p=p, top_k=k, sampling_seed=s)
+        for p, k, s in [(0.5, -1, 1), (0.9, 40, 2), (1.0, 5, 3), (0.3, -1, 4), (0.95, 200, 5), (0.7, 3, 6)]
+    ]
+    for step in range(10):
+        info = _info(params, 300, [step] * 6)
+        host = Sampler()(logits, info, True)
+        device = Sampler(sync_free=True)(logits, info, True)
+        assert torch.equal(host[0], device[0]) and torch.allclose(host[1], device[1])
 
 
 def test_without_vocab_size_and_low_precision_logits() -> None:

@@ -44,10 +44,17 @@ def pick_poison_token() -> tuple[int, list[int], list[list[int]]]:
     return poison, dec_prompt, clean[:3]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_nan_logits_abort_that_request_and_the_scheduler_keeps_serving(overlap):
+@pytest.mark.parametrize(
+    "overlap,sync_free",
+    [(False, False), (True, False), (True, True)],
+    ids=["normal", "overlap", "overlap-device-flag"],
+)
+def test_nan_logits_abort_that_request_and_the_scheduler_keeps_serving(overlap, sync_free, monkeypatch):
+    """`sync_free`: the finite check as a GPU runs it, its flag a device tensor read with the
+    tokens when the result is processed."""
     poison, dec_prompt, clean = pick_poison_token()
     sched = make_scheduler(overlap=overlap)
+    monkeypatch.setattr(sched.tp_worker.model_runner.sampler, "sync_free", sync_free)
     good = [gen_req(f"good{i}", p, 12) for i, p in enumerate(clean)]
     reqs = [
         gen_req("nan_prefill", clean[0][:4] + [poison] + clean[0][4:], 12),

@@ -12,6 +12,7 @@ from torch import nn
 
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.native_small_ops import runs_native
+from radixengine.layers.triton_ops import use_fused_ops
 
 if TYPE_CHECKING:
     from radixengine.layers.forward_batch_view import ForwardBatchView
@@ -54,10 +55,15 @@ class RotaryEmbedding(nn.Module):
         """Rotate `x` `[num_tokens, num_heads, head_size]` at `positions` `[num_tokens]`.
 
         The model passes q and k heads together (adjacent in the fused qkv output), so one call
-        rotates both. On the native CPU path `x` is rotated in place and returned."""
+        rotates both. On the native CPU path and the Triton one (CUDA) `x` is rotated in place
+        and returned."""
         if self._runs_native(positions, x):
             native_cpu_ops.rotary_embedding(positions, x, self.cos_sin_cache, self.rotary_dim)
             return x
+        if use_fused_ops(x) and x.dtype == self.cos_sin_cache.dtype and x.dim() == 3 and x.stride(2) == 1:
+            from radixengine.layers.triton_ops.rope_kv import rotary_in_place
+
+            return rotary_in_place(positions, x, self.cos_sin_cache, self.rotary_dim)
         cos, sin = self._cos_sin(positions)
         rot = x[..., : self.rotary_dim]
         half = self.rotary_dim // 2

@@ -35,10 +35,13 @@ _C2 = 0x5BD1E995
 
 
 class Sampler(nn.Module):
-    def __init__(self, check_finite: bool = True) -> None:
+    def __init__(self, check_finite: bool = True, sync_free: bool = False) -> None:
         super().__init__()
-        # The finite check costs one host-device sync per call; so does top-p (see _sorted_width).
         self.check_finite = check_finite
+        # On a GPU nothing here may read the device: the finite check's flag stays a device tensor
+        # (read with the tokens when the result is processed) and top-p sorts the whole
+        # vocabulary. On a CPU reading is free, and both take their cheaper data-dependent paths.
+        self.sync_free = sync_free
 
     def forward(
         self,
@@ -53,7 +56,7 @@ class Sampler(nn.Module):
         logits = sampling_info.apply_token_masks(apply_penalties(logits.float(), sampling_info))
         invalid_rows = None
         if self.check_finite:
-            logits, invalid_rows = sanitize_logits(logits)
+            logits, invalid_rows = sanitize_logits(logits, self.sync_free)
         next_ids, scaled = self._sample(logits, sampling_info)
         if not return_logprob:
             return next_ids, None, invalid_rows, None
@@ -67,7 +70,7 @@ class Sampler(nn.Module):
 
         scaled = logits / info.temperatures
         probs = torch.softmax(scaled, dim=-1)
-        kept = _truncate(probs, info)
+        kept = _truncate(probs, info, self.sync_free)
         next_ids = _sample_inverse_cdf(kept, _uniforms(info, probs.device))
         if info.has_greedy:
             next_ids = torch.where(info.top_ks == 1, argmax_rows(logits), next_ids)
@@ -106,10 +109,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def sanitize_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sanitize_logits(
+    logits: torch.Tensor, sync_free: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """NaN becomes -inf; in a row with +inf, the +inf entries are the only (equal) candidates.
     A row with nothing left to sample (all NaN or -inf) is returned as zeros and flagged in the
-    second value, a bool [bs] tensor (None when every row is fine)."""
+    second value, a bool [bs] tensor (None when every row is fine). `sync_free`: the same values
+    without reading the device (every row goes through the fix; the flag is always a tensor)."""
+    if sync_free:
+        return _sanitize_on_device(logits)
     row_max = logits.amax(dim=-1)  # NaN propagates
     if bool(torch.isfinite(row_max).all()):
         return logits, None
@@ -121,6 +129,15 @@ def sanitize_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | 
     if not bool(empty.any()):
         return logits, None
     return torch.where(empty.view(-1, 1), 0.0, logits), empty
+
+
+def _sanitize_on_device(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    clean = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    row_max = clean.amax(dim=-1, keepdim=True)
+    # A row whose max is +inf keeps its +inf entries as equal zeros; one whose max is -inf (nothing
+    # to sample) becomes all zeros, since every entry equals its max; finite rows stay as they are.
+    only_max = torch.where(clean == row_max, 0.0, float("-inf"))
+    return torch.where(torch.isinf(row_max), only_max, clean), torch.isneginf(row_max).view(-1)
 
 
 @dataclass
@@ -146,14 +163,14 @@ def logprobs_of(
     return chosen, TopLogprobs((values - lse).clamp_(min=_FLOAT32_MIN), indices)
 
 
-def _truncate(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+def _truncate(probs: torch.Tensor, info: SamplingBatchInfo, sync_free: bool = False) -> torch.Tensor:
     """probs with the tokens below each row's threshold set to 0 (probs itself is not modified)."""
     need_sorted = info.need_top_k_sampling or info.need_top_p_sampling
     if not (need_sorted or info.need_min_p_sampling):
         return probs
     vocab = probs.shape[-1]
     threshold = None
-    width = _sorted_width(probs, info) if need_sorted else 0
+    width = _sorted_width(probs, info, sync_free) if need_sorted else 0
     if width > 0:
         if width < vocab // 4:
             values = torch.topk(probs, width, dim=-1, sorted=True).values
@@ -171,11 +188,14 @@ def _truncate(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     return torch.where(probs >= threshold.view(-1, 1), probs, 0.0)
 
 
-def _sorted_width(probs: torch.Tensor, info: SamplingBatchInfo) -> int:
-    """How many of the largest probabilities of each row decide its top-k / top-p threshold."""
+def _sorted_width(probs: torch.Tensor, info: SamplingBatchInfo, sync_free: bool = False) -> int:
+    """How many of the largest probabilities of each row decide its top-k / top-p threshold
+    (top-p without reading the device: the whole vocabulary)."""
     vocab = probs.shape[-1]
     if not info.need_top_p_sampling:
         return min(info.max_top_k or vocab, vocab)
+    if sync_free:
+        return vocab
     # The nucleus lies within {p >= (1 - top_p) / (2 vocab)}: the tokens below that bound hold less
     # than (1 - top_p) / 2 of the mass together, so top-p drops all of them.
     bound = ((1.0 - info.top_ps) / (2 * vocab)).view(-1, 1)

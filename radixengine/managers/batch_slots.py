@@ -11,6 +11,7 @@ from radixengine.managers.req import Req
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
+from radixengine.utils.host_to_device import host_tensor
 
 
 @dataclass(frozen=True)
@@ -79,4 +80,4 @@ class BatchSlots:
 
 
 def int64_tensor(values, device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return host_tensor(values, torch.int64, device)

@@ -32,6 +32,7 @@ from radixengine.sampling.output_token_counts import OutputTokenCounts
 from radixengine.sampling.sampling_batch_info import SamplingBatchInfo
 from radixengine.speculative.spec_overlap import FutureVerify
 from radixengine.speculative.spec_tree import DraftTrees
+from radixengine.utils.host_to_device import to_device
 
 __all__ = ["Req", "ScheduleBatch", "TimeStats"]
 
@@ -143,7 +144,7 @@ class ScheduleBatch:
         self.input_ids = _int64(input_ids, self.device)
         self.req_pool_indices = _int64(rows, self.device)
         self.seq_lens_cpu = _int64(seq_lens)
-        self.seq_lens = self.seq_lens_cpu.to(self.device)
+        self.seq_lens = to_device(self.seq_lens_cpu, self.device)
         self.origin_lens_cpu = _int64([len(r.origin_input_ids) for r in reqs])
         self.out_cache_loc = out_cache_loc
         self.output_ids = None
@@ -307,7 +308,7 @@ class ScheduleBatch:
         self.out_cache_loc = out
         self.spec_trees = trees
         self.seq_lens_cpu = seq
-        self.seq_lens = seq.to(self.device)
+        self.seq_lens = to_device(seq, self.device)
         for req, end in zip(self.reqs, seq.tolist()):
             req.kv_allocated_len = end
 
@@ -330,7 +331,7 @@ class ScheduleBatch:
         """After a verify step: each request's KV length and its last sampled token (the next
         step's input)."""
         self.seq_lens_cpu = _int64(kv_lens)
-        self.seq_lens = self.seq_lens_cpu.to(self.device)
+        self.seq_lens = to_device(self.seq_lens_cpu, self.device)
         self.output_ids = _int64(last_ids, self.device)
         self.spec_trees = None
 
@@ -348,7 +349,7 @@ class ScheduleBatch:
         self.num_decoding_reqs = sum(1 for i in keep_indices if self.is_decoding_req(i))
         self.reqs = [self.reqs[i] for i in keep_indices]
         idx_cpu = _int64(keep_indices)
-        idx = idx_cpu.to(self.device)
+        idx = to_device(idx_cpu, self.device)
         self.req_pool_indices = self.req_pool_indices[idx]
         self.seq_lens = self.seq_lens[idx]
         self.seq_lens_cpu = self.seq_lens_cpu[idx_cpu]
@@ -465,7 +466,7 @@ class ScheduleBatch:
             )
             info = dataclasses.replace(self._sampling_base)  # per-step fields never reach the base
         else:
-            info = dataclasses.replace(self._sampling_base, steps=steps.to(self.device))
+            info = dataclasses.replace(self._sampling_base, steps=to_device(steps, self.device))
         if self.output_token_counts is None:
             return info
         # This step gathers the counts into `out` and adds its sampled tokens to it there: `out`

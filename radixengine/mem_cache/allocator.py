@@ -22,7 +22,10 @@ class BaseTokenToKVPoolAllocator:
     padding slot and is never handed out.
 
     `free_mask[p]` is True while page p is free; it catches double frees and frees of slot 0.
-    `check_frees=False` skips those checks (they sync with the device)."""
+    `device_checks=False` skips the checks that read slot values (frees, and the `last_loc` of
+    paged allocations): with a GPU each would be a host sync. Allocating reads nothing
+    from the device: the counts come from tensor shapes and the callers' host copies of the
+    lengths, so a decode step's allocation never waits for the forward in flight."""
 
     def __init__(
         self,
@@ -33,7 +36,7 @@ class BaseTokenToKVPoolAllocator:
         kvcache: MHATokenToKVPool | None = None,
         *,
         need_sort: bool = False,
-        check_frees: bool = True,
+        device_checks: bool = True,
     ):
         self.size = check_count("size", size, 1)
         self.page_size = check_count("page_size", page_size, 1)
@@ -44,14 +47,14 @@ class BaseTokenToKVPoolAllocator:
         self.device = device
         self._kvcache = kvcache
         self.need_sort = need_sort
-        self.check_frees = check_frees
+        self.device_checks = device_checks
         self.clear()
 
     def clear(self) -> None:
         self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
         self.release_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
-        self.free_mask = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)
-        self.free_mask[0] = False
+        # No scalar writes into device tensors (each would be a blocking host-to-device copy).
+        self.free_mask = torch.arange(self.num_pages + 1, device=self.device) != 0
         self.is_not_in_free_group = True
         self.free_group: list[torch.Tensor] = []
 
@@ -92,9 +95,9 @@ class BaseTokenToKVPoolAllocator:
             self.free_group.append(free_index)
             return
         pages = self._pages_of(free_index)
-        if self.check_frees:
+        if self.device_checks:
             self._check_free(free_index, pages)
-        self.free_mask[pages] = True
+        self.free_mask.index_fill_(0, pages, True)
         self._release(pages)
 
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
@@ -104,7 +107,7 @@ class BaseTokenToKVPoolAllocator:
             return None
         pages = self.free_pages[:num_pages]
         self.free_pages = self.free_pages[num_pages:]
-        self.free_mask[pages] = False
+        self.free_mask.index_fill_(0, pages, False)
         return pages
 
     def _release(self, pages: torch.Tensor) -> None:
@@ -144,9 +147,9 @@ class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         kvcache: MHATokenToKVPool | None = None,
         *,
         need_sort: bool = False,
-        check_frees: bool = True,
+        device_checks: bool = True,
     ):
-        super().__init__(size, 1, dtype, device, kvcache, need_sort=need_sort, check_frees=check_frees)
+        super().__init__(size, 1, dtype, device, kvcache, need_sort=need_sort, device_checks=device_checks)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """`need_size` free slots (int64), or None (nothing changes) if there are not enough."""
@@ -222,7 +225,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             raise ValueError(
                 f"alloc_extend: extend_num_tokens {extend_num_tokens} != sum(seq_lens - prefix_lens)"
             )
-        if last.device.type == "cpu":
+        if self.device_checks:
             has_prefix = pre > 0
             wrong = has_prefix & (last % self.page_size != (pre - 1) % self.page_size)
             if bool(wrong.any()):
@@ -265,7 +268,7 @@ class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             raise ValueError(
                 f"alloc_decode: seq_lens must be >= 1 (after the increment), got {seq_cpu.tolist()}"
             )
-        if last.device.type == "cpu" and bool(((last + 1) % ps != (seq - 1) % ps).any()):
+        if self.device_checks and bool(((last + 1) % ps != (seq - 1) % ps).any()):
             raise ValueError(f"alloc_decode: last_loc {last.tolist()} is not the slot of token seq_len - 2")
 
         pages = self._take_pages(int(((seq_cpu - 1) % ps == 0).sum()))

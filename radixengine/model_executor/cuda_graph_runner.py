@@ -2,6 +2,12 @@
 the next captured size. Padded rows read request row 0 with length 1 and write their K/V to the
 padding slot 0, so they never touch a live request's cache; their logits are dropped.
 
+The sizes are SGLang's buckets (1, 2, 4, 8, 12, then every 8 to 256, every 16 above) up to
+`--cuda-graph-max-bs` (512 by default), `--max-running-requests`, and what the graphs' memory
+pool can take: the largest graph's activations, estimated per row from the model's shapes, must
+fit in a quarter of the GPU memory free after the KV pool. A larger batch runs eagerly, and the
+log says so once.
+
 Needs a graph-safe attention backend (`supports_cuda_graph`): no host-side shapes may depend on
 the batch's sequence lengths.
 """
@@ -11,6 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -20,6 +27,7 @@ from radixengine.layers.logits_processor import LogitsProcessorOutput
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ForwardResources
 
 if TYPE_CHECKING:
+    from radixengine.model_loader.model_config import ModelConfig
     from radixengine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -31,6 +39,8 @@ class GraphModelRunner(ForwardResources, Protocol):
     server_args: ServerArgs
     max_running_requests: int
     model: nn.Module
+    model_config: ModelConfig
+    dtype: torch.dtype
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -38,6 +48,42 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     if not sizes or sizes[-1] != max_bs:
         sizes.append(max_bs)
     return sizes
+
+
+# Of the GPU memory free after the pools, the share the graphs' activations may take.
+GRAPH_MEMORY_FRACTION = 0.25
+
+
+@dataclass(frozen=True)
+class DecodeShapes:
+    """What one decode row's activations are made of (ModelConfig has these fields)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+def decode_row_bytes(shapes: DecodeShapes, dtype_bytes: int) -> int:
+    """A generous estimate of one decode row's live activations in a captured forward: fp32
+    logits, the gate/up and q/k/v outputs, a few hidden-size buffers, the attention's splits;
+    doubled for the allocator's rounding."""
+    s = shapes
+    qkv = (s.num_attention_heads + 2 * s.num_key_value_heads) * s.head_dim
+    per_row = 4 * s.vocab_size + dtype_bytes * (2 * s.intermediate_size + qkv + 6 * s.hidden_size)
+    per_row += 4 * s.num_attention_heads * 16 * (s.head_dim + 1)  # split-KV partials
+    return 2 * per_row
+
+
+def graph_max_bs(requested: int, max_running_requests: int, free_bytes: int | None, row_bytes: int) -> int:
+    """The largest batch captured: `--cuda-graph-max-bs`, no more than can run, and no more than
+    the memory bound (`free_bytes` None: not known, no bound)."""
+    max_bs = min(requested, max_running_requests)
+    if free_bytes is not None:
+        max_bs = min(max_bs, max(1, int(free_bytes * GRAPH_MEMORY_FRACTION) // row_bytes))
+    return max(1, max_bs)
 
 
 def cuda_graph_supported(model_runner: GraphModelRunner) -> bool:
@@ -50,10 +96,26 @@ def cuda_graph_supported(model_runner: GraphModelRunner) -> bool:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: GraphModelRunner) -> None:
+    def __init__(self, model_runner: GraphModelRunner, free_bytes: int | None = None) -> None:
+        """`free_bytes`: the device memory free for the graphs (default: asked of CUDA)."""
         self.model_runner = model_runner
-        max_bs = min(model_runner.server_args.cuda_graph_max_bs, model_runner.max_running_requests)
+        requested = model_runner.server_args.cuda_graph_max_bs
+        if free_bytes is None and model_runner.device.type == "cuda":
+            free_bytes = torch.cuda.mem_get_info(model_runner.device)[0]
+        row_bytes = decode_row_bytes(decode_shapes(model_runner), model_runner.dtype.itemsize)
+        max_bs = graph_max_bs(requested, model_runner.max_running_requests, free_bytes, row_bytes)
+        if max_bs < min(requested, model_runner.max_running_requests):
+            logger.info(
+                "CUDA graphs up to batch %d, not %d: %.2f GiB free, about %.1f MiB a row "
+                "(--cuda-graph-max-bs lowers it; graphs may take %.0f%% of the free memory)",
+                max_bs,
+                min(requested, model_runner.max_running_requests),
+                (free_bytes or 0) / 2**30,
+                row_bytes / 2**20,
+                100 * GRAPH_MEMORY_FRACTION,
+            )
         self.capture_bs = capture_batch_sizes(max_bs)
+        self._told_too_large = False
         self.max_bs = self.capture_bs[-1]
         device = model_runner.device
         zeros = lambda: torch.zeros(self.max_bs, dtype=torch.int64, device=device)  # noqa: E731
@@ -71,7 +133,19 @@ class CudaGraphRunner:
         )
 
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_bs
+        if not forward_batch.forward_mode.is_decode() or forward_batch.batch_size <= 0:
+            return False
+        if forward_batch.batch_size <= self.max_bs:
+            return True
+        if not self._told_too_large:
+            self._told_too_large = True
+            logger.warning(
+                "decode batch %d is above the largest CUDA graph (%d): it runs eagerly, much slower "
+                "(raise --cuda-graph-max-bs; said once)",
+                forward_batch.batch_size,
+                self.max_bs,
+            )
+        return False
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -134,3 +208,11 @@ class CudaGraphRunner:
         # A copy: the graph's output buffer is overwritten by the next replay.
         logits = self.outputs[padded].next_token_logits[:bs].clone()
         return LogitsProcessorOutput(next_token_logits=logits)
+
+
+def decode_shapes(model_runner: GraphModelRunner) -> DecodeShapes:
+    c = model_runner.model_config
+    inter = getattr(c.hf_config, "intermediate_size", None) or 4 * c.hidden_size
+    return DecodeShapes(
+        c.hidden_size, inter, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size
+    )

@@ -11,6 +11,7 @@ import torch
 
 from radixengine.speculative.spec_overlap import FutureVerify
 from radixengine.speculative.spec_tree import DraftTrees
+from radixengine.utils.host_to_device import to_device
 
 if TYPE_CHECKING:
     from radixengine.layers.attention.base_attn_backend import AttentionBackend
@@ -157,12 +158,13 @@ class ForwardBatch:
         start_loc = torch.cumsum(extend, 0) - extend
         num_tokens = int(extend.sum())
         offsets = torch.repeat_interleave(start_loc - prefix, extend, output_size=num_tokens)
-        self.positions = (torch.arange(num_tokens) - offsets).to(device)
+        # Pinned, non-blocking copies: a prefill's setup does not wait for the forward in flight.
+        self.positions = to_device(torch.arange(num_tokens) - offsets, device)
         self.extend_num_tokens = num_tokens
-        self.extend_seq_lens = extend.to(device)
-        self.extend_prefix_lens = prefix.to(device)
-        self.extend_start_loc = start_loc.to(device)
-        self.extend_last_loc = (start_loc + extend - 1).to(device)
+        self.extend_seq_lens = to_device(extend, device)
+        self.extend_prefix_lens = to_device(prefix, device)
+        self.extend_start_loc = to_device(start_loc, device)
+        self.extend_last_loc = to_device(start_loc + extend - 1, device)
         self.extend_seq_lens_cpu = list(extend_lens)
         self.extend_prefix_lens_cpu = list(prefix_lens)
 

@@ -61,7 +61,7 @@ class ModelRunner:
         self.amx_linears = self._pack_amx_linears()
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
-        self.sampler = Sampler()
+        self.sampler = Sampler(sync_free=self.device.type != "cpu")
         self.cuda_graph_runner = self._make_cuda_graph_runner()
 
     def _use_gguf_blocks(self) -> bool:
@@ -224,7 +224,7 @@ class ModelRunner:
         )
 
     def _make_allocator(self):
-        # The allocator's free checks sync with the device; keep them on the CPU only.
+        # The allocator's checks of slot values sync with the device; keep them on the CPU only.
         checks = self.device.type == "cpu"
         if self.page_size == 1:
             return TokenToKVPoolAllocator(
@@ -232,7 +232,7 @@ class ModelRunner:
                 self.kv_cache_dtype,
                 self.device,
                 self.token_to_kv_pool,
-                check_frees=checks,
+                device_checks=checks,
             )
         return PagedTokenToKVPoolAllocator(
             self.max_total_num_tokens,
@@ -240,7 +240,7 @@ class ModelRunner:
             self.kv_cache_dtype,
             self.device,
             self.token_to_kv_pool,
-            check_frees=checks,
+            device_checks=checks,
         )
 
     # Forward -----------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixengine.utils.host_to_device import host_tensor
+
 
 @dataclass(frozen=True)
 class _Part:
@@ -54,7 +56,7 @@ class OutputTokenCounts:
         rows = [row for row, ids in enumerate(output_ids) for _ in ids]
         ids = [t for ids in output_ids for t in ids]
         counts = torch.zeros((len(output_ids), vocab_size), dtype=torch.float32, device=device)
-        index = torch.tensor([rows, ids], dtype=torch.int64, device=device)
+        index = host_tensor([rows, ids], torch.int64, device)
         counts.index_put_((index[0], index[1]), torch.ones(len(ids), device=device), accumulate=True)
         return cls.of(counts)
 
@@ -70,7 +72,7 @@ class OutputTokenCounts:
             if len(local) == part.size or part.source is None:
                 parts.append(part if len(local) == part.size else _Part(len(local)))
                 continue
-            rows = torch.tensor(local, dtype=torch.int64, device=device)
+            rows = host_tensor(local, torch.int64, device)
             if part.rows is not None:
                 rows = part.rows[rows]
             parts.append(_Part(len(local), part.source, rows))

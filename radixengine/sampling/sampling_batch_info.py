@@ -10,6 +10,7 @@ import torch
 from radixengine.constrained.base_grammar_backend import allocate_vocab_mask, apply_vocab_mask
 from radixengine.sampling.output_token_counts import OutputTokenCounts, cumulate
 from radixengine.sampling.sampling_params import SamplingParams
+from radixengine.utils.host_to_device import host_tensor
 
 _SEED_MOD = 1 << 63  # seeds are folded into int64
 
@@ -72,13 +73,11 @@ class SamplingBatchInfo:
             raise ValueError(f"{len(params)} sampling params but {len(steps)} steps")
         ks = [_resolve_top_k(p.top_k, vocab_size) for p in params]
         return cls(
-            temperatures=torch.tensor(
-                [[p.temperature] for p in params], dtype=torch.float32, device=device
-            ).view(-1, 1),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            steps=torch.tensor(steps, dtype=torch.int64, device=device),
+            temperatures=host_tensor([[p.temperature] for p in params], torch.float32, device).view(-1, 1),
+            top_ps=host_tensor([p.top_p for p in params], torch.float32, device),
+            top_ks=host_tensor(ks, torch.int64, device),
+            min_ps=host_tensor([p.min_p for p in params], torch.float32, device),
+            steps=host_tensor(steps, torch.int64, device),
             vocab_size=vocab_size,
             **_sampling_flags(params, ks, vocab_size),
             **_seeds(params, device),
@@ -153,7 +152,7 @@ def _penalties(params: list[SamplingParams], device: torch.device | str) -> dict
         return {}
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).view(-1, 1)
+        return host_tensor(values, torch.float32, device).view(-1, 1)
 
     repetition = [p.repetition_penalty for p in params]
     return dict(
@@ -173,7 +172,7 @@ def _logit_bias_triples(params: list[SamplingParams], device: torch.device | str
     return dict(
         logit_bias_rows=_int64(list(rows), device),
         logit_bias_ids=_int64(list(ids), device),
-        logit_bias_values=torch.tensor(values, dtype=torch.float32, device=device),
+        logit_bias_values=host_tensor(list(values), torch.float32, device),
     )
 
 
@@ -200,7 +199,7 @@ def _min_new_tokens_pairs(
 
 
 def _int64(values: list[int], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return host_tensor(values, torch.int64, device)
 
 
 def _sampling_flags(params: list[SamplingParams], ks: list[int], vocab_size: int | None) -> dict:
@@ -225,9 +224,9 @@ def _seeds(params: list[SamplingParams], device: torch.device | str) -> dict:
         return {"seeds": None, "has_seed": False, "seeded_rows": None, "all_seeded": False}
     seeds = [0 if p.sampling_seed is None else p.sampling_seed % _SEED_MOD for p in params]
     return {
-        "seeds": torch.tensor(seeds, dtype=torch.int64, device=device),
+        "seeds": host_tensor(seeds, torch.int64, device),
         "has_seed": True,
-        "seeded_rows": torch.tensor(seeded, dtype=torch.int64, device=device),
+        "seeded_rows": host_tensor(seeded, torch.int64, device),
         "all_seeded": len(seeded) == len(params),
     }
 

@@ -24,6 +24,7 @@ import torch
 from radixengine.layers import native_small_ops  # a module: it imports this package too
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.attention.cascade_plan import CascadePlan, build_cascade_plan
+from radixengine.layers.triton_ops import use_fused_ops
 
 if TYPE_CHECKING:
     from radixengine.layers.forward_batch_view import AttentionLayer, ForwardBatchView
@@ -120,8 +121,17 @@ def save_kv(k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, forward_bat
     native_buffers = k_buffer.is_cpu and k_buffer.dtype in native_cpu_ops.NATIVE_KV_DTYPES
     if native_small_ops.runs_native(k, v) and native_buffers and loc.is_cpu and k.dim() == 3:
         native_cpu_ops.set_kv_buffer(k_buffer, v_buffer, loc, k, v)
+    elif use_fused_ops(k) and rows_contiguous(k, v, k_buffer, v_buffer):
+        from radixengine.layers.triton_ops.rope_kv import store_kv
+
+        store_kv(k, v, k_buffer, v_buffer, loc)
     else:
         pool.set_kv_buffer(layer.layer_id, loc, k, v)
+
+
+def rows_contiguous(*ts: torch.Tensor) -> bool:
+    """Each `[tokens, heads, dim]` tensor's token row is one contiguous run."""
+    return all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in ts)
 
 
 def shared_prefix_min_len(model_runner) -> int | None:

@@ -243,9 +243,10 @@ class BatchResultProcessor:
             with self.timer.phase("wait"):
                 copy_done.synchronize()  # raises if the forward failed
         invalid = frozenset()
-        if result.invalid_rows is not None:
-            invalid = frozenset(result.invalid_rows.nonzero().view(-1).tolist())
-        res = HostResults(result.next_token_ids.tolist(), invalid)
+        tokens = result.next_token_ids.tolist()
+        if result.invalid_rows is not None:  # a flag per row (a GPU sampler always sends it)
+            invalid = frozenset(i for i, bad in enumerate(result.invalid_rows.tolist()) if bad)
+        res = HostResults(tokens, invalid)
         if batch.return_logprob and result.logprobs is not None:
             res.logprobs = result.logprobs.tolist()
         return res
