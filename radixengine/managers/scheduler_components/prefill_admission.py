@@ -26,9 +26,12 @@ from radixengine.managers.scheduler_components.output_streamer import OutputStre
 from radixengine.managers.scheduler_components.request_intake import RequestIntake
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
 from radixengine.managers.scheduler_components.step_plan import StepPlan
+from radixengine.managers.scheduler_components.step_recovery import StepRequestsError
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
+from radixengine.server_args import ServerArgs
+from radixengine.utils.fault_injection import fault_point
 
 NewBatch = Callable[[list[Req]], ScheduleBatch]
 
@@ -47,6 +50,31 @@ class AdmissionConfig:
     soft_priority_preemption: bool
     enable_in_batch_prefix_caching: bool
     eos_token_ids: frozenset[int]
+
+    @classmethod
+    def from_server_args(
+        cls,
+        args: ServerArgs,
+        max_running_requests: int,
+        overlap: bool,
+        in_batch_prefix_caching: bool,
+        eos_token_ids: frozenset[int],
+    ) -> AdmissionConfig:
+        return cls(
+            page_size=args.page_size,
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.effective_chunked_prefill_size,
+            # Not under overlap with speculation: a verify step cannot be mixed into a prefill.
+            enable_mixed_chunk=args.enable_mixed_chunk and not (overlap and args.speculative_algorithm),
+            try_preemption=args.enable_priority_scheduling,
+            priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
+            schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+            retract_decode_steps=args.retract_decode_steps,
+            soft_priority_preemption=args.soft_priority_preemption,
+            enable_in_batch_prefix_caching=in_batch_prefix_caching,
+            eos_token_ids=eos_token_ids,
+        )
 
 
 @dataclass(frozen=True)
@@ -84,6 +112,11 @@ class PrefillAdmission:
     @property
     def waiting_queue(self) -> list[Req]:
         return self.peers.intake.waiting_queue
+
+    def reset(self) -> None:
+        """After a failed step: no chunked request, and the next round looks again."""
+        self.chunked_req = None
+        self.full_at_departures = None
 
     def batch_is_full(self, running: ScheduleBatch) -> bool:
         """The last prefill round stopped for want of rows or tokens and no request has left the
@@ -222,7 +255,7 @@ class PrefillAdmission:
                 full = True
             if full and not self._preempt_for(adder, req, matched):
                 break
-            if self.pools.tree_cache.load_from_storage(req, req.fill_ids[: req.max_prefix_len()]):
+            if self._load_from_storage(req):
                 matched.clear()  # the load may have evicted what other requests matched
                 req.init_next_round_input(self.pools.tree_cache)
             res = self._add_one_req(adder, req, matched)
@@ -231,6 +264,14 @@ class PrefillAdmission:
             if res != AddReqResult.CONTINUE:
                 return full or res == AddReqResult.NO_TOKEN
         return full
+
+    def _load_from_storage(self, req: Req) -> int:
+        """The hierarchical cache's load of the request's prefix; a failure is this request's."""
+        try:
+            fault_point("cache_load")
+            return self.pools.tree_cache.load_from_storage(req, req.fill_ids[: req.max_prefix_len()])
+        except Exception as e:
+            raise StepRequestsError([req], e) from e
 
     def _add_one_req(self, adder: PrefillAdder, req: Req, matched: set[Req]) -> AddReqResult:
         res = adder.add_one_req(req)
