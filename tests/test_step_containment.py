@@ -1,0 +1,107 @@
+"""A step that raises ends the requests of that step, not the server: through the real server and
+the official `openai` client, for each phase a fault is injected in (RADIXENGINE_TEST_FAULT).
+
+With --max-running-requests 1 each step holds one request, so the fault (the 3rd time its phase
+runs; the grammar's 2nd, the first cache load) fails exactly one of three concurrent requests: a
+500 naming the failure (an error event when it streams and had begun). The other two finish with the tokens
+the same prompts get afterwards, new requests succeed, and no KV slot is leaked."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import openai
+import pytest
+from test_engine_utils import launch_test_server, stop_test_server
+from test_http import API_KEY, assert_idle_accounting, model_path  # noqa: F401
+
+from radixengine.utils.fault_injection import ENV
+
+PHASE_FLAGS = {
+    "schedule": [],
+    "prepare": [],
+    "forward": [],
+    "sample": [],
+    "process": [],
+    "grammar": [],
+    "drafter": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"],
+    "cache_load": ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+}
+FAULT_AT = {"grammar": 2, "cache_load": 1}
+PROMPTS = ["one two three one two three", "the cat sat on the mat", "red green blue red green"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=list(PHASE_FLAGS))
+def server(request, model_path, tmp_path_factory):  # noqa: F811
+    phase = request.param
+    log = tmp_path_factory.mktemp(f"server-{phase}") / "server.log"
+    args = ["--dtype", "float32", "--max-total-tokens", "4096", "--num-threads", "1", "--api-key", API_KEY]
+    args += ["--max-running-requests", "1", *PHASE_FLAGS[phase]]
+    if phase == "cache_load":
+        args += ["--hicache-storage-dir", str(log.parent / "kv")]
+    os.environ[ENV] = f"{phase}:{FAULT_AT.get(phase, 3)}"
+    try:
+        proc = launch_test_server(model_path, log, args)
+    finally:
+        del os.environ[ENV]
+    proc.phase = phase
+    yield proc
+    stop_test_server(proc)
+
+
+def ask(client: openai.OpenAI, prompt: str, stream: bool, grammar: bool) -> tuple[str, str]:
+    """("ok", text) or ("error", message) of one chat completion."""
+    kw = dict(
+        model="m",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    if grammar:
+        kw["response_format"] = {"type": "json_object"}
+    try:
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            return "ok", "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return "ok", client.chat.completions.create(**kw).choices[0].message.content
+    except openai.InternalServerError as e:
+        return "error", f"500 {e.message}"
+    except openai.APIError as e:  # an error event in a stream
+        assert stream, e
+        return "error", f"stream {e.message}"
+
+
+def test_a_failing_step_ends_its_requests_and_the_server_goes_on(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    grammar = server.phase == "grammar"  # only the first request has one: it is the one that fails
+    shapes = [(True, grammar), (False, False), (False, False)]  # (stream, grammar)
+    outcomes: dict[int, tuple[str, str]] = {}
+
+    def run(i: int) -> None:
+        outcomes[i] = ask(client, PROMPTS[i], *shapes[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(outcomes) == 3, outcomes
+    failed = [i for i, (kind, _) in outcomes.items() if kind == "error"]
+    assert len(failed) == 1, outcomes
+    kind, message = outcomes[failed[0]]
+    assert f"InjectedFault: injected fault in the {server.phase} phase" in message, message
+    # A stream that failed before its first token is answered a plain 500, later an error event.
+    assert message.startswith(("500", "stream") if shapes[failed[0]][0] else "500"), message
+    if grammar:
+        assert failed == [0]
+    # The same prompts again (new requests, no fault left): the survivors' tokens were these.
+    again = {i: ask(client, PROMPTS[i], *shapes[i]) for i in range(3)}
+    assert all(kind == "ok" for kind, _ in again.values()), again
+    for i in set(range(3)) - set(failed):
+        assert outcomes[i] == again[i], (i, outcomes[i], again[i])
+    info = assert_idle_accounting(server)
+    assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_tokens"]
+    assert "a step failed; ending its 1 requests" in server.log.read_text()
