@@ -8,6 +8,7 @@ the same prompts get afterwards, new requests succeed, and no KV slot is leaked.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -105,3 +106,35 @@ def test_a_failing_step_ends_its_requests_and_the_server_goes_on(server):
     info = assert_idle_accounting(server)
     assert info["available_tokens"] + info["evictable_tokens"] == info["max_total_tokens"]
     assert "a step failed; ending its 1 requests" in server.log.read_text()
+
+
+def test_a_failing_step_is_an_error_line_of_its_batch(model_path, tmp_path):  # noqa: F811
+    """One line at a time: the line whose step fails is a 500 line of the error file naming the
+    failure; the batch completes with every other line answered once."""
+    from test_batches_api import chat_line, jsonl, wait_batch
+
+    args = ["--dtype", "float32", "--max-total-tokens", "4096", "--num-threads", "1", "--max-running-requests",
+            "1", "--batch-dir", str(tmp_path / "batch_dir"), "--batch-max-running", "1"]  # fmt: skip
+    os.environ[ENV] = "process:2"
+    try:
+        server = launch_test_server(model_path, tmp_path / "server.log", args)
+    finally:
+        del os.environ[ENV]
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        lines = [chat_line(f"line{i}", max_tokens=4) for i in range(4)]
+        upload = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")  # fmt: skip
+        done = wait_batch(client, batch.id, timeout=120)
+        assert done.status == "completed", done
+        assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)
+        errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+        out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+        assert [e["custom_id"] for e in errors] == ["line0"]
+        response = errors[0]["response"]
+        assert response["status_code"] == 500
+        assert "InjectedFault: injected fault in the process phase" in response["body"]["error"]["message"]
+        assert sorted(o["custom_id"] for o in out) == ["line1", "line2", "line3"]
+    finally:
+        stop_test_server(server)
