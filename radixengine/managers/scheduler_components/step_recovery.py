@@ -17,7 +17,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -86,17 +85,12 @@ def failure_message(error: Exception) -> str:
     )
 
 
-def step_requests(unanswered: Iterable[Req], waiting: list[Req], blamed: list[Req]) -> list[Req]:
-    """The requests a failed step ends: every unfinished one that left the waiting queue (and
-    its grammar's queue), and the blamed ones."""
-    queued = {id(r) for r in waiting}
+def step_requests(unanswered: Iterable[Req], queued: Iterable[Req], blamed: list[Req]) -> list[Req]:
+    """The requests a failed step ends: every unfinished one not in a queue (the waiting queue,
+    the grammar queue), and the blamed ones."""
+    waiting = {id(r) for r in queued}
     named = {id(r) for r in blamed}
-    return [
-        r
-        for r in unanswered
-        if not r.finished()
-        and (id(r) in named or (id(r) not in queued and not isinstance(r.grammar, Future)))
-    ]
+    return [r for r in unanswered if not r.finished() and (id(r) in named or id(r) not in waiting)]
 
 
 class StepRecovery:
@@ -121,7 +115,8 @@ class StepRecovery:
         if isinstance(error, TokenAccountingError):
             raise error
         blamed = error.reqs if isinstance(error, StepRequestsError) else []
-        failed = step_requests(self.streamer.unanswered.values(), self.intake.waiting_queue, blamed)
+        queued = [*self.intake.waiting_queue, *self.intake.grammar_manager.grammar_queue]
+        failed = step_requests(self.streamer.unanswered.values(), queued, blamed)
         if not failed:
             raise UncontainedStepError(f"a step failed with no request to end: {error!r}") from error
         logger.error("a step failed; ending its %d requests", len(failed), exc_info=error)
@@ -141,6 +136,9 @@ class StepRecovery:
             req.abort(message, 500, "InternalServerError")
             req.time_stats.finish_time = time.perf_counter()
             self.streamer.add(req)
+        for req in self.streamer.unanswered.values():
+            if req.finished():  # finished before the failure, its final message not sent yet
+                self.streamer.add(req)
         self.pools.reset()
         self.pools.check()
 
