@@ -3,7 +3,8 @@ while 16 requests stream ends each of them with an error (none hangs), /health i
 scheduler starts and 200 again within 30 s, the next request succeeds, the restart is counted in
 /get_server_info and /metrics, and a /v1/batches batch running at the time completes with every
 line answered exactly once. A crash loop (a scheduler that dies at its first forward, every time)
-ends in the server's exit code 1 once --max-scheduler-restarts is spent."""
+ends in the server's exit code 1 once --max-scheduler-restarts is spent. Under --tp-size 2 a killed
+rank restarts with its rank 0."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import httpx
 import openai
 import pytest
 from test_batches_api import chat_line, jsonl, wait_batch
-from test_engine_utils import build_tiny_model, launch_test_server, stop_test_server
+from test_engine_utils import build_tiny_model, launch_test_server, stop_test_server, wait_gone
 
 from radixengine.utils.fault_injection import ENV
 
@@ -130,5 +131,34 @@ def test_a_crash_loop_ends_in_a_non_zero_exit(model, tmp_path):
         assert server.returncode == 1, log
         assert log.count("failing its requests and starting a new scheduler") == 2, log
         assert "not restarted: 2 restarts within 600 s" in log, log
+    finally:
+        stop_test_server(server)
+
+
+def test_tp_ranks_restart_together(model, tmp_path):
+    """--tp-size 2: a killed rank 1 ends rank 0; both start again and serve."""
+    import psutil
+
+    args = ["--dtype", "float32", "--num-threads", "1", "--max-total-tokens", "4096", "--tp-size", "2"]
+    server = launch_test_server(model, tmp_path / "server.log", args)
+    try:
+        pid = httpx.get(server.base_url + "/get_server_info", timeout=30).json()["scheduler_pid"]
+        (rank1,) = [p for p in psutil.Process(pid).children() if "scheduler_ranks" in " ".join(p.cmdline())]
+        os.kill(rank1.pid, signal.SIGKILL)
+        wait_health(server.base_url, 503, 10)
+        wait_health(server.base_url, 200, 120)
+        assert wait_gone({pid, rank1.pid}) == set()
+        info = httpx.get(server.base_url + "/get_server_info", timeout=30).json()
+        assert info["scheduler_restarts"] == 1 and info["scheduler_pid"] != pid
+        ranks = [
+            p
+            for p in psutil.Process(info["scheduler_pid"]).children()
+            if "scheduler_ranks" in " ".join(p.cmdline())
+        ]
+        assert len(ranks) == 1
+        r = httpx.post(server.base_url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert "TP rank 1 died" in server.log.read_text()
     finally:
         stop_test_server(server)
