@@ -463,7 +463,7 @@ class Scheduler:
         Not under TP: the other ranks would be in another step; all exit and are restarted."""
         if self.server_args.tp_size > 1:
             raise error
-        self.recovery.contain(error)
+        self.recovery.contain(error, self.step_ct)
         self.admission.reset()
         self._reset_loop_state()
         self._end_step()

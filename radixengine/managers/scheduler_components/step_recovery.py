@@ -3,12 +3,13 @@ ends the requests of that step, not the scheduler process (SGLang's scheduler ex
 
 The step's requests are those admitted and not finished (every request that left the waiting
 queue), and the requests a component was working on when it raised (`StepRequestsError`: a cache
-load during admission). Each ends with a 500 naming the failure. What a half-run step left in
+load during admission). Each ends with a 500 naming the failure; there may be none (the overlap
+loop's stale batch, whose requests finished a step earlier). What a half-run step left in
 the pools is not known, so nothing of it is trusted: the forward stream is drained, the launched
 results dropped, and the pools and the device radix cache are emptied (as /flush_cache does; the
 waiting requests are matched again when admitted). The token-accounting invariant is then
-checked. A failure with no request to end (the same step would fail again), an accounting error,
-or an exception while recovering raises `UncontainedStepError`: the process exits and the server
+checked. Two steps in a row that fail with no request to end (nothing shows the next would not
+fail too), an accounting error, or an exception while recovering raise `UncontainedStepError`: the process exits and the server
 starts a new scheduler."""
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ class StepRecovery:
         self.streamer = streamer
         self.drop_launched = drop_launched  # the launched batches whose results are not processed
         self.contained = 0  # failed steps contained
+        self.last_empty_failure: int | None = None  # the step of the last one that ended nothing
 
-    def contain(self, error: Exception) -> list[Req]:
+    def contain(self, error: Exception, step: int) -> list[Req]:
         """End the failed step's requests and empty the pools; returns the requests ended.
         Raises `UncontainedStepError` (or the accounting error) when that is not safe."""
         if isinstance(error, TokenAccountingError):
@@ -118,7 +120,11 @@ class StepRecovery:
         queued = [*self.intake.waiting_queue, *self.intake.grammar_manager.grammar_queue]
         failed = step_requests(self.streamer.unanswered.values(), queued, blamed)
         if not failed:
-            raise UncontainedStepError(f"a step failed with no request to end: {error!r}") from error
+            if self.last_empty_failure == step - 1:
+                raise UncontainedStepError(
+                    f"two steps in a row failed with no request to end: {error!r}"
+                ) from error
+            self.last_empty_failure = step
         logger.error("a step failed; ending its %d requests", len(failed), exc_info=error)
         try:
             self._release(failed, failure_message(error))
