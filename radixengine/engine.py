@@ -16,126 +16,54 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
-import multiprocessing as mp
-import os
 import queue
-import sys
 import threading
-import time
 import weakref
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
+from radixengine.managers.engine_processes import SchedulerRestarter, start_children
 from radixengine.managers.io_struct import GenerateReqInput, finish_abort
 from radixengine.managers.request_errors import EngineDeadError, RequestError, abort_to_error, is_abort
-from radixengine.managers.served_model import load_tokenizer
 from radixengine.managers.tokenizer_manager import TokenizerManager, collect
 from radixengine.server_args import ServerArgs
+from radixengine.utils import fault_injection
 from radixengine.utils.network import PortArgs
 from radixengine.utils.process import make_ipc_dir, remove_ipc_dir, terminate_processes
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT = 900.0
-
 __all__ = ["Engine", "EngineDeadError", "RequestError", "launch_subprocesses"]
 
 
-def launch_subprocesses(server_args: ServerArgs, tokenizer=None) -> TokenizerManager:
+def launch_subprocesses(server_args: ServerArgs, tokenizer=None, restart: bool = False) -> TokenizerManager:
     """Start the scheduler and detokenizer processes, wait until both are ready, and return the
-    TokenizerManager wired to them (its `processes` are watched; `shutdown_subprocesses` ends them)."""
-    from radixengine.managers.detokenizer_manager import run_detokenizer_process
-    from radixengine.managers.scheduler_process import run_scheduler_process
+    TokenizerManager wired to them (its `processes` are watched; `shutdown_subprocesses` ends them).
+    With `restart` (the HTTP server) a dead scheduler is started again as
+    --max-scheduler-restarts allows; without it (the offline Engine) a death ends the engine."""
     from radixengine.model_loader import resolve_model_path, resolve_tokenizer_path
 
     a = server_args
+    fault_injection.check_env()
     resolve_model_path(a.model_path, a.revision)  # a GGUF is converted once, here, not by each process
     tokenizer_dir = resolve_tokenizer_path(a.model_path, a.tokenizer_path, a.revision)
     detokenizer_args = dataclasses.replace(server_args, tokenizer_path=tokenizer_dir)
-    ctx = mp.get_context("spawn")
     ipc_dir = make_ipc_dir()
     port_args = PortArgs.init_new(ipc_dir)
-    procs: list[tuple[str, Any, Any]] = []
     try:
-        children = (
-            ("scheduler", run_scheduler_process, server_args),
-            ("detokenizer", run_detokenizer_process, detokenizer_args),
-        )
-        for name, target, args in children:
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=target, args=(args, port_args, writer), name=f"radixengine-{name}", daemon=True
-            )
-            with _main_module_spawnable():
-                proc.start()
-            writer.close()
-            procs.append((name, proc, reader))
-        if tokenizer is None:
-            tokenizer = load_tokenizer(server_args)
-        infos = {name: _wait_ready(name, proc, reader) for name, proc, reader in procs}
+        procs, scheduler_info = start_children(server_args, detokenizer_args, port_args)
     except BaseException:
-        terminate_processes([p for _, p, _ in procs])
         remove_ipc_dir(ipc_dir)
         raise
-    manager = TokenizerManager(server_args, port_args, infos["scheduler"], tokenizer)
-    manager.processes = [(name, proc) for name, proc, _ in procs]
+    manager = TokenizerManager(server_args, port_args, scheduler_info, tokenizer)
+    manager.processes = procs
     manager.ipc_dir = ipc_dir
+    if restart and server_args.max_scheduler_restarts > 0:
+        manager.restarter = SchedulerRestarter(
+            server_args, detokenizer_args, ipc_dir, port_args.tokenizer_ipc_name
+        )
     return manager
-
-
-@contextlib.contextmanager
-def _main_module_spawnable() -> Iterator[None]:
-    """A spawned child re-imports the main module from its `__file__`; a script piped to `python -`
-    has `__file__ == '<stdin>'`, which the child cannot open. Such a main module is hidden from
-    the child as `python -c`'s is (no `__file__`: not re-imported) while it starts."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if path is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
-        yield  # no file to re-import, or re-imported by module name (`python -m`)
-        return
-    if not os.path.isabs(path) and mp.process.ORIGINAL_DIR is not None:
-        path = os.path.join(mp.process.ORIGINAL_DIR, path)
-    if os.path.isfile(path):
-        yield
-        return
-    saved = main.__file__
-    del main.__file__
-    try:
-        yield
-    finally:
-        main.__file__ = saved
-
-
-def _silent_exit_reason(exitcode: int | None) -> str:
-    """A child that died before it could say why: its traceback is on stderr above. The usual
-    cause is a script that starts the engine at import time: the children are spawned, and each
-    re-imports the main module."""
-    return (
-        f"it exited before it was ready (exit code {exitcode}; its error is printed above). A script "
-        'that starts an Engine must do so under `if __name__ == "__main__":` (the engine\'s '
-        "processes are spawned and import the main module)."
-    )
-
-
-def _wait_ready(name: str, proc, reader) -> dict:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        if reader.poll(0.2):
-            try:
-                info = reader.recv()
-            except EOFError:
-                info = None
-            if info and info.get("status") == "ready":
-                return info
-            proc.join(5.0)
-            error = (info or {}).get("error") or _silent_exit_reason(proc.exitcode)
-            raise RuntimeError(f"the {name} process failed to start: {error}")
-        if not proc.is_alive():
-            raise RuntimeError(f"the {name} process died during start-up (exit code {proc.exitcode})")
-    raise RuntimeError(f"the {name} process was not ready after {STARTUP_TIMEOUT:.0f} s")
 
 
 def shutdown_subprocesses(manager: TokenizerManager) -> None:

@@ -130,6 +130,8 @@ class ServerArgs:
     decode_log_interval: int = 40
     test_mode: bool = False  # the idle self-check raises instead of logging
     watchdog_timeout: float = 300.0
+    max_scheduler_restarts: int = 3  # HTTP server: restarts of a dead scheduler per window (0: exit)
+    scheduler_restart_window: float = 600.0
 
     # Tensor parallelism (SGLang's flags; see SERVER_ARGS_HELP and README "Tensor parallel")
     tp_size: int = 1
@@ -382,6 +384,14 @@ SERVER_ARGS_RULES: tuple[Rule, ...] = (
     Rule(
         lambda a: not a.watchdog_timeout > 0,
         lambda a: f"--watchdog-timeout must be > 0 seconds, got {a.watchdog_timeout}",
+    ),
+    Rule(
+        lambda a: a.max_scheduler_restarts < 0,
+        lambda a: f"--max-scheduler-restarts must be >= 0, got {a.max_scheduler_restarts}",
+    ),
+    Rule(
+        lambda a: not a.scheduler_restart_window > 0,
+        lambda a: f"--scheduler-restart-window must be > 0 seconds, got {a.scheduler_restart_window}",
     ),
     Rule(
         lambda a: a.retract_decode_steps < 0,

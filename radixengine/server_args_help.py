@@ -232,8 +232,16 @@ SERVER_ARGS_HELP = {
     ),
     "watchdog_timeout": (
         "Seconds one scheduler step (a forward batch) may take. Past it the scheduler process logs the "
-        "timeout and exits, the pending requests fail with that message and the server exits (as SGLang)."
+        "timeout and exits, the pending requests fail with that message and the HTTP server starts a new "
+        "scheduler (--max-scheduler-restarts; SGLang's server exits)."
     ),
+    "max_scheduler_restarts": (
+        "HTTP server: when the scheduler process dies (an uncontained error, a native crash, a kill), "
+        "its requests fail with a 503 and a new scheduler (and detokenizer) starts with the same "
+        "arguments, at most this many times within --scheduler-restart-window; one more death and the "
+        "server exits with code 1. 0: exit at the first death. The offline Engine never restarts."
+    ),
+    "scheduler_restart_window": ("Seconds over which --max-scheduler-restarts counts restarts."),
     "stream_interval": (
         "Stream a request's tokens every N tokens (the first one at once, and the rest when it "
         "finishes): fewer messages through the detokenizer and the HTTP front end per step."

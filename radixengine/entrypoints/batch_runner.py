@@ -4,7 +4,8 @@ lines of all batches together in the engine at once, each a batch line that yiel
 interactive requests (managers/req.py); every answer appended to the batch's result log as it
 comes. At the end the logs become the output file (status 200) and the error
 file (refusals, and malformed lines found before the run). A restarted server resumes every
-unfinished batch and skips the custom_ids its logs already hold: each line is answered once."""
+unfinished batch and skips the custom_ids its logs already hold: each line is answered once. A
+line in the engine when the scheduler died runs again once a new scheduler is up."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from radixengine.entrypoints.batch_store import TERMINAL, BatchStore, ResultLog, public
 from radixengine.entrypoints.file_store import FileStore
 from radixengine.entrypoints.openai_routes import answer_body
-from radixengine.managers.request_errors import EngineDeadError, RequestError
+from radixengine.managers.request_errors import EngineDeadError, RequestError, SchedulerRestartError
 from radixengine.managers.tokenizer_manager import TokenizerManager
 from radixengine.utils.jsonl import decode_line, numbered_lines
 
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOW_S = 24 * 3600
+RESTART_POLL_S = 0.2  # how often a line waiting for a new scheduler looks again
 
 
 def req_id() -> str:
@@ -233,7 +235,7 @@ class BatchRunner:
         or error log. The one place a line runs; an engine that went down stops the batch."""
         rid = req_id()
         try:
-            body = await answer_body(self.tm, batch["endpoint"], line.body, interactive=False)
+            body = await self._answer_through_restarts(batch, line)
             logs["output"].append(_response_line(line, rid, 200, body))
         except RequestError as e:
             error = {
@@ -248,6 +250,19 @@ class BatchRunner:
                                "code": 500}}  # fmt: skip
             logs["error"].append(_response_line(line, rid, 500, error))
         self._count(batch, logs)
+
+    async def _answer_through_restarts(self, batch: dict, line: Line) -> dict:
+        """The line's answer; a line that failed because the scheduler died and is restarting
+        runs again on the new one (nothing of it was logged)."""
+        while True:
+            try:
+                return await answer_body(self.tm, batch["endpoint"], line.body, interactive=False)
+            except SchedulerRestartError:
+                logger.warning(
+                    "batch %s, line %d: the scheduler restarted; running it again", batch["id"], line.index
+                )
+                while self.tm.restarting:
+                    await asyncio.sleep(RESTART_POLL_S)
 
     def _count(self, batch: dict, logs: dict[str, ResultLog]) -> None:
         failed = logs["error"].count + logs["invalid"].count

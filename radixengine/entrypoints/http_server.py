@@ -165,13 +165,14 @@ def check_address(host: str, port: int) -> None:
 
 
 def launch_server(server_args) -> None:
-    """Start the child processes, then serve until SIGINT / SIGTERM (or a child dies)."""
+    """Start the child processes, then serve until SIGINT / SIGTERM, or until a child dies past
+    what --max-scheduler-restarts allows (then exit 1)."""
     from radixengine.engine import launch_subprocesses, shutdown_subprocesses
 
     logging.basicConfig(level=server_args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     check_address(server_args.host, server_args.port)
     try:
-        tm = launch_subprocesses(server_args)
+        tm = launch_subprocesses(server_args, restart=True)
     except (OSError, ValueError, RuntimeError) as e:
         logger.debug("start-up failed", exc_info=True)
         raise ServerStartError(str(e)) from e

@@ -120,6 +120,8 @@ async def server_info(request: Request) -> dict:
     )
     info.update({k: v for k, v in tm.scheduler_info.items() if k != "status"})
     info["max_total_tokens"] = tm.scheduler_info.get("max_total_num_tokens")
+    info["scheduler_restarts"] = tm.scheduler_restarts
+    info["scheduler_pid"] = next((proc.pid for name, proc in tm.processes if name == "scheduler"), None)
     info.update(state)
     info["internal_states"] = [state]
     return info

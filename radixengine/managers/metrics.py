@@ -222,6 +222,10 @@ class TokenizerMetricsCollector:
         self.num_requests = self._counter("num_requests_total", "Number of requests processed.")
         self.num_aborted = self._counter("num_aborted_requests_total", "Number of requests aborted.")
         self.num_aborted.labels(**self.labels)  # exported (0) before the first abort: dashboards show it
+        self.scheduler_restarts = self._counter(
+            "scheduler_restarts_total", "Times a dead scheduler process was started again."
+        )
+        self.scheduler_restarts.labels(**self.labels)
         self._init_histograms()
         self.scheduler = SchedulerStatsCollector(self.scheduler_labels)
         self.registry.register(self.scheduler)

@@ -53,6 +53,11 @@ class EngineDeadError(RuntimeError):
     """A child process of the engine died; the engine cannot serve any more requests."""
 
 
+class SchedulerRestartError(EngineDeadError):
+    """The scheduler died and a new one is starting: this request failed (or was refused while
+    the new one starts); the same request can be sent again once /health answers 200."""
+
+
 def is_abort(out: GenerateOutput) -> bool:
     reason = out["meta_info"].get("finish_reason")
     return bool(reason) and reason.get("type") == "abort"

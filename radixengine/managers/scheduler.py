@@ -1,12 +1,12 @@
 """Scheduler: continuous batching over the radix cache — the event loop and the wiring of its
 components (managers/scheduler_components/).
 
-One step: intake (`recv_requests` → `RequestIntake.process_input_requests`: validate, build
-`Req`, queue) → `get_next_batch_to_run` returns a `StepPlan` (a prefill batch from
-`PrefillAdmission`; else the running decode batch after `RunningBatchUpdater`, which may
-retract) that `run_step` applies → `run_batch` (the worker client: ScheduleBatch →
-ModelWorkerBatch → forward → sample) → `BatchResultProcessor` (append tokens, check stop
-conditions, cache or free KV) → `OutputStreamer` (one `BatchTokenIDOut` for the step).
+One step: intake (`recv_requests` → `RequestIntake`: validate, build `Req`, queue) →
+`get_next_batch_to_run` returns a `StepPlan` (a prefill batch from `PrefillAdmission`; else the
+running decode batch after `RunningBatchUpdater`, which may retract) that `run_step` applies →
+`run_batch` (the worker client: forward, sample) → `BatchResultProcessor` (append tokens, stop
+conditions, cache or free KV) → `OutputStreamer` (one `BatchTokenIDOut` a step). A step that
+raises ends its own requests (`StepRecovery`), not the process.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from radixengine.managers.scheduler_components.running_batch_updater import (
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
 from radixengine.managers.scheduler_components.speculative_drafter import make_drafter
 from radixengine.managers.scheduler_components.step_plan import StepPlan
+from radixengine.managers.scheduler_components.step_recovery import make_step_recovery
 from radixengine.managers.scheduler_io import InProcessIO, SchedulerIO, SchedulerIOClosed
 from radixengine.managers.served_model import tokenizer_eos_ids
 from radixengine.managers.worker_client import (
@@ -59,6 +60,7 @@ from radixengine.managers.worker_client import (
 from radixengine.mem_cache.accounting import TokenAccountingError, check_token_accounting
 from radixengine.server_args import ServerArgs
 from radixengine.speculative.spec_args import max_verify_nodes
+from radixengine.utils.fault_injection import fault_point
 
 if TYPE_CHECKING:
     from radixengine.model_executor.tp_worker import GenerationBatchResult
@@ -165,6 +167,7 @@ class Scheduler:
             overlap_spec,
         )
         self.result_processor = self._new_result_processor()
+        self.recovery = make_step_recovery(self)
 
     def _new_intake(self, args: ServerArgs) -> RequestIntake:
         return RequestIntake(
@@ -207,20 +210,8 @@ class Scheduler:
             enable_in_batch_prefix_caching=in_batch_prefix_caching,
             fair=FairPolicy(args.lpm_aging_tokens_per_pass, args.dlpm_quantum_tokens),
         )
-        config = AdmissionConfig(
-            page_size=self.page_size,
-            max_running_requests=self.max_running_requests,
-            max_prefill_tokens=args.max_prefill_tokens,
-            chunked_prefill_size=args.effective_chunked_prefill_size,
-            enable_mixed_chunk=args.enable_mixed_chunk
-            and not (self.enable_overlap and args.speculative_algorithm),
-            try_preemption=args.enable_priority_scheduling,
-            priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
-            schedule_low_priority_values_first=args.schedule_low_priority_values_first,
-            retract_decode_steps=args.retract_decode_steps,
-            soft_priority_preemption=args.soft_priority_preemption,
-            enable_in_batch_prefix_caching=in_batch_prefix_caching,
-            eos_token_ids=self.eos_token_ids,
+        config = AdmissionConfig.from_server_args(
+            args, self.max_running_requests, self.enable_overlap, in_batch_prefix_caching, self.eos_token_ids
         )
         pools = AdmissionPools(self.tree_cache, self.token_to_kv_pool_allocator, self.req_to_token_pool)
         peers = AdmissionPeers(
@@ -301,15 +292,19 @@ class Scheduler:
         """The one place the running batch changes; returns the batch to run."""
         self.running_batch = plan.running_batch
         self.cur_batch = plan.batch
+        if plan.batch is not None:
+            fault_point("schedule")
         return plan.batch
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | OverlapResult:
         self.stats.add_forward_step()
+        fault_point("prepare")
         return self.model_worker.run_batch(batch)
 
     def process_batch_result(
         self, batch: ScheduleBatch, result: GenerationBatchResult | OverlapResult
     ) -> None:
+        fault_point("process")
         self.result_processor.process_batch_result(batch, result)
 
     def run_step(self) -> ScheduleBatch | None:
@@ -383,12 +378,8 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         """Nothing queued, running, or in a batch whose requests go on."""
-        if (
-            self.waiting_queue
-            or self.chunked_req is not None
-            or self.result_queue
-            or len(self.grammar_manager)
-        ):
+        busy = self.waiting_queue or self.result_queue or len(self.grammar_manager)
+        if busy or self.chunked_req is not None:
             return False
         return all(r.finished() for r in self._active_reqs())
 
@@ -422,16 +413,15 @@ class Scheduler:
             message = f"Cache not flushed: {running} running and {len(self.waiting_queue)} waiting requests."
             logger.warning(message)
             return False, message
-        self.tree_cache.reset()
         self.grammar_manager.reset()
-        if self.drafter is not None:
-            self.drafter.reset()
-        self.req_to_token_pool.clear()
-        self.token_to_kv_pool_allocator.clear()
+        self.recovery.pools.reset()
+        self._reset_loop_state()
+        return True, "Cache flushed."
+
+    def _reset_loop_state(self) -> None:  # nothing runs, nothing is launched
         self.apply_step_plan(StepPlan(None, self._new_batch([])))
         self.last_batch = None
         self.ratio.reset()
-        return True, "Cache flushed."
 
     def _answer_deferred_requests(self) -> None:
         for msg in self.intake.take_deferred():
@@ -448,11 +438,8 @@ class Scheduler:
     def event_loop_overlap(self) -> None:
         """The overlap loop: the device computes batch N while the CPU processes batch N-1 and
         schedules batch N+1 (see `run_step_overlap`)."""
-        if not self.enable_overlap:
-            raise RuntimeError(
-                "event_loop_overlap: this scheduler runs its forward inline "
-                "(--disable-overlap-schedule, or a CPU forward stream that runs inline)"
-            )
+        if not self.enable_overlap:  # --disable-overlap-schedule, or a CPU stream that runs inline
+            raise RuntimeError("event_loop_overlap: this scheduler runs its forward inline")
         self._event_loop(self.run_step_overlap)
 
     def _event_loop(self, step) -> None:
@@ -463,10 +450,23 @@ class Scheduler:
                         self.process_input_requests(self.recv_requests(block=self.is_idle()))
                 except SchedulerIOClosed:
                     return
-                step()
+                try:
+                    step()
+                except Exception as e:  # one step's requests fail, not the process
+                    self.contain_step_failure(e)
         finally:
             if self.server_args.trace_file:
                 self.write_trace()
+
+    def contain_step_failure(self, error: Exception) -> None:
+        """The failed step's requests end with a 500 (`StepRecovery`); raises when it cannot.
+        Not under TP: the other ranks would be in another step; all exit and are restarted."""
+        if self.server_args.tp_size > 1:
+            raise error
+        self.recovery.contain(error, self.step_ct)
+        self.admission.reset()
+        self._reset_loop_state()
+        self._end_step()
 
     def shutdown(self) -> None:
         self._shutdown = True
@@ -488,9 +488,7 @@ class Scheduler:
         self._trace_written_at = time.perf_counter()
 
     def run_until_idle(self, max_steps: int = 100_000) -> int:
-        """Test helper: step the event loop (the same code path) until nothing is queued,
-        running, in flight or pending. Returns the number of steps; raises if `max_steps` pass
-        first."""
+        """Test helper: step (the loop's code path) until idle; the steps run, or raises."""
         for step in range(1, max_steps + 1):
             self.process_input_requests(self.recv_requests(block=False))
             batch = self.run_step()

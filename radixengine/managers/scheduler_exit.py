@@ -12,6 +12,6 @@ def describe_scheduler_exit(exitcode: int | None, pid: int | None) -> str | None
         return None
     rank = exitcode - TP_RANK_EXIT_BASE
     return (
-        f"TP rank {rank} died, so the scheduler process (rank 0, pid {pid}) exited; the engine is down "
+        f"TP rank {rank} died, so the scheduler process (rank 0, pid {pid}) exited "
         "(the scheduler's log names the rank's exit code)"
     )

@@ -43,7 +43,8 @@ class SchedulerWatchdog:
     event loop (a forward batch, with its result) has run longer than `--watchdog-timeout`. The
     loop never waits longer than `scheduler_process.RECV_BLOCK_MS` when idle, so a step counter that stops moving
     means a step that hangs. It exits with `WATCHDOG_EXIT_CODE`: the tokenizer manager then fails
-    every pending request with a message naming the timeout (and the server exits)."""
+    every pending request with a message naming the timeout (and the HTTP server starts a new
+    scheduler, as --max-scheduler-restarts allows)."""
 
     def __init__(self, scheduler: Scheduler, timeout: float) -> None:
         self.scheduler = scheduler

@@ -4,9 +4,11 @@ It takes one request at a time (the front ends normalise their calls first, see
 `GenerateReqInput.normalize_batch_and_arguments`), has it tokenized and validated once
 (request_validator), sends it to the scheduler process and yields the detokenized outputs as they
 come back from the detokenizer process, gathered in the request's ReqState (req_state). A
-watchdog polls the child processes: if one dies, every pending request and every later one fails
-at once with an `EngineDeadError` naming it; closing the manager (`aclose`, on shutdown) fails
-the pending requests the same way."""
+watchdog polls the child processes: if one dies, every pending request fails at once with an
+`EngineDeadError` naming it. With a `restarter` (the HTTP server) new children start and serve
+the later requests (`SchedulerRestartError`, a 503, while they start); without one, or past its
+limit, every later request fails too. Closing the manager (`aclose`, on shutdown) fails the
+pending requests the same way."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from radixengine.managers.engine_processes import SchedulerRestarter
 from radixengine.managers.generate_output import GenerateOutput
 from radixengine.managers.io_struct import (
     AbortReq,
@@ -35,6 +38,7 @@ from radixengine.managers.req_state import LogprobState, ReqState
 from radixengine.managers.request_errors import (
     EngineDeadError,
     RequestError,
+    SchedulerRestartError,
     abort_to_error,
     is_abort,
     is_requested_abort,
@@ -81,6 +85,9 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.processes: list[tuple[str, Any]] = []  # (name, multiprocessing.Process) for the watchdog
         self.dead_error: str | None = None
+        self.dead_error_type: type[EngineDeadError] = EngineDeadError
+        self.restarter: SchedulerRestarter | None = None  # starts new children after a death
+        self.scheduler_restarts = 0
         self.on_dead = None  # called with the message when a child process dies
         self.stopping = False
         self.metrics = None
@@ -315,7 +322,11 @@ class TokenizerManager:
 
     def check_alive(self) -> None:
         if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
+            raise self.dead_error_type(self.dead_error)
+
+    @property
+    def restarting(self) -> bool:
+        return self.dead_error_type is SchedulerRestartError
 
     async def watchdog_loop(self) -> None:
         while self.dead_error is None:
@@ -324,8 +335,36 @@ class TokenizerManager:
             if dead is not None and self.stopping:  # ended with the server (one signal to the group)
                 logger.info("the %s process has ended: the server is shutting down", dead[0])
                 self.fail_pending(SHUTTING_DOWN_MESSAGE)
+            elif dead is not None and self.restarter is not None and self.restarter.may_restart():
+                await self.restart_children(self._death_message(*dead))
             elif dead is not None:
-                self.fail_all(self._death_message(*dead))
+                limit = f"; {self.restarter.limit_message()}" if self.restarter is not None else ""
+                self.fail_all(self._death_message(*dead) + limit)
+
+    async def restart_children(self, death: str) -> None:
+        """Fail the pending requests, start new children (refusing requests meanwhile), then
+        serve again; if they cannot start, the engine is dead."""
+        logger.error("%s; failing its requests and starting a new scheduler", death)
+        self.fail_pending(f"{death}; a new scheduler is starting", SchedulerRestartError)
+        try:
+            self.processes, port_args = await asyncio.to_thread(self.restarter.restart, self.processes)
+        except Exception as e:
+            self.dead_error_type = EngineDeadError
+            self.fail_all(f"{death}; the new scheduler failed to start: {e}")
+            return
+        if self.stopping:
+            return
+        import zmq
+
+        self.send_to_scheduler.close(linger=0)
+        self.send_to_scheduler = self.context.socket(zmq.PUSH)
+        self.send_to_scheduler.connect(port_args.scheduler_input_ipc_name)
+        self.port_args = port_args
+        self.scheduler_restarts += 1
+        if self.metrics is not None:
+            self.metrics.scheduler_restarts.labels(**self.metrics.labels).inc()
+        self.dead_error, self.dead_error_type = None, EngineDeadError
+        logger.info("the new scheduler is ready (restart %d)", self.scheduler_restarts)
 
     def _death_message(self, name: str, proc) -> str:
         if name == "scheduler" and proc.exitcode == WATCHDOG_EXIT_CODE:
@@ -344,12 +383,12 @@ class TokenizerManager:
         if self.on_dead is not None:
             self.on_dead(message)
 
-    def fail_pending(self, message: str) -> None:
-        """End every pending request and control call with `EngineDeadError(message)`, and every
-        later one too (a child process died, or the engine is shutting down)."""
-        self.dead_error = message
+    def fail_pending(self, message: str, error_type: type[EngineDeadError] = EngineDeadError) -> None:
+        """End every pending request and control call with `error_type(message)`, and every
+        later one too until a restart (a child process died, or the engine is shutting down)."""
+        self.dead_error, self.dead_error_type = message, error_type
         for state in self.rid_to_state.values():
-            state.outs.append(EngineDeadError(message))
+            state.outs.append(error_type(message))
             state.finished = True
             state.event.set()
         self.rid_to_state.clear()
@@ -357,4 +396,4 @@ class TokenizerManager:
             while queue:
                 future = queue.popleft()
                 if not future.done():
-                    future.set_exception(EngineDeadError(message))
+                    future.set_exception(error_type(message))

@@ -27,12 +27,14 @@ from radixengine.mem_cache.memory_pool import ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ModelWorkerBatch
 from radixengine.speculative.spec_overlap import resolve_future_verify
 from radixengine.speculative.spec_verify import VerifyResult
+from radixengine.utils.fault_injection import fault_point
 from radixengine.utils.streams import (
     CpuStream,
     CudaStream,
     Event,
     HostStream,
     Stream,
+    StreamError,
     get_default_stream,
     new_stream,
 )
@@ -66,6 +68,10 @@ class WorkerClient(Protocol):
 
     def launch_sample_if_needed(self, result: GenerationBatchResult | OverlapResult) -> None: ...
 
+    def quiesce(self) -> None:
+        """After a failed step: wait for what was launched, and accept new work again."""
+        ...
+
     def device_intervals(self, scheduler_events: list[tuple[str, float, float]]) -> list: ...
 
     def close(self) -> None: ...
@@ -81,6 +87,7 @@ class _WorkerClientBase:
         """This step's allowed-token masks of the batch's constrained rows, filled on the host
         from each matcher's state (SGLang's update_regex_vocab_mask)."""
         with self.timer.phase("grammar"):
+            fault_point("grammar")
             grammars = [r.samples_grammar() for r in batch.reqs]
             mwb.sampling_info.update_regex_vocab_mask(grammars, batch.vocab_size, pin_memory=self.pin_memory)
 
@@ -109,6 +116,9 @@ class InlineWorkerClient(_WorkerClientBase):
 
     def launch_sample_if_needed(self, result: GenerationBatchResult) -> None:
         pass
+
+    def quiesce(self) -> None:
+        pass  # the forward ran on this thread: nothing is in flight
 
     def device_intervals(self, scheduler_events: list[tuple[str, float, float]]) -> list:
         return [(s, e, name) for name, s, e in scheduler_events if name in ("forward", "verify")]
@@ -191,6 +201,17 @@ class TpModelWorkerClient(_WorkerClientBase):
 
     def device_intervals(self, scheduler_events: list[tuple[str, float, float]]) -> list:
         return list(self.forward_stream.busy)  # CpuStream or CudaStream (timed)
+
+    def quiesce(self) -> None:
+        """The launched work ends (a CPU stream skips what follows a failure); its error is
+        dropped (a CUDA error raises again here: not recoverable in this process)."""
+        try:
+            self.forward_stream.synchronize()
+        except StreamError:
+            pass
+        if isinstance(self.forward_stream, CpuStream):
+            self.forward_stream.reset_error()
+        self.batch_record_buf.clear()
 
     def close(self) -> None:
         if isinstance(self.forward_stream, CpuStream):

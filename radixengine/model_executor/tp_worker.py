@@ -23,6 +23,7 @@ from radixengine.speculative.spec_verify import (
     verify_tree,
     verify_tree_argmax,
 )
+from radixengine.utils.fault_injection import fault_point
 
 # Tests only (as SGLang's SGLANG_TEST_STUCK_* variables): every forward first sleeps this many
 # seconds, a forward that hangs, for the --watchdog-timeout test.
@@ -100,6 +101,7 @@ class TpModelWorker:
         the forward: the result's `delay_sample_func` samples later, once the masks are filled."""
         if self.test_forward_stall_s:
             time.sleep(self.test_forward_stall_s)
+        fault_point("forward")
         forward_batch = ForwardBatch.init_new(model_worker_batch, self.model_runner)
         logits_output = self.model_runner.forward(forward_batch)
         result = GenerationBatchResult(next_token_ids=None)
@@ -111,6 +113,7 @@ class TpModelWorker:
             return self._verify(logits_output, forward_batch, trees)
 
         def sample() -> GenerationBatchResult:
+            fault_point("sample")
             result.next_token_ids = self.model_runner.sample(logits_output, forward_batch)
             result.invalid_rows = logits_output.invalid_rows
             if forward_batch.return_logprob:
@@ -129,6 +132,7 @@ class TpModelWorker:
     ) -> GenerationBatchResult:
         """A verify forward's logits (one row per draft node) against the drafts: the accepted
         tokens and the bonus token of each request, as the sampler would have drawn them."""
+        fault_point("sample")
         logits = logits_output.next_token_logits
         info = forward_batch.sampling_info
         verify = None

@@ -29,6 +29,13 @@ class OutputStreamer:
         self.speculative = speculative  # report each request's verify steps
         self.storage_counts = storage_counts  # report the cached tokens read from the storage tier
         self.pending: list[Req] = []  # requests with something to send at the end of this step
+        # Every request received and not yet sent its final message, by rid (what a failed
+        # step's recovery looks through).
+        self.unanswered: dict[str, Req] = {}
+
+    def expect(self, req: Req) -> None:
+        """A request was received: it is owed a final message."""
+        self.unanswered[req.rid] = req
 
     def add(self, req: Req) -> None:
         self.pending.append(req)
@@ -38,6 +45,9 @@ class OutputStreamer:
         reqs = [r for r in dict.fromkeys(pending) if self._should_send(r)]  # once each, in order
         if reqs:
             self.sink.send(_batch_token_id_out(reqs, self.speculative, self.storage_counts))
+            for r in reqs:
+                if r.finished():
+                    self.unanswered.pop(r.rid, None)
 
     def _should_send(self, req: Req) -> bool:
         if req.finished() or self.stream_interval == 1 or not req.stream or req.send_token_offset == 0:

@@ -27,6 +27,7 @@ from radixengine.mem_cache.base_prefix_cache import finished_kv_len
 from radixengine.speculative.request_state import InflightStep
 from radixengine.speculative.spec_overlap import NO_EXPECTATION, FutureVerify
 from radixengine.speculative.spec_tree import DraftTrees
+from radixengine.utils.fault_injection import fault_point
 
 
 def refresh_upper_lens(batch: ScheduleBatch) -> None:
@@ -79,6 +80,7 @@ class OverlapSpecStep:
         exact = all(
             not (flying.get(id(r)) and r.spec_inflight and r.spec_inflight.drafts) for r in batch.reqs
         )
+        fault_point("drafter")
         proposed = self.drafter.propose(batch, extras)
         drafts, expected = [], []
         for extra, tokens in zip(extras, proposed):

@@ -26,9 +26,12 @@ from radixengine.managers.scheduler_components.output_streamer import OutputStre
 from radixengine.managers.scheduler_components.request_intake import RequestIntake
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
 from radixengine.managers.scheduler_components.step_plan import StepPlan
+from radixengine.managers.scheduler_components.step_recovery import StepRequestsError
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.memory_pool import ReqToTokenPool
+from radixengine.server_args import ServerArgs
+from radixengine.utils.fault_injection import fault_point
 
 NewBatch = Callable[[list[Req]], ScheduleBatch]
 PREFETCH_POLL_S = 0.002  # a round that runs nothing waits this long for a storage prefetch
@@ -48,6 +51,31 @@ class AdmissionConfig:
     soft_priority_preemption: bool
     enable_in_batch_prefix_caching: bool
     eos_token_ids: frozenset[int]
+
+    @classmethod
+    def from_server_args(
+        cls,
+        args: ServerArgs,
+        max_running_requests: int,
+        overlap: bool,
+        in_batch_prefix_caching: bool,
+        eos_token_ids: frozenset[int],
+    ) -> AdmissionConfig:
+        return cls(
+            page_size=args.page_size,
+            max_running_requests=max_running_requests,
+            max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.effective_chunked_prefill_size,
+            # Not under overlap with speculation: a verify step cannot be mixed into a prefill.
+            enable_mixed_chunk=args.enable_mixed_chunk and not (overlap and args.speculative_algorithm),
+            try_preemption=args.enable_priority_scheduling,
+            priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
+            schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+            retract_decode_steps=args.retract_decode_steps,
+            soft_priority_preemption=args.soft_priority_preemption,
+            enable_in_batch_prefix_caching=in_batch_prefix_caching,
+            eos_token_ids=eos_token_ids,
+        )
 
 
 @dataclass(frozen=True)
@@ -86,6 +114,11 @@ class PrefillAdmission:
     @property
     def waiting_queue(self) -> list[Req]:
         return self.peers.intake.waiting_queue
+
+    def reset(self) -> None:
+        """After a failed step: no chunked request, and the next round looks again."""
+        self.chunked_req = None
+        self.full_at_departures = None
 
     def batch_is_full(self, running: ScheduleBatch) -> bool:
         """The last prefill round stopped for want of rows or tokens and no request has left the
@@ -226,16 +259,13 @@ class PrefillAdmission:
                 break  # batch lines come last in the queue: none runs while an interactive one waits
             if req not in matched:
                 req.init_next_round_input(self.pools.tree_cache)
-            if trie is not None and self._prefix_being_computed(req, trie):
-                continue  # wait one round: it will hit the cache instead of computing it again
-            if not self.pools.tree_cache.check_prefetch_progress(req.rid):
-                self.waiting_for_prefetch = True
-                continue  # its pages are still being read from storage: it stays queued
+            if self._waits_this_round(req, trie):
+                continue
             if len(adder.can_run_list) >= self._num_allocatable_reqs(len(running.reqs), chunked_in_batch):
                 full = True
             if full and not self._preempt_for(adder, req, matched):
                 break
-            if self.pools.tree_cache.load_from_storage(req, req.fill_ids[: req.max_prefix_len()]):
+            if self._load_from_storage(req):
                 matched.clear()  # the load may have evicted what other requests matched
                 req.init_next_round_input(self.pools.tree_cache)
             res = self._add_one_req(adder, req, matched)
@@ -245,11 +275,29 @@ class PrefillAdmission:
                 return full or res == AddReqResult.NO_TOKEN
         return full
 
+    def _waits_this_round(self, req: Req, trie: PrefixTrie | None) -> bool:
+        """Whether `req` stays queued this round: a request of this batch computes its prefix
+        (it will hit the cache next round instead), or its pages are still read from storage."""
+        if trie is not None and self._prefix_being_computed(req, trie):
+            return True
+        if not self.pools.tree_cache.check_prefetch_progress(req.rid):
+            self.waiting_for_prefetch = True
+            return True
+        return False
+
     def _interactive_waiting(self, adder: PrefillAdder) -> bool:
         """Whether an interactive request is waiting and not admitted this round (checked at batch
         lines only, of which the runner keeps at most --batch-max-running in the engine)."""
         admitted = {id(r) for r in adder.can_run_list}
         return any(r.interactive and id(r) not in admitted for r in self.waiting_queue)
+
+    def _load_from_storage(self, req: Req) -> int:
+        """The hierarchical cache's load of the request's prefix; a failure is this request's."""
+        try:
+            fault_point("cache_load")
+            return self.pools.tree_cache.load_from_storage(req, req.fill_ids[: req.max_prefix_len()])
+        except Exception as e:
+            raise StepRequestsError([req], e) from e
 
     def _add_one_req(self, adder: PrefillAdder, req: Req, matched: set[Req]) -> AddReqResult:
         res = adder.add_one_req(req)

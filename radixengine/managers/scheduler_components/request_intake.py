@@ -143,6 +143,7 @@ class RequestIntake:
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         req = req_from_input(recv)
+        self.streamer.expect(req)
         try:
             error = recv.error or self._init_request(req)
         except Exception as e:  # one bad request fails alone; the scheduler keeps serving

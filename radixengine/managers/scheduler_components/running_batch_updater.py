@@ -17,6 +17,7 @@ from radixengine.managers.scheduler_components.overlap_spec_step import OverlapS
 from radixengine.managers.scheduler_components.request_intake import RequestIntake
 from radixengine.managers.scheduler_components.scheduler_stats import SchedulerStats
 from radixengine.managers.scheduler_components.speculative_drafter import Drafter
+from radixengine.utils.fault_injection import fault_point
 
 logger = logging.getLogger("radixengine.managers.scheduler")
 
@@ -76,6 +77,7 @@ class RunningBatchUpdater:
         trees = None
         if self.drafter is not None:
             with self.timer.phase("draft"):
+                fault_point("drafter")
                 trees = self.drafter.draft(batch)
         if trees is not None and batch.check_verify_mem(trees):
             batch.prepare_for_verify(trees)
