@@ -56,6 +56,29 @@ def test_a_fault_in_each_phase_ends_that_steps_request_alone(phase, overlap, fau
     assert sched.recovery.contained == 1
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_a_failing_prefill_ends_its_request_and_the_running_ones_keep_their_tokens(overlap, faults):
+    """Three requests decode; the prefill of a fourth fails: it alone ends, the three are
+    retracted (the pools are emptied) and finish with their greedy tokens."""
+    prompts = random_prompts(4, 4, 8, 16)
+    sched = make_scheduler(overlap=overlap)
+    sched.io.put(*[gen_req(f"r{i}", p, 12) for i, p in enumerate(prompts[:3])])
+    for _ in range(4):  # prefilled, then decoding
+        sched.process_input_requests(sched.recv_requests(block=False))
+        sched.run_step()
+    assert len(sched.running_batch.reqs) == 3
+    faults("schedule:1")  # the next batch scheduled: the fourth request's prefill
+    sched.io.put(gen_req("r3", prompts[3], 12))
+    run_contained(sched)
+    results = collect(sched.io.take_outputs())
+    reason = results["r3"].finished_reason
+    assert reason["status_code"] == 500 and "schedule phase" in reason["message"], reason
+    for i, p in enumerate(prompts[:3]):
+        assert results[f"r{i}"].output_ids == oracle_greedy(p, 12), i
+    assert_no_leak(sched)
+    assert sched.recovery.contained == 1
+
+
 def test_two_steps_in_a_row_that_end_nothing_are_not_contained():
     """One such failure is contained (the overlap loop's stale batch: its requests finished a
     step earlier); a second one at the next step means the steps keep failing: the process exits."""

@@ -293,6 +293,7 @@ class Scheduler:
         self.running_batch = plan.running_batch
         self.cur_batch = plan.batch
         if plan.batch is not None:
+            self.recovery.enter(plan.batch.reqs)
             fault_point("schedule")
         return plan.batch
 
@@ -304,6 +305,7 @@ class Scheduler:
     def process_batch_result(
         self, batch: ScheduleBatch, result: GenerationBatchResult | OverlapResult
     ) -> None:
+        self.recovery.enter(batch.reqs)
         fault_point("process")
         self.result_processor.process_batch_result(batch, result)
 
@@ -313,6 +315,7 @@ class Scheduler:
 
     def run_step_normal(self) -> ScheduleBatch | None:
         """Schedule, run, process, stream."""
+        self.recovery.enter(None)
         with self.timer.phase("schedule"):
             batch = self.apply_step_plan(self.get_next_batch_to_run())
         if batch is not None:
@@ -329,6 +332,7 @@ class Scheduler:
 
     def run_step_overlap(self) -> ScheduleBatch | None:
         """Launch batch N, then process batch N-1 while the device computes N."""
+        self.recovery.enter(None)
         with self.timer.phase("schedule"):
             batch = self.apply_step_plan(self.get_next_batch_to_run())
         if batch is not None:
@@ -342,6 +346,7 @@ class Scheduler:
             self.self_check_during_idle()
         if batch is not None:
             # After the previous batch's tokens are processed: the masks depend on them.
+            self.recovery.enter(batch.reqs)
             self.model_worker.launch_sample_if_needed(result)
         self.last_batch = batch
         self._end_step()
@@ -436,8 +441,7 @@ class Scheduler:
         self._event_loop(self.run_step_normal)
 
     def event_loop_overlap(self) -> None:
-        """The overlap loop: the device computes batch N while the CPU processes batch N-1 and
-        schedules batch N+1 (see `run_step_overlap`)."""
+        """The device computes batch N while the CPU processes N-1 and schedules N+1."""
         if not self.enable_overlap:  # --disable-overlap-schedule, or a CPU stream that runs inline
             raise RuntimeError("event_loop_overlap: this scheduler runs its forward inline")
         self._event_loop(self.run_step_overlap)
@@ -459,8 +463,7 @@ class Scheduler:
                 self.write_trace()
 
     def contain_step_failure(self, error: Exception) -> None:
-        """The failed step's requests end with a 500 (`StepRecovery`); raises when it cannot.
-        Not under TP: the other ranks would be in another step; all exit and are restarted."""
+        """`StepRecovery`; not under TP (the ranks would part ways: all exit and restart)."""
         if self.server_args.tp_size > 1:
             raise error
         self.recovery.contain(error, self.step_ct)

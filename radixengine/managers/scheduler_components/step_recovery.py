@@ -1,16 +1,17 @@
 """Step recovery: an exception raised while a step is scheduled, prepared, run, sampled or processed
 ends the requests of that step, not the scheduler process (SGLang's scheduler exits on any).
 
-The step's requests are those admitted and not finished (every request that left the waiting
-queue), and the requests a component was working on when it raised (`StepRequestsError`: a cache
-load during admission). Each ends with a 500 naming the failure; there may be none (the overlap
-loop's stale batch, whose requests finished a step earlier). What a half-run step left in
-the pools is not known, so nothing of it is trusted: the forward stream is drained, the launched
-results dropped, and the pools and the device radix cache are emptied (as /flush_cache does; the
-waiting requests are matched again when admitted). The token-accounting invariant is then
-checked. Two steps in a row that fail with no request to end (nothing shows the next would not
-fail too), an accounting error, or an exception while recovering raise `UncontainedStepError`: the process exits and the server
-starts a new scheduler."""
+The step's requests are those of the batch whose phase raised (`enter` names it as the loop goes;
+the requests a component was working on when it raised, `StepRequestsError`, a cache load during
+admission; every admitted request where no batch is named yet). Each ends with a 500 naming the
+failure. What a half-run step left in the pools is not known, so nothing of it is trusted: the
+forward stream is drained, the launched results dropped, and the pools and the device radix cache
+are emptied (as /flush_cache does). The other admitted requests are retracted, as decode
+retraction does (their output kept, their KV recomputed when they are admitted again), so they
+end with the tokens they would have had. The token-accounting invariant is then checked. A failure
+with no request to end twice in a row (the same step would fail again), an accounting error, or an
+exception while recovering raises `UncontainedStepError`: the process exits and the server starts
+a new scheduler."""
 
 from __future__ import annotations
 
@@ -86,12 +87,24 @@ def failure_message(error: Exception) -> str:
     )
 
 
-def step_requests(unanswered: Iterable[Req], queued: Iterable[Req], blamed: list[Req]) -> list[Req]:
-    """The requests a failed step ends: every unfinished one not in a queue (the waiting queue,
-    the grammar queue), and the blamed ones."""
+def admitted_requests(unanswered: Iterable[Req], queued: Iterable[Req], blamed: list[Req]) -> list[Req]:
+    """Every unfinished request not in a queue (the waiting queue, the grammar queue), and the
+    blamed ones."""
     waiting = {id(r) for r in queued}
     named = {id(r) for r in blamed}
     return [r for r in unanswered if not r.finished() and (id(r) in named or id(r) not in waiting)]
+
+
+def split_step_requests(
+    admitted: list[Req], blamed: list[Req], step_batch: list[Req] | None
+) -> tuple[list[Req], list[Req]]:
+    """(the requests the failed step ends, the admitted ones it retracts): the blamed ones if a
+    component named them, else the requests of the batch whose phase raised, else all."""
+    chosen = blamed or step_batch
+    if chosen is None:
+        return admitted, []
+    ends = {id(r) for r in chosen}
+    return [r for r in admitted if id(r) in ends], [r for r in admitted if id(r) not in ends]
 
 
 class StepRecovery:
@@ -110,6 +123,11 @@ class StepRecovery:
         self.drop_launched = drop_launched  # the launched batches whose results are not processed
         self.contained = 0  # failed steps contained
         self.last_empty_failure: int | None = None  # the step of the last one that ended nothing
+        self.step_batch: list[Req] | None = None  # the requests of the batch whose phase runs
+
+    def enter(self, reqs: list[Req] | None) -> None:
+        """The loop reaches a phase of the batch of `reqs` (None: no batch is known yet)."""
+        self.step_batch = reqs
 
     def contain(self, error: Exception, step: int) -> list[Req]:
         """End the failed step's requests and empty the pools; returns the requests ended.
@@ -118,25 +136,31 @@ class StepRecovery:
             raise error
         blamed = error.reqs if isinstance(error, StepRequestsError) else []
         queued = [*self.intake.waiting_queue, *self.intake.grammar_manager.grammar_queue]
-        failed = step_requests(self.streamer.unanswered.values(), queued, blamed)
+        admitted = admitted_requests(self.streamer.unanswered.values(), queued, blamed)
+        failed, retracted = split_step_requests(admitted, blamed, self.step_batch)
         if not failed:
             if self.last_empty_failure == step - 1:
                 raise UncontainedStepError(
                     f"two steps in a row failed with no request to end: {error!r}"
                 ) from error
             self.last_empty_failure = step
-        logger.error("a step failed; ending its %d requests", len(failed), exc_info=error)
+        logger.error(
+            "a step failed; ending its %d requests, retracting %d others",
+            len(failed),
+            len(retracted),
+            exc_info=error,
+        )
         try:
-            self._release(failed, failure_message(error))
+            self._release(failed, retracted, failure_message(error))
         except Exception as e:
             raise UncontainedStepError(f"recovering from a failed step failed: {e!r}") from e
         self.contained += 1
         return failed
 
-    def _release(self, failed: list[Req], message: str) -> None:
+    def _release(self, failed: list[Req], retracted: list[Req], message: str) -> None:
         self.worker.quiesce()
         self.drop_launched()
-        ended = {id(r) for r in failed}
+        ended = {id(r) for r in failed} | {id(r) for r in retracted}
         self.intake.waiting_queue[:] = [r for r in self.intake.waiting_queue if id(r) not in ended]
         for req in failed:
             req.abort(message, 500, "InternalServerError")
@@ -147,6 +171,9 @@ class StepRecovery:
                 self.streamer.add(req)
         self.pools.reset()
         self.pools.check()
+        for req in retracted:
+            req.reset_for_retract()
+        self.intake.requeue(retracted)
 
 
 class SchedulerParts(Protocol):
