@@ -194,4 +194,4 @@ def resolve_lora_path(path: str) -> str:
     try:
         return locate_model(path, flag="lora_path")
     except (FileNotFoundError, ValueError) as e:
-        raise LoRALoadError(f"LoRA adapter {path!r}: {e}") from None
+        raise LoRALoadError(str(e)) from None

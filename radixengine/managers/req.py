@@ -61,6 +61,7 @@ class Req:
         priority: int | None = None,
         logprob_start_len: int = -1,
         routing_key: str | None = None,
+        lora_id: str | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -74,6 +75,7 @@ class Req:
         self.stream = stream
         self.priority = priority
         self.routing_key = routing_key  # the tenant (fair scheduling, managers/fair_policy.py)
+        self.lora_id = lora_id  # its LoRA adapter (None: the base model), its KV's radix namespace
         self.start_wait()
 
         self.output_ids: list[int] = []
@@ -194,12 +196,17 @@ class Req:
         limit = len(self.origin_input_ids) + len(self.output_ids) - 1
         return min(limit, self.logprob_start_len) if self.needs_input_logprobs() else limit
 
+    @property
+    def extra_key(self) -> str | None:
+        """The radix cache's namespace of the request's KV (SGLang's extra_key)."""
+        return self.lora_id
+
     def init_next_round_input(self, tree_cache: BasePrefixCache | None = None) -> None:
         """Set fill_ids and extend_input_len for this round; with a tree cache, (re)match the
         prefix first (without one, the prefix of the last match or chunk is kept)."""
         prefix_ids = self.adjust_max_prefix_ids()
         if tree_cache is not None:
-            match = tree_cache.match_prefix(prefix_ids)
+            match = tree_cache.match_prefix(prefix_ids, self.extra_key)
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 

@@ -486,4 +486,5 @@ class ScheduleBatch:
             input_logprob_token_ids=self.input_logprob_token_ids if is_extend else None,
             spec_trees=self.spec_trees,
             future_verify=self.future_verify,
+            lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id for r in self.reqs) else None,
         )

@@ -222,6 +222,8 @@ class PrefillAdmission:
                 full = True
             if full and not self._preempt_for(adder, req, matched):
                 break
+            if not self._lora_fits(req, adder, running):
+                continue  # its adapter would exceed --max-loras-per-batch: a later batch
             if self.pools.tree_cache.load_from_storage(req, req.fill_ids[: req.max_prefix_len()]):
                 matched.clear()  # the load may have evicted what other requests matched
                 req.init_next_round_input(self.pools.tree_cache)
@@ -231,6 +233,10 @@ class PrefillAdmission:
             if res != AddReqResult.CONTINUE:
                 return full or res == AddReqResult.NO_TOKEN
         return full
+
+    def _lora_fits(self, req: Req, adder: PrefillAdder, running: ScheduleBatch) -> bool:
+        batch = [r.lora_id for r in running.reqs if r not in adder.preempt_list]
+        return self.peers.intake.lora.fits(batch + [r.lora_id for r in adder.can_run_list], req.lora_id)
 
     def _add_one_req(self, adder: PrefillAdder, req: Req, matched: set[Req]) -> AddReqResult:
         res = adder.add_one_req(req)
