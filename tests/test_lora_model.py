@@ -123,3 +123,53 @@ def test_adapter_of_another_base_is_refused_naming_shapes(setup, tmp_path):
         LoRALoadError, match=r"q_proj.lora_A has shape \(4, 96\), the base model needs \(4, 64\)"
     ):
         runner.lora_manager.load_adapter("x", str(folder))
+
+
+def _decode_logits(runner, lora_ids: dict[str, str], prompts: dict[str, list[int]], steps: int = 4):
+    driver = ModelDriver(runner, lora_ids)
+    logits = driver.extend(prompts)
+    out = [logits]
+    for _ in range(steps):
+        logits = driver.decode(dict(zip(prompts, logits.argmax(-1).tolist())))
+        out.append(logits)
+    return out
+
+
+def test_delta_is_added_after_gguf_block_linears(setup, tmp_path):
+    """A GGUF model whose decode runs its linears from the blocks (native kernels) gets the same
+    adapter delta as its float path; the adapter changes the output."""
+    from gguf_utils import write_llama_gguf
+
+    from radixengine.layers import gguf_quant_ops
+
+    if not gguf_quant_ops.quant_native_available():
+        pytest.skip("the native CPU kernels are not built")
+    _, base, hf, adapters = setup
+    path = write_llama_gguf(tmp_path / "tiny.gguf", hf, qtype=gguf_quant_ops.GGML_Q8_0)
+    prompts = {"x": [1, 5, 9, 33, 2, 7, 100], "y": [3, 4, 5]}
+    results = {}
+    for mode in ("gguf", "none"):
+        runner = _runner(path, adapters, quantization=mode)
+        blocks = [m for m in runner.model.modules() if getattr(m, "block_weight", None) is not None]
+        assert bool(blocks) == (mode == "gguf")
+        ids = _ids(runner)
+        results[mode] = _decode_logits(runner, {"x": ids["all8"], "y": ids["mlp16"]}, prompts)
+    plain = _decode_logits(make_runner(path, quantization="gguf"), {}, prompts)
+    for got, ref, base_logits in zip(results["gguf"], results["none"], plain):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(got, base_logits, atol=1e-2)
+
+
+def test_bf16_model_with_adapters_stays_near_peft(setup):
+    """The delta in the model's dtype (bf16 linears: oneDNN or AMX) stays within bf16's error of
+    transformers + peft in float32."""
+    _, base, hf, adapters = setup
+    runner = _runner(base, adapters, dtype="bfloat16")
+    ids = _ids(runner)
+    prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    driver = ModelDriver(runner, {"a": ids["all8"], "b": None})
+    logits = driver.extend({"a": prompt, "b": prompt})
+    ref = hf_last_logits(peft_model(base, adapters["all8"]), prompt)
+    assert_close_rel(logits[0].float(), ref, rtol=0.05)
+    assert_close_rel(logits[1].float(), hf_last_logits(hf, prompt), rtol=0.05)
+    assert not torch.allclose(logits[0].float(), logits[1].float(), atol=0.1)

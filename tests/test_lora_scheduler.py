@@ -19,6 +19,7 @@ from radixengine.lora.lora_registry import parse_lora_paths
 from radixengine.managers.io_struct import BatchTokenIDOut, LoadLoRAAdapterReqInput, LoRAAdapterReqOutput
 from radixengine.managers.scheduler import Scheduler
 from radixengine.managers.scheduler_io import InProcessIO
+from radixengine.model_executor.forward_batch_info import ForwardMode
 from radixengine.model_executor.tp_worker import TpModelWorker
 from radixengine.server_args import ServerArgs
 
@@ -94,10 +95,10 @@ def lora_ids() -> dict[str, str]:
     return {r.lora_name: r.lora_id for r in parse_lora_paths([f"{n}={p}" for n, p in adapter_dirs().items()])}
 
 
-def lora_req(rid: str, prompt: list[int], name: str | None, max_new_tokens: int = 12):
+def lora_req(rid: str, prompt: list[int], name: str | None, max_new_tokens: int = 12, logprobs: bool = True):
     req = gen_req(rid, prompt, max_new_tokens=max_new_tokens)
     req.lora_id = None if name is None else lora_ids()[name]
-    req.return_logprob = True
+    req.return_logprob = logprobs
     return req
 
 
@@ -111,7 +112,8 @@ def run(sched: Scheduler, reqs: list) -> dict[str, dict]:
         for i, rid in enumerate(msg.rids):
             r = out.setdefault(rid, {"ids": [], "logprobs": [], "cached": 0, "finish": None})
             r["ids"] += msg.output_ids[i]
-            r["logprobs"] += msg.output_token_logprobs[i] or []
+            if msg.output_token_logprobs:
+                r["logprobs"] += msg.output_token_logprobs[i] or []
             r["cached"] = msg.cached_tokens[i]
             r["finish"] = msg.finished_reasons[i]
     assert_no_leak(sched)
@@ -122,10 +124,11 @@ def assert_matches_peft(reqs, names: dict[str, str | None], out) -> None:
     for r in reqs:
         tokens, logprobs = reference(names[r.rid], r.input_ids, r.sampling_params.max_new_tokens)
         assert out[r.rid]["ids"] == tokens, f"{r.rid} ({names[r.rid]}): tokens differ from peft"
-        assert out[r.rid]["logprobs"] == pytest.approx(logprobs, abs=2e-4), f"{r.rid}: logprobs"
+        if r.return_logprob:
+            assert out[r.rid]["logprobs"] == pytest.approx(logprobs, abs=2e-4), f"{r.rid}: logprobs"
 
 
-def mixed_workload(tag: str, long: bool = False):
+def mixed_workload(tag: str, long: bool = False, logprobs: bool = True):
     prompts = random_prompts(31, 8, 5, 25) + (
         [SHARED + p for p in random_prompts(32, 2, 60, 70)] if long else []
     )
@@ -134,11 +137,11 @@ def mixed_workload(tag: str, long: bool = False):
     for i, p in enumerate(prompts):
         rid = f"{tag}{i}"
         which[rid] = names[i % 4]
-        reqs.append(lora_req(rid, p, which[rid]))
+        reqs.append(lora_req(rid, p, which[rid], logprobs=logprobs))
     for name in names:  # one prompt under every adapter and the base model at once
         rid = f"{tag}s{name}"
         which[rid] = name
-        reqs.append(lora_req(rid, SHARED, name))
+        reqs.append(lora_req(rid, SHARED, name, logprobs=logprobs))
     return reqs, which
 
 
@@ -152,6 +155,32 @@ def test_mixed_adapters_match_peft(page_size, chunk, overlap):
     assert_matches_peft(reqs, which, out)
     # The adapters change the tokens (else this test could not tell them apart).
     assert len({tuple(out[f"ms{n}"]["ids"]) for n in (None, "a", "b", "c")}) == 4
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_mixed_chunk_with_adapters_matches_peft(overlap):
+    """--enable-mixed-chunk: the running requests' decode rides in the prefill batch, each row
+    with its own adapter."""
+    sched = make_lora_scheduler(overlap=overlap, chunked_prefill_size=16, enable_mixed_chunk=True)
+    modes = []
+    forward = sched.tp_worker.forward_batch_generation
+
+    def spy(mwb, *args, **kwargs):
+        modes.append((mwb.forward_mode, len({i for i in mwb.lora_ids or [] if i})))
+        return forward(mwb, *args, **kwargs)
+
+    sched.tp_worker.forward_batch_generation = spy
+    try:
+        reqs, which = mixed_workload("mc", long=True, logprobs=False)  # mixed chunks run without logprobs
+        sched.io.put(*reqs[:4])
+        for _ in range(3):
+            sched.process_input_requests(sched.recv_requests())
+            sched.run_step()
+        out = run(sched, reqs[4:])
+    finally:
+        del sched.tp_worker.forward_batch_generation
+    assert any(mode == ForwardMode.MIXED and n >= 2 for mode, n in modes), "no mixed batch of adapters ran"
+    assert_matches_peft(reqs, which, out)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
