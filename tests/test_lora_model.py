@@ -173,3 +173,36 @@ def test_bf16_model_with_adapters_stays_near_peft(setup):
     assert_close_rel(logits[0].float(), ref, rtol=0.05)
     assert_close_rel(logits[1].float(), hf_last_logits(hf, prompt), rtol=0.05)
     assert not torch.allclose(logits[0].float(), logits[1].float(), atol=0.1)
+
+
+@pytest.mark.parametrize(
+    "tokens_per_req, gathered",
+    [([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], False), ([1] * 20, True)],
+    ids=["runs", "rows"],
+)
+def test_delta_equals_per_row_reference(tokens_per_req, gathered):
+    """Runs (an extend's requests) and gathered rows (more runs than MAX_RUNS) give each row
+    `x A_s^T B_s` of its own slot, with the slot's rank; base rows are untouched."""
+    from radixengine.lora.lora_backend import apply_lora_delta
+    from radixengine.lora.lora_batch_info import MAX_RUNS, LoRABatchInfo
+
+    gen = torch.Generator().manual_seed(0)
+    slots_n, rank_max, stack, fin, fout = 3, 6, 2, 10, 14
+    a = torch.randn(slots_n + 1, rank_max, stack, fin, generator=gen)
+    b = torch.randn(slots_n + 1, rank_max, stack, fout, generator=gen)
+    ranks = {1: 2, 2: 6, 3: 4}
+    slots = [(i * 7) % 4 for i in range(len(tokens_per_req))]
+    n = sum(tokens_per_req)
+    x, y = torch.randn(n, fin, generator=gen), torch.randn(n, fout, generator=gen)
+    info = LoRABatchInfo.build(slots, tokens_per_req, ranks, torch.device("cpu"))
+    assert all((seg.rows is not None) == gathered for seg in info.segments)
+    assert all((len(seg.runs) > MAX_RUNS) == gathered for seg in info.segments)
+    expected = y.clone()
+    row = 0
+    for slot, count in zip(slots, tokens_per_req):
+        for _ in range(count):
+            if slot:
+                r = ranks[slot]
+                expected[row] += (x[row] @ a[slot, :r].reshape(-1, fin).t()) @ b[slot, :r].reshape(-1, fout)
+            row += 1
+    torch.testing.assert_close(apply_lora_delta(x, y.clone(), a, b, info), expected)
