@@ -229,7 +229,7 @@ class PrefillAdmission:
                 req.init_next_round_input(self.pools.tree_cache)
             res = self._add_one_req(adder, req, matched)
             if trie is not None and adder.admitted(req):
-                trie.insert(req.fill_ids[: len(req.prefix_indices) + adder.extend_lens[-1]])
+                trie.insert(req.fill_ids[: len(req.prefix_indices) + adder.extend_lens[-1]], req.extra_key)
             if res != AddReqResult.CONTINUE:
                 return full or res == AddReqResult.NO_TOKEN
         return full
@@ -298,14 +298,14 @@ class PrefillAdmission:
             return None
         trie = PrefixTrie()
         for req in self.peers.inflight_prefill_reqs():
-            trie.insert(req.fill_ids)
+            trie.insert(req.fill_ids, req.extra_key)
         for req, extend_len in zip(adder.can_run_list, adder.extend_lens):
-            trie.insert(req.fill_ids[: len(req.prefix_indices) + extend_len])
+            trie.insert(req.fill_ids[: len(req.prefix_indices) + extend_len], req.extra_key)
         return trie
 
     def _prefix_being_computed(self, req: Req, trie: PrefixTrie) -> bool:
         page = self.config.page_size
-        shared = trie.match(req.fill_ids[: req.max_prefix_len()]) // page * page
+        shared = trie.match(req.fill_ids[: req.max_prefix_len()], req.extra_key) // page * page
         return shared - len(req.prefix_indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
 
     # Mixed chunk -------------------------------------------------------------------------------
