@@ -81,3 +81,40 @@ def test_registry_resolves_counts_and_waits_for_unload():
         await asyncio.wait_for(waiter, 1)
 
     asyncio.run(scenario())
+
+
+def _adapter(rank: int, value: float):
+    import torch
+
+    from radixengine.lora.lora_adapter import LoRAAdapter
+    from radixengine.lora.lora_config import LoRAConfig
+
+    config = LoRAConfig("/x", rank, float(rank), ("o_proj",))
+    weights = {(0, "o_proj"): (torch.full((rank, 1, 4), value), torch.full((rank, 1, 4), value))}
+    return LoRAAdapter(config, weights)
+
+
+@pytest.mark.parametrize("policy, victim", [("lru", "b"), ("fifo", "a")])
+def test_pool_evicts_by_policy_and_never_a_pinned_or_used_slot(policy, victim):
+    import torch
+
+    from radixengine.lora.lora_adapter import ModuleShape
+    from radixengine.lora.mem_pool import LoRAMemoryPool
+
+    pool = LoRAMemoryPool({(0, "o_proj"): ModuleShape(4, (4,))}, 3, 4, policy, torch.float32, "cpu")
+    ad = {name: _adapter(2 + i % 2, float(i + 1)) for i, name in enumerate("abcde")}
+    pool.prepare({"p": ad["e"]}, pinned={"p"})  # pinned: in every batch, never evicted
+    pool.prepare({"a": ad["a"], "p": ad["e"]}, {"p"})
+    pool.prepare({"b": ad["b"], "p": ad["e"]}, {"p"})
+    pool.prepare({"a": ad["a"], "p": ad["e"]}, {"p"})  # a used again: lru keeps it, fifo does not
+    slots = pool.prepare({"c": ad["c"], "p": ad["e"]}, {"p"})
+    assert set(pool.slot_of) == {"p", "c", "a" if victim == "b" else "b"}
+    a_buf, b_buf = pool.buffers[(0, "o_proj")]
+    c = slots["c"]
+    assert pool.rank_of(c) == ad["c"].rank
+    assert torch.equal(a_buf[c, : ad["c"].rank], ad["c"].weights[(0, "o_proj")][0])
+    assert not a_buf[c, ad["c"].rank :].any()  # a lower rank than the slot's last adapter: zeros after it
+    with pytest.raises(RuntimeError, match="more than the pool's 3 slots"):
+        pool.prepare({k: ad[k] for k in "abcd"}, {"p"})
+    pool.drop("c")
+    assert "c" not in pool.slot_of
