@@ -9,7 +9,9 @@ time the first token); request i uses adapter i mod N (N = the spread). The adap
 PEFT adapters of the model's shape (q/k/v/o and gate/up/down), written once to a temporary folder.
 The 16-adapter runs use `--max-loras-per-batch 4` (at most 4 adapters in any batch: requests
 wait for a slot), the others the default 8. Reported: output tokens/s, the ratio to the base
-model's run, time to first token, and how many of the requests finished."""
+model's run, time to first token, the prompt tokens found in the radix cache (each adapter's KV
+is its own: W1's shared system prompt is computed once per adapter), and how many of the
+requests finished."""
 
 from __future__ import annotations
 
@@ -98,7 +100,10 @@ def run_config(items, model_path, dtype, threads, adapters: dict[str, str], max_
         1 for r in results if r[1] and r[1]["finish_reason"] and r[1]["finish_reason"]["type"] != "abort"
     )
     completion = sum(r[1]["completion_tokens"] for r in results if r[1])
+    prompt = sum(r[1]["prompt_tokens"] for r in results if r[1])
+    cached = sum(r[1]["cached_tokens"] for r in results if r[1])
     return {
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
         "elapsed_s": elapsed,
         "output_tokens": completion,
         "output_tok_s": completion / elapsed,
@@ -179,7 +184,7 @@ def _print(row: dict, base: dict) -> None:
     )
     print(
         f"| {row['workload']} | {label} | {row['output_tok_s']:.1f} | {row['output_tok_s'] / base['output_tok_s']:.2f} "
-        f"| {row['ttft_mean_s']:.2f} | {row['finished']}/{row['requests']} |",
+        f"| {row['ttft_mean_s']:.2f} | {row['cache_hit_rate']:.1%} | {row['finished']}/{row['requests']} |",
         flush=True,
     )
 
