@@ -37,6 +37,7 @@ EXTRAS = {
         "llguidance==1.9.1",
         "langchain-openai",  # tests/test_responses_api.py: ChatOpenAI(use_responses_api=True)
         "litellm",  # tests/test_responses_api.py: litellm.responses()
+        "peft",  # tests/test_lora_*.py: the LoRA reference (transformers + peft)
     ],
     "llguidance": ["llguidance==1.9.1"],
 }

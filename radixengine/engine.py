@@ -161,6 +161,7 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         return_text_in_logprobs: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict back; raises `RequestError` if refused) or a batch (a list
         of dicts in input order, one per prompt and per choice when n > 1; a refused one carries
@@ -172,7 +173,8 @@ class Engine:
         per output token; text only with `return_text_in_logprobs`) and `input_token_logprobs`
         (the prompt's from `logprob_start_len`, -1 for none; the first one's logprob is None) in
         `meta_info`; `top_logprobs_num` N adds `output_top_logprobs` / `input_top_logprobs`, the N
-        most likely tokens at each position."""
+        most likely tokens at each position. `lora_path`: a loaded LoRA adapter's name (or one per
+        prompt; None: the base model), as on /generate."""
         objs, single = _make_requests(locals())
         if stream:
             return self._stream_sync(objs[0])
@@ -192,6 +194,7 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         return_text_in_logprobs: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate` for asyncio callers (any event loop); with stream=True, an async iterator."""
         objs, single = _make_requests(locals())

@@ -19,6 +19,7 @@ from radixengine.server_args_hicache import (
     HICACHE_HELP,
     validate_hicache,
 )
+from radixengine.server_args_lora import LORA_EVICTION_POLICIES, LORA_HELP, validate_lora_args
 from radixengine.speculative.spec_args import SPECULATIVE_ALGORITHMS, validate_speculative_args
 from radixengine.utils.stream_layouts import CPU_STREAM_LAYOUTS
 
@@ -152,6 +153,15 @@ class ServerArgs:
     speculative_ngram_capacity: int = 0
     speculative_max_verify_tokens: int = 32
 
+    # LoRA adapters (SGLang's flags; server_args_lora.py, docs/lora.md)
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    lora_eviction_policy: str = "lru"
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
+
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -169,6 +179,7 @@ class ServerArgs:
                 raise ValueError(rule.message(self))
         validate_speculative_args(self)
         validate_hicache(self)
+        validate_lora_args(self)
 
     # Derived values --------------------------------------------------------------------------
 
@@ -210,6 +221,8 @@ class ServerArgs:
                 continue
             kind = _cli_type(f.type)
             kwargs: dict = {"type": kind, "default": default}
+            if "list" in str(f.type):
+                kwargs["nargs"] = "+"
             choices = _CHOICES.get(f.name)
             if choices:
                 kwargs["choices"] = choices
@@ -231,7 +244,7 @@ class ServerArgs:
         return cls(**kwargs)
 
 
-_HELP = {**SERVER_ARGS_HELP, **HICACHE_HELP}
+_HELP = {**SERVER_ARGS_HELP, **HICACHE_HELP, **LORA_HELP}
 
 _CHOICES = {
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
@@ -252,6 +265,7 @@ _CHOICES = {
     "retraction_policy": RETRACTION_POLICIES,
     "radix_eviction_policy": RADIX_EVICTION_POLICIES,
     **HICACHE_CHOICES,
+    "lora_eviction_policy": LORA_EVICTION_POLICIES,
 }
 
 

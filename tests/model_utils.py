@@ -134,9 +134,10 @@ class ModelDriver:
     """Runs requests through a ModelRunner: rows from ReqToTokenPool, slots from the allocator
     (paged or not), req_to_token written as the scheduler writes it."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, lora_ids: dict[str, str] | None = None) -> None:
         self.runner = runner
         self.reqs: dict[str, _Req] = {}
+        self.lora_ids = lora_ids or {}  # request id -> its LoRA adapter's id (none: the base model)
 
     @property
     def req_to_token(self) -> torch.Tensor:
@@ -157,6 +158,7 @@ class ModelDriver:
         self._write_slots(reqs, prefix, extend, locs)
         ids = [t for r in rids for t in new_tokens[r]]
         batch = self._batch(ForwardMode.EXTEND, reqs, ids, locs, prefix, extend)
+        batch.lora_ids = [self.lora_ids.get(r) for r in rids]
         for r, rid in zip(reqs, rids):
             r.tokens += new_tokens[rid]
             r.chunks.append(len(new_tokens[rid]))
@@ -167,6 +169,7 @@ class ModelDriver:
         locs = self._alloc_decode(reqs)
         self._write_slots(reqs, [len(r.tokens) for r in reqs], [1] * len(reqs), locs)
         batch = self._batch(ForwardMode.DECODE, reqs, list(next_tokens.values()), locs, None, None)
+        batch.lora_ids = [self.lora_ids.get(r) for r in next_tokens]
         for r, tok in zip(reqs, next_tokens.values()):
             r.tokens.append(tok)
             r.chunks.append(1)

@@ -6,8 +6,8 @@ The layers, from the bottom (`LAYERS`); a module imports its own layer and those
 0. `utils` and `mem_cache`: import nothing of radixengine but themselves.
 1. `constrained`, `function_call`, `parser`: grammars and parsers, on their own.
 2. `sampling`: the sampling parameters and the batch's sampling state (grammars included).
-3. `layers`, `models`, `model_loader`, `speculative`: the model and its parts, and the drafts and
-   their verification. They name the batch through the Protocols of `layers/forward_batch_view.py`
+3. `layers`, `models`, `model_loader`, `speculative`, `lora`: the model and its parts, the drafts and
+   their verification, the LoRA adapters. They name the batch through the Protocols of `layers/forward_batch_view.py`
    (`ForwardBatchView`), never `ForwardBatch`.
 4. `model_executor` and `server_args`: the worker. `ModelRunner` and `TpModelWorker` read a dozen
    flags of `ServerArgs` (as SGLang's do), so `server_args` sits here: nothing below
@@ -30,8 +30,8 @@ LAYERS = (
     {"distributed"},
     {"constrained", "function_call", "parser"},
     {"sampling"},
-    {"layers", "models", "model_loader", "speculative"},
-    {"model_executor", "server_args", "server_args_help", "server_args_hicache"},
+    {"layers", "models", "model_loader", "speculative", "lora"},
+    {"model_executor", "server_args", "server_args_help", "server_args_hicache", "server_args_lora"},
     {"managers"},
     {"engine", "entrypoints", "launch_server", "__init__"},
 )

@@ -473,3 +473,26 @@ def test_request_flows_on_cuda(page_size):
     match = s.tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert match.device_indices.device.type == "cuda" and len(match.device_indices) == 8
     assert s.tree.evict(8) == 8 and s.alloc.available_size() == s.alloc.size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_extra_keys_are_separate_namespaces(page_size):
+    """The same tokens under another extra key (a LoRA adapter) never match; splits and eviction
+    keep each node in its namespace."""
+    alloc = TokenToKVPoolAllocator(64, torch.float16, "cpu", None)
+    cache = RadixCache(None, alloc, page_size=page_size)
+    tokens = list(range(1, 9))
+    a, base, a2 = alloc.alloc(8), alloc.alloc(8), alloc.alloc(8)
+    cache.insert(tokens, a, extra_key="a")
+    assert len(cache.match_prefix(tokens).device_indices) == 0
+    assert len(cache.match_prefix(tokens, "b").device_indices) == 0
+    assert cache.match_prefix(tokens[:4], "a").device_indices.tolist() == a[:4].tolist()  # a split
+    assert cache.insert(tokens, base) == 0  # the base namespace had none of it
+    assert cache.insert(tokens[:4] + [99] * 4, a2, extra_key="a") == 4
+    alloc.free(a2[:4])
+    assert cache.match_prefix(tokens, "a").device_indices.tolist() == a.tolist()
+    assert cache.match_prefix(tokens).device_indices.tolist() == base.tolist()
+    assert cache.evictable_size() == 8 + 8 + 4
+    assert cache.evict(100) == 20
+    assert cache.evictable_size() == 0 and not cache.root_node.children
+    assert alloc.available_size() == 64

@@ -133,6 +133,16 @@ def test_prefix_trie():
     assert trie.match(list(range(100, 180)) + [7] + list(range(181, 300))) == 80
 
 
+def test_prefix_trie_namespaces():
+    """A LoRA adapter's prefix (extra_key) is not another's nor the base model's: a request is
+    not deferred for a prefix whose KV it could not reuse."""
+    trie = PrefixTrie()
+    trie.insert([1, 2, 3, 4], extra_key="a")
+    assert trie.match([1, 2, 3, 4], "a") == 4
+    assert trie.match([1, 2, 3, 4]) == 0
+    assert trie.match([1, 2, 3, 4], "b") == 0
+
+
 # PrefillAdder ----------------------------------------------------------------------------------
 
 

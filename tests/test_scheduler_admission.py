@@ -92,7 +92,7 @@ def test_each_waiting_request_is_matched_once_per_round():
     sched.io.take_outputs()
     calls: list[int] = []
     match_prefix = sched.tree_cache.match_prefix
-    sched.tree_cache.match_prefix = lambda key: (calls.append(len(key)), match_prefix(key))[1]
+    sched.tree_cache.match_prefix = lambda key, *rest: (calls.append(len(key)), match_prefix(key, *rest))[1]
     queue(sched, [gen_req(f"m{i}", shared[:n] + [99] * 3, 4) for i, n in enumerate([5, 12, 20])])
     plan = sched.admission.plan_prefill(sched.running_batch)
     assert len(calls) == 3  # LPM matches all three to order them; admission does not match again

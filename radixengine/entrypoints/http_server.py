@@ -1,6 +1,6 @@
 """The HTTP server: the app that assembles the routers, one per API (native_routes: SGLang's native
 API; openai_routes: the OpenAI-compatible one; operations_routes: health, metrics, server info and
-load), over the TokenizerManager; and its launch. docs/api.md lists the routes.
+load; lora_routes: loading LoRA adapters), over the TokenizerManager; and its launch. docs/api.md lists the routes.
 
 FastAPI + uvicorn, one worker; the TokenizerManager lives in uvicorn's event loop, the scheduler
 and detokenizer in child processes. Errors are OpenAI-style JSON, `{"error": {"message", "type",
@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from radixengine.entrypoints import (
     batches_routes,
     files_routes,
+    lora_routes,
     native_routes,
     openai_routes,
     operations_routes,
@@ -75,6 +76,7 @@ def create_app(tm: TokenizerManager, server_args) -> FastAPI:
         files_routes,
         batches_routes,
         operations_routes,
+        lora_routes,
     ):
         app.include_router(module.router)
     return app

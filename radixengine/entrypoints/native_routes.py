@@ -23,7 +23,7 @@ router = APIRouter()
 
 NATIVE_FIELDS = {
     "text", "input_ids", "sampling_params", "stream", "rid", "priority", "return_logprob", "top_logprobs_num",
-    "logprob_start_len", "return_text_in_logprobs", "routing_key",
+    "logprob_start_len", "return_text_in_logprobs", "routing_key", "lora_path",
 }  # fmt: skip
 # Accepted for SGLang's clients (sglang-router adds them): `model` names the one model, `no_logs`
 # changes nothing here, `log_metrics: false` keeps the request out of the metrics.

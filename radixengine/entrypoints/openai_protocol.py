@@ -45,7 +45,8 @@ class _SamplingFields(LenientModel):
     may name anything: this server has one model (SGLang's rule). The fields the model's
     generation_config.json may give a default for (chat) are tracked through `model_fields_set`."""
 
-    model: str | None = None
+    model: str | None = None  # the model, a LoRA adapter's name, or SGLang's "base:adapter"
+    lora_path: str | None = None  # SGLang's extra: a LoRA adapter's name (wins over `model`)
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -190,6 +191,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "radixengine"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

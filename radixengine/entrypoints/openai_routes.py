@@ -119,12 +119,20 @@ def openai_params(prompt_param: str, max_tokens_param: str):
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    return ModelList(data=[_card(tm_of(request))]).model_dump()
+    tm = tm_of(request)
+    adapters = [
+        ModelCard(id=ref.lora_name, root=ref.lora_path, parent=tm.served_model_name)
+        for ref in tm.lora.registry.refs()
+    ]
+    return ModelList(data=[_card(tm), *adapters]).model_dump()
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str) -> Response:
     tm = tm_of(request)
+    if model in tm.lora.registry:
+        ref = tm.lora.registry.resolve(model)
+        return JSONResponse(ModelCard(id=model, root=ref.lora_path, parent=tm.served_model_name).model_dump())
     if model != tm.served_model_name:
         return error_response(f"The model {model!r} does not exist", 404, param="model")
     return JSONResponse(_card(tm).model_dump())

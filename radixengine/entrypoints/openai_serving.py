@@ -42,6 +42,29 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise RequestError("suffix is not supported", param="suffix")
 
 
+def lora_adapter_of(tm: TokenizerManager, req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The LoRA adapter a request names (None: the base model): `lora_path`, else `model` when it
+    is an adapter's name or SGLang's `base:adapter` (an unknown adapter there is a 400); any other
+    `model` means the one base model."""
+    if req.lora_path is not None:
+        tm.lora.resolve(req.lora_path)
+        return req.lora_path
+    model = req.model
+    if model is None or model == tm.served_model_name or not tm.lora.enabled:
+        return None
+    if model in tm.lora.registry:
+        return model
+    if ":" in model:
+        adapter = (
+            model[len(tm.served_model_name) + 1 :]
+            if model.startswith(tm.served_model_name + ":")
+            else model.rsplit(":", 1)[1]
+        )
+        tm.lora.resolve(adapter, param="model")
+        return adapter
+    return None
+
+
 def sampling_params_of(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, param: str, least: int = 1
 ) -> dict:
@@ -169,6 +192,7 @@ def completion_requests(tm: TokenizerManager, req: CompletionRequest):
         rid=req.rid,
         stream=req.stream,
         priority=req.priority,
+        lora_path=lora_adapter_of(tm, req),
         grammar_field=grammar_field(req, params),
         **completion_logprob_args(req),
     )
@@ -249,6 +273,7 @@ def chat_requests(tm: TokenizerManager, req: ChatCompletionRequest) -> list[Gene
         priority=req.priority,
         chat_template_kwargs=req.chat_template_kwargs,
         continue_final_message=req.continue_final_message,
+        lora_path=lora_adapter_of(tm, req),
         grammar_field=grammar_field(req, params),
     )
     return batch.normalize_batch_and_arguments()[0]

@@ -27,7 +27,6 @@ UNHONOURED = {
     "return_entropy": "entropies are not returned by this engine",
     "return_routed_experts": "this engine serves no mixture-of-experts routing data",
     "background": "background requests are not supported",
-    "lora_path": "LoRA adapters are not supported",
     "image_data": "image inputs are not supported (text-only model)",
     "video_data": "video inputs are not supported (text-only model)",
     "audio_data": "audio inputs are not supported (text-only model)",

@@ -45,6 +45,7 @@ class GenerateReqInput:
     # False: a line of /v1/batches, which yields to interactive requests (see managers/req.py).
     # Not a field of any HTTP body.
     interactive: bool = True
+    lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name (None: the base model)
     chat_template_kwargs: dict | None = None
     continue_final_message: bool = False
     tools: list[dict] | None = None  # OpenAI tool definitions, for the chat template
@@ -102,6 +103,7 @@ PER_PROMPT_FIELDS = (
     "sampling_params",
     "priority",
     "routing_key",
+    "lora_path",
     "return_logprob",
     "top_logprobs_num",
     "logprob_start_len",
@@ -206,6 +208,7 @@ class TokenizedGenerateReqInput:
     priority: int | None = None
     routing_key: str | None = None
     interactive: bool = True
+    lora_id: str | None = None  # its LoRA adapter (LoRARef.lora_id); None: the base model
     # A request the front end already knows is bad: the scheduler finishes it at once with this
     # error instead of running it (keeps one path for every finish).
     error: str | None = None
@@ -241,6 +244,28 @@ class ClearHiCacheReqOutput:
 @dataclass
 class GetInternalStateReq:
     pass
+
+
+@dataclass
+class LoadLoRAAdapterReqInput:
+    lora_id: str
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    lora_id: str
+    lora_name: str
+
+
+@dataclass
+class LoRAAdapterReqOutput:
+    """The answer to a load or an unload."""
+
+    success: bool
+    error_message: str = ""
 
 
 @dataclass

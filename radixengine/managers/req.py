@@ -66,22 +66,22 @@ class Req:
         logprob_start_len: int = -1,
         routing_key: str | None = None,
         interactive: bool = True,
+        lora_id: str | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
         self.return_logprob = return_logprob
-        # Without return_logprob neither is used (SGLang ignores them too). logprob_start_len -1
-        # means no prompt logprobs: the prompt's length.
+        # Unused without return_logprob (as in SGLang); logprob_start_len -1: no prompt logprobs.
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
         self.logprob_start_len = len(self.origin_input_ids) if logprob_start_len == -1 else logprob_start_len
         self.stream = stream
         self.priority = priority
         self.routing_key = routing_key  # the tenant (fair scheduling, managers/fair_policy.py)
         self.interactive = interactive  # False: a batch line (see the class's docstring)
+        self.lora_id = lora_id  # its LoRA adapter (None: the base model), its KV's radix namespace
         self.start_wait()
-
         self.output_ids: list[int] = []
         self._init_logprobs()
         # How many output ids (and their logprobs) stream_output has sent to the detokenizer.
@@ -200,12 +200,17 @@ class Req:
         limit = len(self.origin_input_ids) + len(self.output_ids) - 1
         return min(limit, self.logprob_start_len) if self.needs_input_logprobs() else limit
 
+    @property
+    def extra_key(self) -> str | None:
+        """The radix cache's namespace of the request's KV (SGLang's extra_key)."""
+        return self.lora_id
+
     def init_next_round_input(self, tree_cache: BasePrefixCache | None = None) -> None:
         """Set fill_ids and extend_input_len for this round; with a tree cache, (re)match the
         prefix first (without one, the prefix of the last match or chunk is kept)."""
         prefix_ids = self.adjust_max_prefix_ids()
         if tree_cache is not None:
-            match = tree_cache.match_prefix(prefix_ids)
+            match = tree_cache.match_prefix(prefix_ids, self.extra_key)
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 

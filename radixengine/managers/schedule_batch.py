@@ -1,9 +1,8 @@
 """ScheduleBatch: the batches built from requests (`Req`, in req.py).
 
 A `ScheduleBatch` is the scheduler's view of a batch (the requests, plus CPU and device tensors
-kept in step with them); `get_model_worker_batch` turns it into the `ModelWorkerBatch` the model
-worker runs. The per-step work is vectorized over the batch; per-request Python loops are only
-where a request's own list must change (prefill set-up, appending sampled tokens).
+kept in step with them); `get_model_worker_batch` turns it into the worker's `ModelWorkerBatch`.
+Per-step work is vectorized; per-request loops only where a request's own list must change.
 
 Overlap-safe by construction: tensors a launched forward may still read are never mutated in
 place (`seq_lens = seq_lens + 1`, filters and merges build new tensors), and `output_ids` holds
@@ -478,10 +477,8 @@ class ScheduleBatch:
 
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         is_extend = self.forward_mode.has_extend_layout()
-        top_logprobs_nums = None
-        if self.return_logprob:
-            nums = [r.top_logprobs_num for r in self.reqs]
-            top_logprobs_nums = nums if any(nums) else None
+        nums = [r.top_logprobs_num for r in self.reqs] if self.return_logprob else []
+        top_logprobs_nums = nums if any(nums) else None
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             input_ids=self.input_ids,
@@ -498,4 +495,5 @@ class ScheduleBatch:
             input_logprob_token_ids=self.input_logprob_token_ids if is_extend else None,
             spec_trees=self.spec_trees,
             future_verify=self.future_verify,
+            lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id for r in self.reqs) else None,
         )

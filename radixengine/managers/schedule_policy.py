@@ -70,17 +70,17 @@ def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
 
 class PrefixTrie:
     """Token sequences without KV: which prefixes other requests of this round (or of a batch
-    still in flight) are about to compute. A compressed trie; a node is {first token: [edge,
-    children]}."""
+    still in flight) are about to compute. A compressed trie per radix namespace (`extra_key`: a
+    LoRA adapter's KV is never another's); a node is {first token: [edge, children]}."""
 
     def __init__(self) -> None:
-        self.root: dict[int, list] = {}
+        self.roots: dict[str | None, dict[int, list]] = {}
 
     def reset(self) -> None:
-        self.root = {}
+        self.roots = {}
 
-    def match(self, key: list[int]) -> int:
-        node, i = self.root, 0
+    def match(self, key: list[int], extra_key: str | None = None) -> int:
+        node, i = self.roots.get(extra_key, {}), 0
         while i < len(key):
             child = node.get(key[i])
             if child is None:
@@ -93,8 +93,8 @@ class PrefixTrie:
             node = children
         return i
 
-    def insert(self, key: list[int]) -> None:
-        node, i = self.root, 0
+    def insert(self, key: list[int], extra_key: str | None = None) -> None:
+        node, i = self.roots.setdefault(extra_key, {}), 0
         while i < len(key):
             child = node.get(key[i])
             if child is None:
@@ -223,10 +223,10 @@ class SchedulePolicy:
             if len(req.prefix_indices) > IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 continue
             prefix_ids = req.fill_ids[: req.max_prefix_len()]
-            if trie.match(prefix_ids) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
+            if trie.match(prefix_ids, req.extra_key) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                 deprioritized.add(req)
             else:
-                trie.insert(prefix_ids)
+                trie.insert(prefix_ids, req.extra_key)
         return deprioritized
 
     @staticmethod

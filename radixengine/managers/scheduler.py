@@ -30,6 +30,7 @@ from radixengine.managers.scheduler_components.batch_result_processor import (
     BatchResultProcessor,
     ResultContext,
 )
+from radixengine.managers.scheduler_components.lora_adapters import make_lora_adapters
 from radixengine.managers.scheduler_components.metrics_reporter import MemoryView, MetricsReporter, QueueView
 from radixengine.managers.scheduler_components.new_token_ratio import NewTokenRatioTracker
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
@@ -172,17 +173,14 @@ class Scheduler:
     def _new_intake(self, args: ServerArgs) -> RequestIntake:
         return RequestIntake(
             RequestLimits(self.vocab_size, self.max_req_input_len, self.max_req_len),
-            QueueConfig(
-                args.enable_priority_scheduling,
-                args.schedule_low_priority_values_first,
-                args.max_queued_requests,
-            ),
+            QueueConfig.of(args),
             self.grammar_manager,
             self.tokenizer,
             self.eos_token_ids,
             self.streamer,
             self._active_reqs,
             self.tree_cache,
+            lora=make_lora_adapters(args, self.tp_worker, self.io.send),
         )
 
     def _new_result_processor(self) -> BatchResultProcessor:

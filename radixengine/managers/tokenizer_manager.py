@@ -32,6 +32,7 @@ from radixengine.managers.io_struct import (
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    LoRAAdapterReqOutput,
     TokenizedGenerateReqInput,
 )
 from radixengine.managers.req_state import LogprobState, ReqState
@@ -47,6 +48,7 @@ from radixengine.managers.request_logger import RequestLogger
 from radixengine.managers.request_validator import RequestLimits, RequestValidator
 from radixengine.managers.scheduler_exit import WATCHDOG_EXIT_CODE, describe_scheduler_exit
 from radixengine.managers.served_model import ServedModel, load_chat_template, load_tokenizer
+from radixengine.managers.tokenizer_lora import TokenizerLoRA
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +104,9 @@ class TokenizerManager:
             FlushCacheReqOutput: deque(),
             GetInternalStateReqOutput: deque(),
             ClearHiCacheReqOutput: deque(),
+            LoRAAdapterReqOutput: deque(),
         }
+        self.lora = TokenizerLoRA(server_args, self._request_reply)
 
     def init_model_info(self, served: ServedModel) -> None:
         """What the info routes report about the model (see ServedModel)."""
@@ -163,6 +167,8 @@ class TokenizerManager:
             state.logprobs = LogprobState()
         self.rid_to_state[tokenized.rid] = state
         self.send_to_scheduler.send_pyobj(tokenized)
+        if tokenized.lora_id is not None:
+            self.lora.registry.acquire(tokenized.lora_id)
         try:
             while True:
                 await state.event.wait()
@@ -177,6 +183,8 @@ class TokenizerManager:
         finally:
             if not state.finished:
                 self.abort_request(tokenized.rid)
+            if tokenized.lora_id is not None:
+                self.lora.registry.release(tokenized.lora_id)
 
     def abort_request(self, rid: str) -> None:
         """Abort a running request. Its state stays, marked aborted, until the scheduler's final
@@ -223,6 +231,7 @@ class TokenizerManager:
     def tokenize_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         rid = self.check_rid(obj.rid)
         tokenized = self.validator.tokenize_request(obj, rid)
+        tokenized.lora_id = self.lora.resolve(obj.lora_path)
         obj.rid = rid
         return tokenized
 

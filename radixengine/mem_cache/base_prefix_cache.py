@@ -103,8 +103,9 @@ class BasePrefixCache(ABC):
         """Forget everything (the caller clears the allocator)."""
 
     @abstractmethod
-    def match_prefix(self, key: list[int] | tuple[int, ...]) -> MatchResult:
-        """The longest cached prefix of `key` (page-aligned). The indices are valid only while
+    def match_prefix(self, key: list[int] | tuple[int, ...], extra_key: str | None = None) -> MatchResult:
+        """The longest cached prefix of `key` (page-aligned) in the namespace `extra_key` (a
+        LoRA adapter's id; None: the base model's). The indices are valid only while
         `last_node` is locked or until the next call that may evict."""
 
     @abstractmethod

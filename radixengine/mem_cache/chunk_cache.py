@@ -45,7 +45,7 @@ class ChunkCache(BasePrefixCache):
     def reset(self) -> None:
         self.protected_size_ = 0
 
-    def match_prefix(self, key: list[int] | tuple[int, ...]) -> MatchResult:
+    def match_prefix(self, key: list[int] | tuple[int, ...], extra_key: str | None = None) -> MatchResult:
         as_token_key(key)
         return MatchResult(torch.empty((0,), dtype=torch.int64, device=self.device), None)
 

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 _node_ids = itertools.count()
 
-# A child's key in its parent: its first token (page_size 1) or its first page.
-ChildKey = int | tuple[int, ...]
+# A child's key in its parent: its first token (page_size 1) or its first page, paired with the
+# node's extra key when it has one.
+ChildKey = int | tuple[int, ...] | tuple[str, int | tuple[int, ...]]
 
 # Matching compares this many tokens per slice before looking for the first difference.
 _SCAN_BLOCK = 64
@@ -60,6 +61,9 @@ class TreeNode:
     # there; `value` is None once the device copy is evicted (the node is on the host only).
     host_value: torch.Tensor | None = None
     host_lock_ref: int = 0  # copies from the host slots in flight
+    # The namespace of the node's path (SGLang's RadixKey.extra_key: a LoRA adapter's id); None
+    # is the base model's. A child's key in its parent includes it, so namespaces never meet.
+    extra_key: str | None = None
     id: int = field(default_factory=lambda: next(_node_ids))
 
     def __lt__(self, other: TreeNode) -> bool:
@@ -116,20 +120,22 @@ class RadixCache(BasePrefixCache):
 
     # ---- lookups ----
 
-    def match_prefix(self, key: list[int] | tuple[int, ...]) -> MatchResult:
+    def match_prefix(self, key: list[int] | tuple[int, ...], extra_key: str | None = None) -> MatchResult:
         key = self._page_aligned(as_token_key(key))
         if not key:
             return MatchResult(self._empty(), self.root_node)
-        values, node = self._match_prefix_helper(key)
+        values, node = self._match_prefix_helper(key, extra_key)
         indices = torch.cat(values) if values else self._empty()
         return MatchResult(indices, node)
 
-    def _match_prefix_helper(self, key: tuple[int, ...]) -> tuple[list[torch.Tensor], TreeNode]:
+    def _match_prefix_helper(
+        self, key: tuple[int, ...], extra_key: str | None = None
+    ) -> tuple[list[torch.Tensor], TreeNode]:
         now = self._tick()
         node, values, i = self.root_node, [], 0
         node.last_access_time = now
         while i < len(key):
-            child = node.children.get(self._child_key(key, i))
+            child = node.children.get(self._child_key(key, i, extra_key))
             if child is None or child.value is None:  # not cached, or on the host only
                 break
             matched = self._match_len(child.key, key, i)
@@ -149,6 +155,7 @@ class RadixCache(BasePrefixCache):
         value: torch.Tensor | None = None,
         priority: int = 0,
         counted_len: int = 0,
+        extra_key: str | None = None,
     ) -> int:
         """Insert `key`; returns how many of its tokens were already in the tree. `priority` and
         the hits feed the eviction policy: each node on the path that reaches past `counted_len`
@@ -165,17 +172,23 @@ class RadixCache(BasePrefixCache):
             value if len(aligned) == len(key_tokens) else value[: len(aligned)],
             priority,
             counted_len,
+            extra_key,
         )
 
     def _insert_helper(
-        self, key: tuple[int, ...], value: torch.Tensor, priority: int, counted_len: int
+        self,
+        key: tuple[int, ...],
+        value: torch.Tensor,
+        priority: int,
+        counted_len: int,
+        extra_key: str | None = None,
     ) -> int:
         now = self._tick()
         node, i = self.root_node, 0
         present = -1  # where the path leaves the device (a node on the host only), if it does
         node.last_access_time = now
         while i < len(key):
-            child = node.children.get(self._child_key(key, i))
+            child = node.children.get(self._child_key(key, i, extra_key))
             if child is None:
                 break
             matched = self._match_len(child.key, key, i)
@@ -188,7 +201,7 @@ class RadixCache(BasePrefixCache):
                 self._revive(child, value[i : i + matched])
             node, i = child, i + matched
         if i < len(key):
-            self._add_leaf(node, key[i:], value[i:], now, priority, int(len(key) > counted_len))
+            self._add_leaf(node, key[i:], value[i:], now, priority, int(len(key) > counted_len), extra_key)
         return i if present < 0 else present
 
     def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
@@ -210,13 +223,14 @@ class RadixCache(BasePrefixCache):
             priority=child.priority,
             host_value=_head(child.host_value, split_len),
             host_lock_ref=child.host_lock_ref,
+            extra_key=child.extra_key,
         )
         child.key = child.key[split_len:]
         child.value = _tail(child.value, split_len)
         child.host_value = _tail(child.host_value, split_len)
         child.parent = upper
-        upper.children[self._child_key(child.key, 0)] = child
-        parent.children[self._child_key(upper.key, 0)] = upper
+        upper.children[self._node_key(child)] = child
+        parent.children[self._node_key(upper)] = upper
         return upper
 
     def _add_leaf(
@@ -227,19 +241,26 @@ class RadixCache(BasePrefixCache):
         now: int,
         priority: int,
         hit_count: int,
+        extra_key: str | None = None,
     ) -> None:
         owned = value.clone() if value.dtype == torch.int64 else value.to(torch.int64)
         leaf = TreeNode(
-            key=key, value=owned, parent=parent, last_access_time=now, hit_count=hit_count, priority=priority
+            key=key,
+            value=owned,
+            parent=parent,
+            last_access_time=now,
+            hit_count=hit_count,
+            priority=priority,
+            extra_key=extra_key,
         )
         self._evictable_leaves.discard(parent)
-        parent.children[self._child_key(key, 0)] = leaf
+        parent.children[self._node_key(leaf)] = leaf
         self.evictable_size_ += len(key)
         self._mark_evictable(leaf)
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
-        del parent.children[self._child_key(node.key, 0)]
+        del parent.children[self._node_key(node)]
         node.parent = None
         self.evictable_size_ -= len(node.key)
         self._evictable_leaves.discard(node)
@@ -396,7 +417,7 @@ class RadixCache(BasePrefixCache):
         new_prefix_len = self._insert_req(req, token_ids[:aligned], kv[:aligned])
         self.token_to_kv_pool_allocator.free(kv[owned:new_prefix_len])
 
-        new_indices, new_last_node = self.match_prefix(token_ids[:aligned])
+        new_indices, new_last_node = self.match_prefix(token_ids[:aligned], _req_extra_key(req))
         if len(new_indices) != aligned:
             raise RuntimeError(
                 f"cache_unfinished_req: matched {len(new_indices)} of {aligned} just-inserted tokens"
@@ -412,7 +433,7 @@ class RadixCache(BasePrefixCache):
 
     def _insert_req(self, req: CacheReq, token_ids: list[int], kv: torch.Tensor) -> int:
         """Insert a request's tokens: its hit on a node counts once, whatever it inserts again."""
-        present = self.insert(token_ids, kv, _req_priority(req), req.hit_counted_len)
+        present = self.insert(token_ids, kv, _req_priority(req), req.hit_counted_len, _req_extra_key(req))
         req.hit_counted_len = max(req.hit_counted_len, len(token_ids))
         return present
 
@@ -423,10 +444,13 @@ class RadixCache(BasePrefixCache):
 
     # ---- helpers ----
 
-    def _child_key(self, key: tuple[int, ...], start: int) -> ChildKey:
-        if self.page_size == 1:
-            return key[start]
-        return key[start : start + self.page_size]
+    def _child_key(self, key: tuple[int, ...], start: int, extra_key: str | None = None) -> ChildKey:
+        child = key[start] if self.page_size == 1 else key[start : start + self.page_size]
+        return child if extra_key is None else (extra_key, child)
+
+    def _node_key(self, node: TreeNode) -> ChildKey:
+        """`node`'s key in its parent's children."""
+        return self._child_key(node.key, 0, node.extra_key)
 
     def _match_len(self, stored: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
         matched = _common_prefix_len(stored, key, start)
@@ -461,3 +485,7 @@ def _record_insert(node: TreeNode, priority: int, hit: bool) -> None:
 
 def _req_priority(req: CacheReq) -> int:
     return getattr(req, "priority", None) or 0
+
+
+def _req_extra_key(req: CacheReq) -> str | None:
+    return getattr(req, "extra_key", None)

@@ -85,6 +85,8 @@ class ModelWorkerBatch:
     # TARGET_VERIFY under the overlap loop: what the forward stream resolves before the forward
     # (speculative/spec_overlap.py); spec_trees, the lengths and out_cache_loc are then set.
     future_verify: FutureVerify | None = None
+    # Per request, its LoRA adapter's id (None: the base model); None when no request has one.
+    lora_ids: list[str | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -123,6 +125,7 @@ class ForwardBatch:
     top_logprobs_nums: list[int] | None = None
     input_logprob_indices: torch.Tensor | None = None  # int64 [rows]: see ModelWorkerBatch
     input_logprob_token_ids: torch.Tensor | None = None  # int64 [rows]
+    lora_ids: list[str | None] | None = None  # see ModelWorkerBatch
 
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ForwardResources) -> ForwardBatch:
@@ -144,6 +147,7 @@ class ForwardBatch:
             sampling_info=batch.sampling_info,
             return_logprob=batch.return_logprob,
             top_logprobs_nums=batch.top_logprobs_nums,
+            lora_ids=batch.lora_ids,
         )
         if batch.input_logprob_indices is not None:
             fb.input_logprob_indices = batch.input_logprob_indices.to(device)

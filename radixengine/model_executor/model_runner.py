@@ -12,6 +12,7 @@ from radixengine.layers.attention.attention_registry import create_attention_bac
 from radixengine.layers.linear import head_ranges
 from radixengine.layers.logits_processor import LogitsProcessorOutput
 from radixengine.layers.sampler import Sampler, argmax_rows, logprobs_of
+from radixengine.lora.lora_manager import make_lora_manager
 from radixengine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardBatch
@@ -59,6 +60,7 @@ class ModelRunner:
             self.model_config, self.device, server_args.load_format, gguf_blocks=self._use_gguf_blocks()
         )
         self.amx_linears = self._pack_amx_linears()
+        self.lora_manager = make_lora_manager(server_args, self.model, self.dtype, self.device)
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         self.sampler = Sampler(sync_free=self.device.type != "cpu")
@@ -107,6 +109,8 @@ class ModelRunner:
     def _make_cuda_graph_runner(self):
         from radixengine.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_supported
 
+        if self.lora_manager is not None:
+            return None  # the LoRA delta reads per-batch host data: decode runs eagerly
         if self.device.type == "cuda" and self.tp_size > 1 and not self.server_args.disable_cuda_graph:
             logger.info(
                 "CUDA graphs off: --tp-size %d (graphs around NCCL collectives are not captured yet)",
@@ -246,6 +250,10 @@ class ModelRunner:
     # Forward -----------------------------------------------------------------------------------
 
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        if self.lora_manager is not None and not forward_batch.forward_mode.is_idle():
+            tokens = forward_batch.extend_seq_lens_cpu or [1] * forward_batch.batch_size
+            lora_ids = forward_batch.lora_ids or [None] * forward_batch.batch_size
+            self.lora_manager.prepare_lora_batch(lora_ids, tokens)
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(forward_batch)
         if forward_batch.forward_mode.has_extend_layout():

@@ -90,6 +90,18 @@ class TpModelWorker:
         """Forwards whose decode attention ran the shared-prefix pass (0: a backend without it)."""
         return getattr(self.model_runner.attn_backend, "num_shared_prefix_forwards", 0)
 
+    def load_lora_adapter(self, lora_id: str, lora_path: str, pinned: bool) -> None:
+        """Into host memory (docs/lora.md); raises `LoRALoadError` naming what is refused."""
+        self._lora_manager().load_adapter(lora_id, lora_path, pinned)
+
+    def unload_lora_adapter(self, lora_id: str) -> None:
+        self._lora_manager().unload_adapter(lora_id)
+
+    def _lora_manager(self):
+        if self.model_runner.lora_manager is None:
+            raise ValueError("LoRA is not enabled (start the server with --enable-lora)")
+        return self.model_runner.lora_manager
+
     def get_memory_pool(self):
         """`(req_to_token_pool, token_to_kv_pool_allocator)`."""
         return self.model_runner.req_to_token_pool, self.model_runner.token_to_kv_pool_allocator

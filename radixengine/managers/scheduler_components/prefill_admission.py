@@ -259,7 +259,7 @@ class PrefillAdmission:
                 break  # batch lines come last in the queue: none runs while an interactive one waits
             if req not in matched:
                 req.init_next_round_input(self.pools.tree_cache)
-            if self._waits_this_round(req, trie):
+            if self._waits_this_round(req, trie, adder, running):
                 continue
             if len(adder.can_run_list) >= self._num_allocatable_reqs(len(running.reqs), chunked_in_batch):
                 full = True
@@ -270,15 +270,20 @@ class PrefillAdmission:
                 req.init_next_round_input(self.pools.tree_cache)
             res = self._add_one_req(adder, req, matched)
             if trie is not None and adder.admitted(req):
-                trie.insert(req.fill_ids[: len(req.prefix_indices) + adder.extend_lens[-1]])
+                trie.insert(req.fill_ids[: len(req.prefix_indices) + adder.extend_lens[-1]], req.extra_key)
             if res != AddReqResult.CONTINUE:
                 return full or res == AddReqResult.NO_TOKEN
         return full
 
-    def _waits_this_round(self, req: Req, trie: PrefixTrie | None) -> bool:
+    def _waits_this_round(
+        self, req: Req, trie: PrefixTrie | None, adder: PrefillAdder, running: ScheduleBatch
+    ) -> bool:
         """Whether `req` stays queued this round: a request of this batch computes its prefix
-        (it will hit the cache next round instead), or its pages are still read from storage."""
+        (it will hit the cache next round instead), its adapter would exceed
+        --max-loras-per-batch, or its pages are still read from storage."""
         if trie is not None and self._prefix_being_computed(req, trie):
+            return True
+        if not self._lora_fits(req, adder, running):
             return True
         if not self.pools.tree_cache.check_prefetch_progress(req.rid):
             self.waiting_for_prefetch = True
@@ -298,6 +303,10 @@ class PrefillAdmission:
             return self.pools.tree_cache.load_from_storage(req, req.fill_ids[: req.max_prefix_len()])
         except Exception as e:
             raise StepRequestsError([req], e) from e
+
+    def _lora_fits(self, req: Req, adder: PrefillAdder, running: ScheduleBatch) -> bool:
+        batch = [r.lora_id for r in running.reqs if r not in adder.preempt_list]
+        return self.peers.intake.lora.fits(batch + [r.lora_id for r in adder.can_run_list], req.lora_id)
 
     def _add_one_req(self, adder: PrefillAdder, req: Req, matched: set[Req]) -> AddReqResult:
         res = adder.add_one_req(req)
@@ -359,14 +368,14 @@ class PrefillAdmission:
             return None
         trie = PrefixTrie()
         for req in self.peers.inflight_prefill_reqs():
-            trie.insert(req.fill_ids)
+            trie.insert(req.fill_ids, req.extra_key)
         for req, extend_len in zip(adder.can_run_list, adder.extend_lens):
-            trie.insert(req.fill_ids[: len(req.prefix_indices) + extend_len])
+            trie.insert(req.fill_ids[: len(req.prefix_indices) + extend_len], req.extra_key)
         return trie
 
     def _prefix_being_computed(self, req: Req, trie: PrefixTrie) -> bool:
         page = self.config.page_size
-        shared = trie.match(req.fill_ids[: req.max_prefix_len()]) // page * page
+        shared = trie.match(req.fill_ids[: req.max_prefix_len()], req.extra_key) // page * page
         return shared - len(req.prefix_indices) >= IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
 
     # Mixed chunk -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 from radixengine.managers.grammar_manager import GrammarManager
 from radixengine.managers.io_struct import (
@@ -16,11 +17,14 @@ from radixengine.managers.io_struct import (
     ClearHiCacheReqOutput,
     FlushCacheReqInput,
     GetInternalStateReq,
+    LoadLoRAAdapterReqInput,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReqInput,
 )
 from radixengine.managers.req import Tokenizer
 from radixengine.managers.schedule_batch import Req
 from radixengine.managers.schedule_policy import lowest_priority_value, priority_sign
+from radixengine.managers.scheduler_components.lora_adapters import LoRAAdapters
 from radixengine.managers.scheduler_components.output_streamer import OutputStreamer
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 
@@ -38,6 +42,18 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class QueueConfig:
+    enable_priority_scheduling: bool
+    schedule_low_priority_values_first: bool
+    max_queued_requests: int | None
+
+    @classmethod
+    def of(cls, args: QueueArgs) -> QueueConfig:
+        return cls(
+            args.enable_priority_scheduling, args.schedule_low_priority_values_first, args.max_queued_requests
+        )
+
+
+class QueueArgs(Protocol):
     enable_priority_scheduling: bool
     schedule_low_priority_values_first: bool
     max_queued_requests: int | None
@@ -86,6 +102,7 @@ def req_from_input(recv: TokenizedGenerateReqInput) -> Req:
         logprob_start_len=recv.logprob_start_len if recv.return_logprob else -1,
         routing_key=recv.routing_key,
         interactive=recv.interactive,
+        lora_id=recv.lora_id,
     )
 
 
@@ -100,8 +117,10 @@ class RequestIntake:
         streamer: OutputStreamer,
         active_reqs: Callable[[], list[Req]],
         tree_cache: BasePrefixCache | None = None,
+        lora: LoRAAdapters | None = None,
     ) -> None:
         self.limits = limits
+        self.lora = lora if lora is not None else LoRAAdapters(None, streamer.sink.send, 1)
         self.config = config
         self.grammar_manager = grammar_manager
         self.tokenizer = tokenizer
@@ -128,6 +147,8 @@ class RequestIntake:
                 self.streamer.sink.send(self._clear_storage())
             elif isinstance(msg, (FlushCacheReqInput, GetInternalStateReq)):
                 self.deferred.append(msg)
+            elif isinstance(msg, (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)):
+                self.lora.handle(msg)
             else:
                 logger.error("scheduler: ignoring a message of unknown type %s", type(msg).__name__)
 
@@ -167,7 +188,7 @@ class RequestIntake:
         req.init_stop_str_window(self.tokenizer)
         if self.config.enable_priority_scheduling and (req.priority is None or not req.interactive):
             req.priority = lowest_priority_value(self.config.schedule_low_priority_values_first)
-        return validate_request(req, self.limits)
+        return self.lora.request_error(req.lora_id) or validate_request(req, self.limits)
 
     def move_ready_grammar_requests(self, nothing_else_to_do: bool) -> None:
         """Requests whose grammar has compiled join the waiting queue (or fail with a 400). When

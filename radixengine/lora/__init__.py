@@ -1,0 +1,1 @@
+"""Multi-LoRA serving (docs/lora.md): PEFT adapters, the slot pool, the batched delta."""

@@ -1,0 +1,117 @@
+"""An adapter's weights in the fused layout of our linears, checked against the base model."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from radixengine.lora.lora_config import FUSED_MODULES, TARGET_MODULES, LoRAConfig, LoRALoadError
+
+_KEY = re.compile(r".*\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """A fused linear of the base model: its input features and the output rows of each of its
+    stacked parts (q, k, v for qkv_proj; gate, up for gate_up_proj)."""
+
+    in_features: int
+    out_sizes: tuple[int, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.out_sizes)
+
+
+# (layer id, fused module name) → its shape
+BaseShapes = dict[tuple[int, str], ModuleShape]
+
+
+@dataclass
+class LoRAAdapter:
+    """Per (layer, fused module): `a` [r, stack, in] and `b` [r, stack, out] (B already scaled,
+    each part's B in its own output rows); modules the adapter does not target are absent."""
+
+    config: LoRAConfig
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def rank(self) -> int:
+        return self.config.r
+
+    @classmethod
+    def load(cls, config: LoRAConfig, shapes: BaseShapes, dtype: torch.dtype) -> LoRAAdapter:
+        tensors = read_adapter_tensors(config.path)
+        return cls.from_tensors(config, tensors, shapes, dtype)
+
+    @classmethod
+    def from_tensors(
+        cls, config: LoRAConfig, tensors: dict[str, torch.Tensor], shapes: BaseShapes, dtype: torch.dtype
+    ) -> LoRAAdapter:
+        r = config.r
+        weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        pairs = _pairs(config, tensors)
+        for (layer, module), (lora_a, lora_b) in sorted(pairs.items()):
+            fused, part = TARGET_MODULES[module]
+            shape = shapes.get((layer, fused))
+            if shape is None:
+                raise LoRALoadError(
+                    f"adapter {config.path}: layer {layer} {module} has no linear in the base model"
+                )
+            out = shape.out_sizes[part]
+            _check_shape(config, layer, module, "lora_A", lora_a, (r, shape.in_features))
+            _check_shape(config, layer, module, "lora_B", lora_b, (out, r))
+            if (layer, fused) not in weights:
+                stack = FUSED_MODULES[fused]
+                weights[(layer, fused)] = (
+                    torch.zeros(r, stack, shape.in_features, dtype=dtype),
+                    torch.zeros(r, stack, shape.out_features, dtype=dtype),
+                )
+            a, b = weights[(layer, fused)]
+            start = sum(shape.out_sizes[:part])
+            a[:, part] = lora_a.to(dtype)
+            b[:, part, start : start + out] = (lora_b.float() * config.scaling).t().to(dtype)
+        return cls(config, weights)
+
+
+def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
+    st = os.path.join(path, "adapter_model.safetensors")
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+
+        return load_file(st)
+    bin_file = os.path.join(path, "adapter_model.bin")
+    if os.path.isfile(bin_file):
+        return torch.load(bin_file, map_location="cpu", weights_only=True)
+    raise LoRALoadError(f"adapter {path} has no adapter_model.safetensors or adapter_model.bin")
+
+
+def _pairs(config: LoRAConfig, tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str], list[torch.Tensor]]:
+    pairs: dict[tuple[int, str], list] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.fullmatch(key)
+        if m is None or m[2] not in TARGET_MODULES:
+            raise LoRALoadError(
+                f"adapter {config.path}: tensor {key} is not supported (only q/k/v/o/gate/up/down LoRA A/B)"
+            )
+        if m[2] not in config.target_modules:
+            raise LoRALoadError(f"adapter {config.path}: tensor {key} is for a module not in target_modules")
+        pair = pairs.setdefault((int(m[1]), m[2]), [None, None])
+        pair[0 if m[3] == "A" else 1] = tensor
+    for (layer, module), (a, b) in pairs.items():
+        if a is None or b is None:
+            raise LoRALoadError(
+                f"adapter {config.path}: layer {layer} {module} has lora_{'A' if a is None else 'B'} missing"
+            )
+    return pairs
+
+
+def _check_shape(config: LoRAConfig, layer: int, module: str, which: str, t: torch.Tensor, want) -> None:
+    if tuple(t.shape) != tuple(want):
+        raise LoRALoadError(
+            f"adapter {config.path}: layer {layer} {module}.{which} has shape {tuple(t.shape)}, the base "
+            f"model needs {tuple(want)} (an adapter for another base model?)"
+        )
