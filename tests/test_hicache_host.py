@@ -131,18 +131,18 @@ def test_host_tier_and_storage_load_device_then_host_then_storage(tmp_path):
     again = collect(messages)
     assert outputs(again, "c") == outputs(expected, "c")
     assert_matches_oracle(reqs, again)
-    (last,) = [
-        m
+    final = {
+        rid: (m.cached_tokens[i], m.cached_tokens_host[i], m.cached_tokens_storage[i])
         for m in messages
-        if isinstance(m, BatchTokenIDOut) and "c0" in m.rids and m.finished_reasons[m.rids.index("c0")]
-    ]
-    i = last.rids.index("c0")
-    # c0: the 144-token shared prefix from the host, the next page from storage, 160 in all.
-    assert (last.cached_tokens[i], last.cached_tokens_host[i], last.cached_tokens_storage[i]) == (
-        160,
-        144,
-        16,
-    )
+        if isinstance(m, BatchTokenIDOut)
+        for i, rid in enumerate(m.rids)
+        if m.finished_reasons[i]
+    }
+    # The 144-token shared prefix comes from the host once (to whichever request is admitted
+    # first: c0 waits for its storage prefetch), then from the device; c0's next page from
+    # storage: 160 in all.
+    assert sorted(host for _, host, _ in final.values()) == [0, 0, 144], final
+    assert final["c0"][0] == 160 and final["c0"][2] == 16, final
     sched.close()
 
 
