@@ -26,8 +26,8 @@ Workloads through the server (32 concurrent chat requests) and through the offli
 
 `--mixed-chunk on,off` runs every scenario with and without the server's `--enable-mixed-chunk`;
 `--shared-prefix on,off` with shared-prefix attention on and off (`--disable-shared-prefix-attention`);
-`--dtypes` every scenario in each dtype (bfloat16 is skipped, and the JSON says so, on a CPU
-without bf16 arithmetic: neither avx512_bf16 nor amx_bf16 in /proc/cpuinfo). Each (dtype, mixed
+`--dtypes` every scenario in each dtype (bfloat16 also on a CPU without bf16 arithmetic: its
+linears then run on bf16 panels, `layers/bf16_linear.py`). Each (dtype, mixed
 chunk) configuration gets a fresh server; the offline Engine runs after that server has stopped,
 with the same server arguments.
 
@@ -905,8 +905,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma list of on, off: the server's shared-prefix attention (off: --disable-shared-prefix-attention)",
     )
     p.add_argument("--dtypes", default="", help="comma list of --dtype values, one configuration each")
-    p.add_argument("--allow-slow-bf16", action="store_true",
-                   help="run bfloat16 even on a CPU without bf16 arithmetic (avx512_bf16 / amx_bf16)")  # fmt: skip
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=str(REPO / "bench_results" / "bench_serving.json"))
@@ -943,21 +941,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def plan_configs(args, cpu: dict) -> tuple[list[dict], list[dict]]:
-    """(dtype, mixed chunk) configurations: their server flags, and the skipped ones with why."""
+def plan_configs(args) -> list[dict]:
+    """(dtype, mixed chunk) configurations and their server flags."""
     base = args.server_flag_list
-    device = server_args_from_flags(base).device  # also rejects bad flags before anything starts
-    configs, skipped = [], []
+    server_args_from_flags(base)  # rejects bad flags before anything starts
+    configs = []
     for dtype in args.dtypes or [None]:
-        if (
-            dtype == "bfloat16"
-            and device == "cpu"
-            and not cpu["bf16_arithmetic"]
-            and not args.allow_slow_bf16
-        ):
-            skipped.append({"dtype": dtype, "reason": f"this CPU ({cpu['model']}) has no bf16 arithmetic "
-                            "(neither avx512_bf16 nor amx_bf16); --allow-slow-bf16 runs it anyway"})  # fmt: skip
-            continue
         for mixed in args.mixed_chunk or [None]:
             for shared in args.shared_prefix or [None]:
                 flags = (
@@ -969,7 +958,7 @@ def plan_configs(args, cpu: dict) -> tuple[list[dict], list[dict]]:
                 configs.append(
                     {"dtype": dtype, "mixed_chunk": mixed, "shared_prefix": shared, "server_flags": flags}
                 )
-    return configs, skipped
+    return configs
 
 
 def run_config(args, cfg: dict, meta: dict) -> list[dict]:
@@ -1107,10 +1096,8 @@ def main(argv: list[str] | None = None) -> None:
             plot(data["rows"], args.plot)
         return
     meta = machine_meta(args)
-    configs, skipped = plan_configs(args, meta["cpu"])
-    for s in skipped:
-        print(f"skipping {s['dtype']}: {s['reason']}", file=sys.stderr)
-    data = {"meta": meta, "definitions": DEFINITIONS, "skipped": skipped, "rows": []}
+    configs = plan_configs(args)
+    data = {"meta": meta, "definitions": DEFINITIONS, "rows": []}
     for cfg in configs:
         data["rows"] += run_config(args, cfg, meta)
         meta["load_averages"] = [

@@ -78,7 +78,10 @@ SERVER_ARGS_HELP = {
     ),
     "dtype": (
         "dtype of the weights and activations. auto: bfloat16 on CUDA and on a CPU that multiplies bf16 "
-        "natively, else float32."
+        "natively (AMX-BF16 or AVX512-BF16, unless RADIXENGINE_CPU_ISA or ONEDNN_MAX_CPU_ISA rule them out), "
+        "else float32; there a 16-bit checkpoint's weights stay bf16 (panels widened to fp32 in the native "
+        "GEMM: half the bytes, the same products). bfloat16 on a CPU without native bf16 runs its linears "
+        "on the same panels. /get_server_info names the choice and why (resolved_dtype, linear_kernel)."
     ),
     "device": (
         "Where the model runs. auto (default): cuda when torch.cuda.is_available(), else cpu. A device "

@@ -559,6 +559,10 @@ def test_server_info_models_and_flush(server, model_name):
     assert info["model_path"] and info["max_total_tokens"] == 16384 and "num_prefill_tokens" in info
     assert info["disable_shared_prefix_attention"] is False  # the switch, on by default
     assert info["shared_prefix_attention_min_len"] == 64
+    # What the worker resolved at load, and why: random float32 weights stay on torch's linears.
+    assert (info["resolved_dtype"], info["resolved_dtype_reason"]) == ("float32", "--dtype float32")
+    assert info["resolved_kv_cache_dtype"] == "float32"
+    assert info["linear_kernel"] == "torch" and info["linear_kernel_reason"]
     assert get(server, "/v1/models").json()["data"][0]["id"] == model_name
     assert post(server, "/flush_cache").status_code == 200
     assert get(server, "/get_server_info").json()["evictable_tokens"] == 0

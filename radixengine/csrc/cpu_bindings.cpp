@@ -39,6 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A bf16 weight [N, K] in the tile layout amx_linear reads", py::arg("weight"));
   m.def("amx_linear", &cpu::amx_linear, "x [M, K] bf16 times a packed weight's transpose on AMX tiles",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  m.def("bf16_pack_linear_weight", &cpu::bf16_pack_linear_weight,
+        "A bf16 weight [N, K] as panels of 32 output columns, [N / 32][K][32], for bf16_linear",
+        py::arg("weight"));
+  m.def("bf16_linear", &cpu::bf16_linear,
+        "x [M, K] float32 or bf16 times a bf16 panel-packed weight's transpose, in fp32 arithmetic",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("quant_linear", &cpu::quant_linear,
         "x [M, K] float32 times the transpose of a GGUF block-quantized weight given as raw blocks",
         py::arg("x"), py::arg("qweight"), py::arg("qtype"));

@@ -93,6 +93,15 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype);
 
+// bf16 W [N, K] (N a multiple of 32) as panels of 32 output columns, [N / 32][K][32]; once, at
+// load (cpu_bf16_linear.cpp).
+at::Tensor bf16_pack_linear_weight(const at::Tensor& weight);
+
+// x [M, K] (float32 or bfloat16) times W^T (+ bias) for W packed by bf16_pack_linear_weight:
+// fp32 products and sums, rounded once to x's dtype. Every ISA level; no AMX or AVX512-BF16.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const c10::optional<at::Tensor>& bias);
+
 // The routed experts' grouped linear: rows offsets[e] .. offsets[e + 1] of x [M, K] (float32)
 // times w[e], for w [E, K, N] (float32 or bfloat16, [in, out] per expert; N a multiple of the
 // vector width) and offsets int64 [E + 1] from 0 to M. Returns [M, N] float32.

@@ -19,6 +19,7 @@ from torch import nn
 
 from radixengine.distributed import get_tp_group, tensor_model_parallel_all_reduce
 from radixengine.layers.amx_linear import AmxWeight
+from radixengine.layers.bf16_linear import Bf16PanelWeight
 
 
 @dataclass
@@ -101,7 +102,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.block_weight: BlockWeight | None = None
-        self.amx_weight: AmxWeight | None = None  # set by pack_amx_linears, which drops `weight`
+        # A packed weight (AMX tiles or bf16 panels, layers/cpu_linear_plan.py), which drops `weight`
+        self.amx_weight: AmxWeight | Bf16PanelWeight | None = None
 
     def accepts_amx_weight(self) -> bool:
         return True

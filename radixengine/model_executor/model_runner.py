@@ -59,7 +59,10 @@ class ModelRunner:
         self.model = get_model(
             self.model_config, self.device, server_args.load_format, gguf_blocks=self._use_gguf_blocks()
         )
-        self.amx_linears = self._pack_amx_linears()
+        self.linear_kernel, self.linear_kernel_reason = "torch", f"device {self.device.type}"
+        self.amx_linears = self.bf16_panel_linears = 0
+        if self.device.type == "cpu":
+            self._pack_cpu_linears()
         self.lora_manager = make_lora_manager(server_args, self.model, self.dtype, self.device)
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
@@ -78,17 +81,18 @@ class ModelRunner:
             logger.info("GGUF block kernels off: %s", "; ".join(reasons))
         return not reasons
 
-    def _pack_amx_linears(self) -> int:
-        """bf16 linears on a CPU with AMX tiles compute from packed weights (layers/amx_linear.py)."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            return 0
-        from radixengine.layers.amx_linear import amx_linear_unavailable_reason, pack_amx_linears
+    def _pack_cpu_linears(self) -> None:
+        """Pick the CPU linears' kernel for this dtype and CPU and pack the weights for it
+        (layers/cpu_linear_plan.py)."""
+        from radixengine.layers.cpu_linear_plan import apply_cpu_linear_plan, plan_cpu_linears
 
-        reason = amx_linear_unavailable_reason()
-        if reason is not None:
-            logger.info("bf16 linears on oneDNN: %s", reason)
-            return 0
-        return pack_amx_linears(self.model)
+        plan, count = apply_cpu_linear_plan(self.model, plan_cpu_linears(self.dtype))
+        self.linear_kernel, self.linear_kernel_reason = plan.kernel, plan.reason
+        if plan.kernel == "amx":
+            self.amx_linears = count
+        elif plan.kernel == "bf16_panels":
+            self.bf16_panel_linears = count
+        logger.info("linears on %s (%d packed): %s", plan.kernel, count, plan.reason)
 
     def _gguf_blocks_unavailable(self) -> list[str]:
         from radixengine.model_loader.gguf_loader import is_gguf

@@ -54,6 +54,12 @@ class WorkerInfo:
     page_size: int
     device: str
     amx_linear_layers: int = 0  # linears computing from AMX-packed bf16 weights (layers/amx_linear.py)
+    bf16_panel_linear_layers: int = 0  # linears computing from bf16 panels (layers/bf16_linear.py)
+    linear_kernel: str = "torch"  # amx, bf16_panels or torch (layers/cpu_linear_plan.py)
+    linear_kernel_reason: str = ""
+    resolved_dtype: str = ""  # the compute dtype --dtype resolved to, and why
+    resolved_dtype_reason: str = ""
+    resolved_kv_cache_dtype: str = ""
 
 
 class TpModelWorker:
@@ -84,6 +90,12 @@ class TpModelWorker:
             page_size=runner.page_size,
             device=str(runner.device),
             amx_linear_layers=runner.amx_linears,
+            bf16_panel_linear_layers=runner.bf16_panel_linears,
+            linear_kernel=runner.linear_kernel,
+            linear_kernel_reason=runner.linear_kernel_reason,
+            resolved_dtype=str(runner.dtype).removeprefix("torch."),
+            resolved_dtype_reason=runner.model_config.dtype_reason,
+            resolved_kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
         )
 
     def num_shared_prefix_forwards(self) -> int:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from radixengine.model_loader.model_paths import locate_model, resolve_model_path
 from radixengine.model_loader.quantized_checkpoint import QuantConfig
-from radixengine.model_loader.weight_utils import resolve_dtype
+from radixengine.model_loader.weight_utils import resolve_dtype_with_reason
 
 
 class ModelConfig:
@@ -27,7 +25,7 @@ class ModelConfig:
         self.hf_path = resolve_model_path(self.model_path)
         self.hf_config = AutoConfig.from_pretrained(self.hf_path)
         self.quant_config: QuantConfig | None = QuantConfig.from_model(self.hf_config, self.hf_path)
-        self.dtype: torch.dtype = resolve_dtype(dtype, device)
+        self.dtype, self.dtype_reason = resolve_dtype_with_reason(dtype, device)
         c = self.hf_config
         self.architectures: list[str] = list(getattr(c, "architectures", None) or [])
         self.hidden_size: int = c.hidden_size

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from radixengine.utils.cpu_bf16 import bf16_matmul_support
+
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 # .bin files of a training run saved beside the weights (SGLang skips the same)
@@ -106,23 +108,29 @@ def _safetensors_header(specs: Sequence[tuple[str, tuple[int, ...]]]) -> bytes:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when torch's CPU kernels run bf16 matmuls natively (AMX or AVX512-BF16)."""
-    capability = str(torch.backends.cpu.get_cpu_capability()).upper()
-    return "AMX" in capability or "AVX512_BF16" in capability or _cpuinfo_has_bf16()
-
-
-def _cpuinfo_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " amx_bf16" in flags or " avx512_bf16" in flags
+    """True when torch's CPU kernels run bf16 matmuls natively (AMX or AVX512-BF16; see
+    ``radixengine.utils.cpu_bf16``)."""
+    return bf16_matmul_support().native
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """`auto`: bfloat16 on CUDA, and on a CPU that multiplies bf16 natively; else float32."""
+    return resolve_dtype_with_reason(dtype, device)[0]
+
+
+def resolve_dtype_with_reason(dtype: str, device: str) -> tuple[torch.dtype, str]:
+    """The compute dtype and why (``/get_server_info`` names both)."""
     if dtype != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        chosen = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        return chosen, f"--dtype {dtype}"
     if device == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16, "--dtype auto on CUDA"
+    if cpu_has_native_bf16():
+        return (
+            torch.bfloat16,
+            f"--dtype auto: {bf16_matmul_support().reason}, whose bf16 matmul beats float32",
+        )
+    return torch.float32, (
+        f"--dtype auto: {bf16_matmul_support().reason}, so bf16 matmuls would run without native "
+        "bf16 products; float32 arithmetic (16-bit weights stay 16-bit where they hold bf16 values)"
+    )

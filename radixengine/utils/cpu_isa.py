@@ -110,6 +110,12 @@ def _torch_capability_levels() -> tuple[str, ...]:
     return LEVELS[: LEVELS.index(top) + 1]
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux: /proc/cpuinfo; elsewhere: none known)."""
+    flags = _linux_cpu_flags() if platform.system() == "Linux" and is_x86_64() else None
+    return flags if flags is not None else frozenset()
+
+
 def supported_levels() -> tuple[str, ...]:
     """The levels this CPU can run, lowest first (always includes ``portable``)."""
     if not is_x86_64():

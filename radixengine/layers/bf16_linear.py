@@ -1,0 +1,105 @@
+"""bf16-stored linears in fp32 arithmetic, for CPUs without native bf16 products (no AMX, no
+AVX512-BF16; e.g. AVX2 machines): there torch's bf16 matmul runs 4-5x slower than its fp32 one,
+so each bf16 weight is packed once after loading into panels of 32 output columns
+(``radixengine/csrc/cpu_bf16_linear.cpp``) that the native GEMM widens to fp32 vector by vector.
+A decode step then streams half of fp32's bytes; prefill widens each panel once per block of
+rows and runs fp32 register tiles.
+
+Two uses, both chosen at load (``cpu_linear_plan``):
+
+- a bf16 model (``--dtype bfloat16``) on such a CPU: every bf16 linear and the LM head;
+- a float32 model whose weights all are bf16 values (a bf16 checkpoint run in float32, what
+  ``--dtype auto`` picks on such a CPU): the same panels, exact, with float32 activations.
+
+``bf16_linear_reference`` is the same product in pure torch, from the packed weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixengine.layers.attention import native_cpu_ops
+
+logger = logging.getLogger(__name__)
+
+COLS = 32  # output columns per packed panel
+
+
+def bf16_pack_linear_weight_reference(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[N / 32, K, 32]``: ``packed[nb][k][c] = weight[32 nb + c][k]``."""
+    n, k = weight.shape
+    return weight.reshape(n // COLS, COLS, k).transpose(1, 2).contiguous()
+
+
+def unpack_bf16_linear_weight(packed: torch.Tensor) -> torch.Tensor:
+    nb, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(nb * COLS, k)
+
+
+def bf16_linear_reference(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` from the packed weight: fp32 products and sums, rounded once to x's dtype."""
+    y = F.linear(x.float(), unpack_bf16_linear_weight(packed).float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """A CPU matrix whose output dimension is a multiple of 32."""
+    return weight.dim() == 2 and weight.device.type == "cpu" and weight.shape[0] % COLS == 0
+
+
+def holds_bf16_values(weight: torch.Tensor) -> bool:
+    """Whether every value of a float weight is a bf16 value (so packing it in bf16 is exact)."""
+    if weight.dtype == torch.bfloat16:
+        return True
+    return weight.dtype == torch.float32 and torch.equal(weight, weight.to(torch.bfloat16).float())
+
+
+@dataclass
+class Bf16PanelWeight:
+    """A linear's weight as bf16 panels of 32 output columns."""
+
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> Bf16PanelWeight:
+        native = native_cpu_ops.require_native()
+        packed = native.bf16_pack_linear_weight(weight.to(torch.bfloat16).contiguous())
+        return cls(packed, weight.shape[0], weight.shape[1])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = native_cpu_ops.require_native().bf16_linear(rows.contiguous(), self.packed, bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_bf16_linears(model: nn.Module) -> int:
+    """Pack the weight of every module that takes a packed weight (linears, the LM head), holds
+    bf16 values and has no GGUF blocks into bf16 panels; its float weight is dropped unless it also
+    serves as an embedding. Returns how many were packed."""
+    lm_head = getattr(model, "lm_head", None)
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "amx_weight") or not (module.accepts_amx_weight() or module is lm_head):
+            continue
+        weight = module.weight
+        if weight is None or getattr(module, "block_weight", None) is not None:
+            continue
+        if not packable(weight) or not holds_bf16_values(weight.data):
+            continue
+        module.amx_weight = Bf16PanelWeight.pack(weight.data)
+        if not module.keeps_float_weight():
+            module.weight = None
+        count += 1
+    logger.info("weights of %d linears packed as bf16 panels (fp32 arithmetic)", count)
+    return count
