@@ -68,7 +68,13 @@ def amx_linear_reference(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` from the packed weight: fp32 products and sums, rounded once to bf16."""
-    y = F.linear(x.float(), unpack_linear_weight(packed).float())
+    return fp32_sum_linear(x, unpack_linear_weight(packed), bias)
+
+
+def fp32_sum_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with fp32 products and sums, rounded once to x's dtype: what the
+    packed CPU linears compute (their pure-torch references)."""
+    y = F.linear(x.float(), weight.float())
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -20,9 +20,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from radixengine.layers.amx_linear import fp32_sum_linear
 from radixengine.layers.attention import native_cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -45,10 +45,7 @@ def bf16_linear_reference(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` from the packed weight: fp32 products and sums, rounded once to x's dtype."""
-    y = F.linear(x.float(), unpack_bf16_linear_weight(packed).float())
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+    return fp32_sum_linear(x, unpack_bf16_linear_weight(packed), bias)
 
 
 def packable(weight: torch.Tensor) -> bool:
