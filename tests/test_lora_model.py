@@ -175,34 +175,55 @@ def test_bf16_model_with_adapters_stays_near_peft(setup):
     assert not torch.allclose(logits[0].float(), logits[1].float(), atol=0.1)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "tokens_per_req, gathered",
-    [([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], False), ([1] * 20, True)],
-    ids=["runs", "rows"],
+    [([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], False), ([1] * 20, True), ([2, 3] * 10, True)],
+    ids=["runs", "masked-decode", "masked-extend"],
 )
-def test_delta_equals_per_row_reference(tokens_per_req, gathered):
-    """Runs (an extend's requests) and gathered rows (more runs than MAX_RUNS) give each row
-    `x A_s^T B_s` of its own slot, with the slot's rank; base rows are untouched."""
+def test_delta_equals_per_row_reference(tokens_per_req, gathered, dtype, native):
+    """Runs (an extend's requests) and the masked form (a slot of more runs than MAX_RUNS: the
+    native kernel on a CPU, else three torch ops) give each row `x A_s^T B_s` of its own slot,
+    with the slot's rank (the pool's columns beyond it are not read); base rows are untouched."""
+    from radixengine.layers.attention.native_cpu_ops import native_available
+    from radixengine.layers.native_small_ops import native_small_ops
     from radixengine.lora.lora_backend import apply_lora_delta
     from radixengine.lora.lora_batch_info import MAX_RUNS, LoRABatchInfo
 
+    if native and not native_available():
+        pytest.skip("the native CPU kernels are not built")
     gen = torch.Generator().manual_seed(0)
-    slots_n, rank_max, stack, fin, fout = 3, 6, 2, 10, 14
+    slots_n, rank_max, fin, pieces = 3, 6, 40, (14, 21)
+    stack, fout = len(pieces), sum(pieces)
     a = torch.randn(slots_n + 1, rank_max, stack, fin, generator=gen)
-    b = torch.randn(slots_n + 1, rank_max, stack, fout, generator=gen)
+    b = torch.zeros(slots_n + 1, rank_max, stack, fout)
+    for k, start in enumerate((0, pieces[0])):  # each stacked module's B in its own columns
+        b[:, :, k, start : start + pieces[k]] = torch.randn(slots_n + 1, rank_max, pieces[k], generator=gen)
+    a, b = a.to(dtype), b.to(dtype)
     ranks = {1: 2, 2: 6, 3: 4}
     slots = [(i * 7) % 4 for i in range(len(tokens_per_req))]
     n = sum(tokens_per_req)
-    x, y = torch.randn(n, fin, generator=gen), torch.randn(n, fout, generator=gen)
+    x, y = torch.randn(n, fin, generator=gen).to(dtype), torch.randn(n, fout, generator=gen).to(dtype)
     info = LoRABatchInfo.build(slots, tokens_per_req, ranks, torch.device("cpu"))
-    assert all((seg.rows is not None) == gathered for seg in info.segments)
-    assert all((len(seg.runs) > MAX_RUNS) == gathered for seg in info.segments)
-    expected = y.clone()
+    assert (info.masked is not None) == gathered
+    assert any(len(seg.runs) > MAX_RUNS for seg in info.segments) == gathered
+    expected = y.double()
     row = 0
     for slot, count in zip(slots, tokens_per_req):
         for _ in range(count):
             if slot:
                 r = ranks[slot]
-                expected[row] += (x[row] @ a[slot, :r].reshape(-1, fin).t()) @ b[slot, :r].reshape(-1, fout)
+                a_s, b_s = a[slot, :r].reshape(-1, fin).double(), b[slot, :r].reshape(-1, fout).double()
+                expected[row] += (x[row].double() @ a_s.t()) @ b_s
             row += 1
-    torch.testing.assert_close(apply_lora_delta(x, y.clone(), a, b, info), expected)
+    with native_small_ops(native):
+        got = apply_lora_delta(x, y.clone(), a, b, info, pieces)
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.1}
+    torch.testing.assert_close(got.double(), expected, check_dtype=False, **tol)
+    assert torch.equal(got[[i for i, s in enumerate(_row_slots(slots, tokens_per_req)) if s == 0]],
+                       y[[i for i, s in enumerate(_row_slots(slots, tokens_per_req)) if s == 0]])  # fmt: skip
+
+
+def _row_slots(slots: list[int], tokens_per_req: list[int]) -> list[int]:
+    return [s for s, n in zip(slots, tokens_per_req) for _ in range(n)]

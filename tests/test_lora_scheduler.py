@@ -129,7 +129,7 @@ def assert_matches_peft(reqs, names: dict[str, str | None], out) -> None:
 
 
 def mixed_workload(tag: str, long: bool = False, logprobs: bool = True):
-    prompts = random_prompts(31, 8, 5, 25) + (
+    prompts = random_prompts(31, 18, 5, 25) + (
         [SHARED + p for p in random_prompts(32, 2, 60, 70)] if long else []
     )
     names = [None, "a", "b", "c"]
@@ -148,10 +148,22 @@ def mixed_workload(tag: str, long: bool = False, logprobs: bool = True):
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 @pytest.mark.parametrize("chunk", [16, -1])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_mixed_adapters_match_peft(page_size, chunk, overlap):
+def test_mixed_adapters_match_peft(page_size, chunk, overlap, monkeypatch):
+    from radixengine.lora import lora_manager
+
+    forms = []
+    build = lora_manager.LoRABatchInfo.build
+
+    def spy(*args, **kwargs):
+        info = build(*args, **kwargs)
+        forms.append("masked" if info.masked is not None else "runs")
+        return info
+
+    monkeypatch.setattr(lora_manager.LoRABatchInfo, "build", spy)
     sched = make_lora_scheduler(page_size, overlap=overlap, chunked_prefill_size=chunk)
     reqs, which = mixed_workload("m", long=True)
     out = run(sched, reqs)
+    assert "masked" in forms, "the batches' interleaved adapters must take the masked delta"
     assert_matches_peft(reqs, which, out)
     # The adapters change the tokens (else this test could not tell them apart).
     assert len({tuple(out[f"ms{n}"]["ids"]) for n in (None, "a", "b", "c")}) == 4

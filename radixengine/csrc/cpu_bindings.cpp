@@ -51,5 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_grouped_linear", &cpu::moe_grouped_linear,
         "Rows of x grouped by expert (offsets [E + 1]) times each expert's weight w [E, K, N]",
         py::arg("x"), py::arg("w"), py::arg("offsets"));
+  m.def("lora_delta", &cpu::lora_delta, "Each row's LoRA delta added into y in place, one call a batch",
+        py::arg("y"), py::arg("x"), py::arg("a_buf"), py::arg("b_buf"), py::arg("row_slot"),
+        py::arg("rank_of_slot"), py::arg("pieces"));
   m.def("isa", &cpu::isa, "Instruction set the extension was compiled for");
 }

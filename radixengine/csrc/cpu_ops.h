@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace radixengine::cpu {
 
@@ -92,6 +93,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias);
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype);
+
+// y [T, out] += each row's LoRA delta, in place: B_s (A_s x[t]) for its slot s = row_slot[t] (0:
+// none) of rank rank_of_slot[s]; a_buf [slots, R, stack, in], b_buf [slots, R, stack, out] as the
+// LoRA pool keeps them; pieces: the output columns of each stacked module (cpu_lora_delta.cpp).
+void lora_delta(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_buf, const at::Tensor& b_buf,
+                const at::Tensor& row_slot, const at::Tensor& rank_of_slot, const std::vector<int64_t>& pieces);
 
 // bf16 W [N, K] (N a multiple of 32) as panels of 32 output columns, [N / 32][K][32]; once, at
 // load (cpu_bf16_linear.cpp).

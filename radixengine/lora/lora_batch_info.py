@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 # A slot whose rows come in at most this many runs adds its delta run by run, in place (an
-# extend's requests are runs); more runs (a decode batch: one row each) gather and scatter.
+# extend's requests are runs); a batch with a slot of more runs (a decode batch: one row each)
+# takes the masked form instead (lora_backend.py).
 MAX_RUNS = 4
 
 
@@ -16,12 +17,36 @@ class LoRASegment:
     slot: int
     rank: int
     runs: list[tuple[int, int]]  # row ranges [start, end) of this slot, in order
-    rows: torch.Tensor | None = None  # int64 rows, when there are more than MAX_RUNS runs
+
+
+@dataclass
+class MaskedSlots:
+    """The masked form's operands: the batch's slots `lo..hi-1` taken whole from the pool, and
+    per row its slot, so that a row keeps only its own slot's rank columns."""
+
+    lo: int
+    hi: int
+    row_slot: torch.Tensor  # [rows] int64; 0 for a base-model row
+    rank_of_slot: torch.Tensor  # [hi] int64
+    masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, max_rank: int, stack: int, dtype: torch.dtype) -> torch.Tensor:
+        """`[rows, (hi - lo) * max_rank * stack]`: 1 where the column is the row's slot's and
+        within its rank (the pool's column order: slot, then rank, then stacked module)."""
+        key = (max_rank, stack, dtype)
+        if key not in self.masks:
+            device = self.row_slot.device
+            col_slot = torch.arange(self.lo, self.hi, device=device).repeat_interleave(max_rank * stack)
+            col_r = torch.arange(max_rank, device=device).repeat_interleave(stack).repeat(self.hi - self.lo)
+            in_rank = col_r < self.rank_of_slot[col_slot]
+            self.masks[key] = ((self.row_slot[:, None] == col_slot[None, :]) & in_rank).to(dtype)
+        return self.masks[key]
 
 
 @dataclass
 class LoRABatchInfo:
     segments: list[LoRASegment]  # one per distinct adapter slot of the batch (slot 0 has none)
+    masked: MaskedSlots | None = None  # set when a slot's rows are too scattered for runs
 
     @classmethod
     def build(
@@ -39,10 +64,22 @@ class LoRABatchInfo:
                 else:
                     slot_runs.append((start, start + n))
             start += n
-        segments = []
-        for slot, slot_runs in sorted(runs.items()):
-            rows = None
-            if len(slot_runs) > MAX_RUNS:
-                rows = torch.cat([torch.arange(s, e) for s, e in slot_runs]).to(device)
-            segments.append(LoRASegment(slot, ranks[slot], slot_runs, rows))
-        return cls(segments)
+        segments = [LoRASegment(slot, ranks[slot], r) for slot, r in sorted(runs.items())]
+        masked = None
+        if any(len(seg.runs) > MAX_RUNS for seg in segments):
+            masked = _masked_slots(slots, tokens_per_req, ranks, device)
+        return cls(segments, masked)
+
+
+def _masked_slots(
+    slots: list[int], tokens_per_req: list[int], ranks: dict[int, int], device: torch.device
+) -> MaskedSlots:
+    lo, hi = min(ranks), max(ranks) + 1
+    rank_of_slot = [ranks.get(s, 0) for s in range(hi)]
+    row_slot = torch.tensor(slots).repeat_interleave(torch.tensor(tokens_per_req))
+    return MaskedSlots(lo, hi, _upload(row_slot, device), _upload(torch.tensor(rank_of_slot), device))
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """To the forward's device without waiting for it (pinned and non-blocking on CUDA)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

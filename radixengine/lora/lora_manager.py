@@ -80,6 +80,7 @@ class LoRAManager:
 
     def _hook(self, key: tuple[int, str]):
         a_buf, b_buf = self.pool.buffers[key]
+        pieces = self.shapes[key].out_sizes
 
         def add_delta(
             module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
@@ -87,7 +88,7 @@ class LoRAManager:
             info = self.batch_info
             if info is None or not info.segments:
                 return output
-            return apply_lora_delta(inputs[0], output, a_buf, b_buf, info)
+            return apply_lora_delta(inputs[0], output, a_buf, b_buf, info, pieces)
 
         return add_delta
 
