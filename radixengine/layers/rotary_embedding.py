@@ -88,7 +88,7 @@ class RotaryEmbedding(nn.Module):
 
     def runs_triton(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """`forward` rotates `x` with the Triton kernel (which can write the K/V too)."""
-        return not self._runs_native(positions, x) and self._fits_triton(x)
+        return self._fits_triton(x) and not self._runs_native(positions, x)
 
     def _fits_triton(self, x: torch.Tensor) -> bool:
         return use_fused_ops(x) and x.dtype == self.cos_sin_cache.dtype and x.dim() == 3 and x.stride(2) == 1
