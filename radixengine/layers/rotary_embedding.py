@@ -15,6 +15,7 @@ from radixengine.layers.native_small_ops import runs_native
 from radixengine.layers.triton_ops import use_fused_ops
 
 if TYPE_CHECKING:
+    from radixengine.layers.attention.base_attn_backend import FusedSetKVBufferArg
     from radixengine.layers.forward_batch_view import ForwardBatchView
 
 # A config attribute: per rotary frequency, the number its inverse frequency is divided by
@@ -51,19 +52,31 @@ class RotaryEmbedding(nn.Module):
         """The rows of `cos_sin_cache` the tokens at `positions` read (the positions themselves)."""
         return positions
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        fused_set_kv_buffer_arg: FusedSetKVBufferArg | None = None,
+    ) -> torch.Tensor:
         """Rotate `x` `[num_tokens, num_heads, head_size]` at `positions` `[num_tokens]`.
 
         The model passes q and k heads together (adjacent in the fused qkv output), so one call
         rotates both. On the native CPU path and the Triton one (CUDA) `x` is rotated in place
-        and returned."""
+        and returned. `fused_set_kv_buffer_arg` (on the Triton path only: `runs_triton`): the
+        same launch writes the rotated k heads and v into the KV pool."""
         if self._runs_native(positions, x):
             native_cpu_ops.rotary_embedding(positions, x, self.cos_sin_cache, self.rotary_dim)
             return x
-        if use_fused_ops(x) and x.dtype == self.cos_sin_cache.dtype and x.dim() == 3 and x.stride(2) == 1:
-            from radixengine.layers.triton_ops.rope_kv import rotary_in_place
+        if self._fits_triton(x):
+            from radixengine.layers.triton_ops import rope_kv
 
-            return rotary_in_place(positions, x, self.cos_sin_cache, self.rotary_dim)
+            kv = fused_set_kv_buffer_arg
+            if kv is None:
+                return rope_kv.rotary_in_place(positions, x, self.cos_sin_cache, self.rotary_dim)
+            args = (kv.value, kv.k_buffer, kv.v_buffer, kv.cache_loc)
+            return rope_kv.rotary_store_kv(positions, x, self.cos_sin_cache, self.rotary_dim, *args)
+        if fused_set_kv_buffer_arg is not None:
+            raise ValueError("a K/V write fused with the rotary needs the Triton path (runs_triton)")
         cos, sin = self._cos_sin(positions)
         rot = x[..., : self.rotary_dim]
         half = self.rotary_dim // 2
@@ -72,6 +85,13 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim < self.head_size:
             out = torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
         return out
+
+    def runs_triton(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        """`forward` rotates `x` with the Triton kernel (which can write the K/V too)."""
+        return self._fits_triton(x) and not self._runs_native(positions, x)
+
+    def _fits_triton(self, x: torch.Tensor) -> bool:
+        return use_fused_ops(x) and x.dtype == self.cos_sin_cache.dtype and x.dim() == 3 and x.stride(2) == 1
 
     def _runs_native(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """The kernel takes the cache as it is stored (`[max_position, rotary_dim]`, cos | sin

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from radixengine.layers.activation import SiluAndMul
+from radixengine.layers.attention.base_attn_backend import FusedSetKVBufferArg, fused_set_kv_buffer_arg
 from radixengine.layers.layernorm import RMSNorm
 from radixengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from radixengine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -78,10 +79,20 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = self.split_qk_v(qkv)
-        qk = self.rotary_emb(positions, self.norm_qk(qk))
+        qk = self.norm_qk(qk)
+        kv_write = self.fused_kv_write(positions, qk, v, forward_batch)
+        qk = self.rotary_emb(positions, qk, kv_write)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = self.attn(q, k, v, forward_batch)
+        out = self.attn(q, k, v, forward_batch, save_kv_cache=kv_write is None)
         return self.o_proj(out)
+
+    def fused_kv_write(
+        self, positions: torch.Tensor, qk: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatchView
+    ) -> FusedSetKVBufferArg | None:
+        """The K/V write the Triton rotary does in its own launch; None: the attention writes it."""
+        if not self.rotary_emb.runs_triton(positions, qk):
+            return None
+        return fused_set_kv_buffer_arg(qk[:, self.num_heads :], v, self.attn, forward_batch)
 
     def split_qk_v(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.num_heads + self.num_kv_heads

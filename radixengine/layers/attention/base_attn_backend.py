@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -118,15 +119,46 @@ def save_kv(k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, forward_bat
     """Write the new tokens' K/V `[num_tokens, kv_heads, head_dim]` at `out_cache_loc`."""
     pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc
     k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
-    native_buffers = k_buffer.is_cpu and k_buffer.dtype in native_cpu_ops.NATIVE_KV_DTYPES
-    if native_small_ops.runs_native(k, v) and native_buffers and loc.is_cpu and k.dim() == 3:
+    if _writes_native(k, v, k_buffer, loc):
         native_cpu_ops.set_kv_buffer(k_buffer, v_buffer, loc, k, v)
-    elif use_fused_ops(k) and rows_contiguous(k, v, k_buffer, v_buffer):
+    elif _writes_triton(k, v, k_buffer, v_buffer):
         from radixengine.layers.triton_ops.rope_kv import store_kv
 
         store_kv(k, v, k_buffer, v_buffer, loc)
     else:
         pool.set_kv_buffer(layer.layer_id, loc, k, v)
+
+
+@dataclass
+class FusedSetKVBufferArg:
+    """The K/V write a Triton rotary launch does itself (SGLang's name): k, its last
+    `value.shape[1]` heads once rotated, and `value` into the buffers at `cache_loc`."""
+
+    value: torch.Tensor  # [num_tokens, kv_heads, head_dim]
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    cache_loc: torch.Tensor
+
+
+def fused_set_kv_buffer_arg(
+    k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatchView
+) -> FusedSetKVBufferArg | None:
+    """The write `save_kv` would do with the Triton kernel, for the rotary to do instead (then the
+    attention is called with `save_kv_cache=False`); None where `save_kv` takes another path."""
+    loc = forward_batch.out_cache_loc
+    k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    if _writes_native(k, v, k_buffer, loc) or not _writes_triton(k, v, k_buffer, v_buffer):
+        return None
+    return FusedSetKVBufferArg(v, k_buffer, v_buffer, loc)
+
+
+def _writes_native(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, loc: torch.Tensor) -> bool:
+    native_buffers = k_buffer.is_cpu and k_buffer.dtype in native_cpu_ops.NATIVE_KV_DTYPES
+    return native_small_ops.runs_native(k, v) and native_buffers and loc.is_cpu and k.dim() == 3
+
+
+def _writes_triton(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
+    return use_fused_ops(k) and rows_contiguous(k, v, k_buffer, v_buffer)
 
 
 def rows_contiguous(*ts: torch.Tensor) -> bool:
