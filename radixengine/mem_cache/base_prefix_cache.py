@@ -159,9 +159,12 @@ class BasePrefixCache(ABC):
         how many tokens it loaded. A cache without one has nothing to load."""
         return 0
 
-    def prefetch_from_storage(self, rid: str, key: list[int] | tuple[int, ...]) -> None:
-        """Request `rid` entered the waiting queue: start reading the pages of `key` past what the
-        cache holds from a storage tier, for that request; nothing without one."""
+    def prefetch_from_storage(
+        self, rid: str, key: list[int] | tuple[int, ...], extra_key: str | None = None
+    ) -> None:
+        """Request `rid` entered the waiting queue: start reading the pages of `key` (in namespace
+        `extra_key`) past what the cache holds from a storage tier, for that request; nothing
+        without one."""
         return None
 
     def check_prefetch_progress(self, rid: str) -> bool:

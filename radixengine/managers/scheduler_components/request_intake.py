@@ -230,7 +230,7 @@ class RequestIntake:
 
     def _queued(self, req: Req) -> None:
         if self.tree_cache is not None:
-            self.tree_cache.prefetch_from_storage(req.rid, req.origin_input_ids)
+            self.tree_cache.prefetch_from_storage(req.rid, req.origin_input_ids, req.extra_key)
 
     def _dropped(self, req: Req) -> None:
         if self.tree_cache is not None:
