@@ -185,3 +185,28 @@ def test_write_through_keeps_the_namespace_of_each_path(tmp_path, host):
     assert not any(t.storage.exists(k) for k in page_keys(tuple(TOKENS), PT, 2))
     t.check()
     t.tree.close()
+
+
+def test_pages_keyed_by_adapter_weights_survive_a_restart(tmp_path):
+    """With the adapters' weight digests (as the scheduler gives them), an adapter's pages are read
+    after a restart, by any id of the same weights, and never by an adapter of other weights."""
+    first = Tiers(tmp_path)
+    first.tree.set_namespace_digests({"A": b"weights of A"}.get)
+    first.insert(TOKENS, "A")
+    first.evict_all()
+    first.tree.flush_storage()
+    first.tree.close()
+    second = Tiers(tmp_path)
+    digests = {"A": b"weights of A", "A again": b"weights of A", "B": b"weights of B"}
+    second.tree.set_namespace_digests(digests.get)
+    assert second.load(TOKENS, "B", "b") == 0 and second.load(TOKENS, None, "n") == 0
+    assert second.load(TOKENS, "A", "a") == 2 * PT
+    second.assert_kv_of("A", TOKENS[: 2 * PT])
+    NAMESPACES["A again"] = NAMESPACES["A"]  # the same weights: the same KV
+    try:
+        assert second.load(TOKENS, "A again", "a2") == 2 * PT
+        second.assert_kv_of("A again", TOKENS[: 2 * PT])
+    finally:
+        del NAMESPACES["A again"]
+    second.check()
+    second.tree.close()

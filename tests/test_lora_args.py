@@ -132,3 +132,9 @@ def test_pool_evicts_by_policy_and_never_a_pinned_or_used_slot(policy, victim):
         pool.prepare({k: ad[k] for k in "abcd"}, {"p"})
     pool.drop("c")
     assert "c" not in pool.slot_of
+
+
+def test_adapter_digest_names_its_weights():
+    # The hierarchical cache keys an adapter's storage pages by it (docs/lora.md).
+    assert _adapter(2, 1.0).digest() == _adapter(2, 1.0).digest()
+    assert len({_adapter(2, 1.0).digest(), _adapter(2, 2.0).digest(), _adapter(3, 1.0).digest()}) == 3

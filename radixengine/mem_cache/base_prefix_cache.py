@@ -186,6 +186,11 @@ class BasePrefixCache(ABC):
         """Request `rid` left the waiting queue without being admitted: drop its prefetch."""
         return None
 
+    def set_namespace_digests(self, digest_of: Callable[[str], bytes | None]) -> None:
+        """Where a storage tier learns what a namespace's KV depends on (`digest_of(extra_key)`:
+        a LoRA adapter's weights' digest, None if unknown); nothing without one."""
+        return None
+
     def set_pool_write_stream(self, stream: PoolWriteStream) -> None:
         """Where the cache's own writes into the KV pool run (the overlap loop's forward stream);
         a cache that writes no KV of its own has nothing to route."""

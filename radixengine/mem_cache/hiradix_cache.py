@@ -20,16 +20,16 @@ cache's. Storage pages are `page_tokens` long (a multiple of the pool's page siz
 ends inside one uses its tail.
 
 Every walk, load and page key is in the request's radix namespace (`extra_key`, a LoRA
-adapter's id): an adapter's page key chain starts from its namespace's seed (storage/base.py
-`namespace_seed`), the base model's from nothing, as before namespaces.
+adapter's id): an adapter's page key chain starts from its namespace's seed (a digest of the
+adapter's weights: storage/namespaces.py), the base model's from nothing, as before namespaces.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,8 +40,9 @@ from radixengine.mem_cache.hicache_transfer import HostTransfer, gather_device, 
 from radixengine.mem_cache.host_radix_cache import WRITE_THROUGH_SELECTIVE_HITS, HostRadixCache
 from radixengine.mem_cache.memory_pool_host import HostKVPool
 from radixengine.mem_cache.radix_cache import TreeNode, req_extra_key
-from radixengine.mem_cache.storage.base import HiCacheStorage, namespace_seed, page_keys
+from radixengine.mem_cache.storage.base import HiCacheStorage, page_keys
 from radixengine.mem_cache.storage.io_threads import PrefetchOp, StoragePrefetcher, StorageWriter
+from radixengine.mem_cache.storage.namespaces import NamespaceSeeds
 from radixengine.mem_cache.storage.policies import HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ class HiRadixCache(HostRadixCache):
         dtype = getattr(torch, storage.identity.kv_dtype)
         page_bytes = math.prod(storage.identity.page_shape()) * dtype.itemsize
         self.prefetcher = StoragePrefetcher(storage, prefetch.max_bytes, page_bytes)
-        self._namespace_salt = os.urandom(16)  # this start's: see namespace_seed
+        self.namespaces = NamespaceSeeds()
         self._stored: set[str] = set()  # keys this cache wrote or read (known to be in storage)
         self._touched: dict[str, int] = {}  # key -> pages submitted when its recency was refreshed
         self.storage_hit_tokens = 0  # tokens loaded from storage into the pool
@@ -125,8 +126,10 @@ class HiRadixCache(HostRadixCache):
     def _page_keys(self, tokens: tuple[int, ...], num_pages: int, extra_key: str | None) -> list[str]:
         """The storage keys of the first `num_pages` pages of `tokens` in namespace `extra_key`
         (every key is made here)."""
-        seed = namespace_seed(extra_key, self._namespace_salt)
-        return page_keys(tokens, self.page_tokens, num_pages, seed)
+        return page_keys(tokens, self.page_tokens, num_pages, self.namespaces.seed(extra_key))
+
+    def set_namespace_digests(self, digest_of: Callable[[str], bytes | None]) -> None:
+        self.namespaces.set_digests(digest_of)
 
     # ---- reading back ----
 

@@ -4,8 +4,8 @@ A storage page holds the KV of `page_tokens` consecutive tokens of a prefix, for
 a tensor `[layer_num, 2 (K, V), page_tokens, head_num, head_dim]`. Its key is a hash chain, as
 SGLang's storage keys: the key of page k hashes the key of page k-1 with page k's token ids, so
 a key names the whole prefix up to the end of its page and nothing else. The chain of a radix
-namespace (a LoRA adapter's KV) starts from that namespace's seed instead of nothing, so its
-pages never meet another namespace's or the base model's.
+namespace (a LoRA adapter's KV) starts from that namespace's seed (storage/namespaces.py)
+instead of nothing, so its pages never meet another namespace's or the base model's.
 """
 
 from __future__ import annotations
@@ -48,21 +48,6 @@ def page_keys(tokens: tuple[int, ...], page_tokens: int, num_pages: int, seed: b
         prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
         keys.append(prev.hex())
     return keys
-
-
-def namespace_seed(extra_key: str | None, salt: bytes) -> bytes:
-    """Where the page key chain of the radix namespace `extra_key` starts: nothing for the base
-    model (None: its keys are those of every earlier version, so its files stay valid), else a
-    digest of `salt` and the key, 16 bytes as every chain link (no base chain can equal it).
-
-    The namespace is a LoRA adapter's `lora_id`, which names one load of an adapter in one
-    server, not its weights (`--lora-paths` ids are `init-<i>-<name>` in every start, whatever
-    the path holds now). So the cache salts it with bytes of its own start: an adapter's pages
-    are reused while the server runs and never after a restart or a reload, when the same id
-    may name other weights; they leave storage by its size bound like any unused page."""
-    if extra_key is None:
-        return b""
-    return hashlib.blake2b(b"namespace|" + salt + extra_key.encode(), digest_size=16).digest()
 
 
 class HiCacheStorage(Protocol):
