@@ -36,7 +36,6 @@ class LoRAArgs(Protocol):
     max_lora_rank: int | None
     lora_target_modules: list[str] | None
     tp_size: int
-    enable_hierarchical_cache: bool
     speculative_algorithm: str | None
 
 
@@ -69,9 +68,6 @@ def validate_lora_args(args: LoRAArgs) -> None:
 def _refuse_combinations(args: LoRAArgs) -> None:
     refused = {
         "--tp-size > 1": args.tp_size > 1,
-        "--enable-hierarchical-cache (its storage page keys do not carry the adapter yet)": (
-            args.enable_hierarchical_cache
-        ),
         "--speculative-algorithm": args.speculative_algorithm is not None,
     }
     for what, on in refused.items():

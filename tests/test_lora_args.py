@@ -63,6 +63,20 @@ def test_bad_lora_flags_are_refused_naming_them(kwargs, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("tier", [dict(hicache_storage_backend="file"), dict(hicache_host_tier_on_cpu=True)])
+def test_lora_serves_with_the_hierarchical_cache(tmp_path, tier):
+    # Its tiers keep each adapter's KV in the adapter's namespace (tests/test_hicache_lora*.py).
+    args = ServerArgs(
+        model_path="unused",
+        device="cpu",
+        lora_paths=["a=/x"],
+        enable_hierarchical_cache=True,
+        hicache_storage_dir=str(tmp_path),
+        **tier,
+    )
+    assert args.enable_lora and args.enable_hierarchical_cache
+
+
 def test_registry_resolves_counts_and_waits_for_unload():
     async def scenario():
         ref = LoRARef("a", "/x")
@@ -118,3 +132,9 @@ def test_pool_evicts_by_policy_and_never_a_pinned_or_used_slot(policy, victim):
         pool.prepare({k: ad[k] for k in "abcd"}, {"p"})
     pool.drop("c")
     assert "c" not in pool.slot_of
+
+
+def test_adapter_digest_names_its_weights():
+    # The hierarchical cache keys an adapter's storage pages by it (docs/lora.md).
+    assert _adapter(2, 1.0).digest() == _adapter(2, 1.0).digest()
+    assert len({_adapter(2, 1.0).digest(), _adapter(2, 2.0).digest(), _adapter(3, 1.0).digest()}) == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -41,6 +42,17 @@ class LoRAAdapter:
     @property
     def rank(self) -> int:
         return self.config.r
+
+    def digest(self) -> bytes:
+        """A hash of what the adapter's KV depends on besides the base model: its weights as the
+        delta uses them (fused, B scaled, in the model's dtype). Equal digests, equal KV: the
+        hierarchical cache keys the adapter's storage pages by it (docs/lora.md)."""
+        h = hashlib.blake2b(digest_size=16)
+        for (layer, module), pair in sorted(self.weights.items()):
+            for t in pair:
+                h.update(f"{layer}|{module}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.digest()
 
     @classmethod
     def load(cls, config: LoRAConfig, shapes: BaseShapes, dtype: torch.dtype) -> LoRAAdapter:

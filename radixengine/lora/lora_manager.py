@@ -113,6 +113,12 @@ class LoRAManager:
                 self.pinned.add(lora_id)
         return adapter
 
+    def adapter_digest(self, lora_id: str) -> bytes | None:
+        """The digest of a loaded adapter's weights (LoRAAdapter.digest); None if not loaded."""
+        with self._lock:
+            adapter = self.adapters.get(lora_id)
+        return None if adapter is None else adapter.digest()
+
     def _check_config(self, config: LoRAConfig) -> None:
         if config.r > self.max_lora_rank:
             raise LoRALoadError(

@@ -159,9 +159,12 @@ class BasePrefixCache(ABC):
         how many tokens it loaded. A cache without one has nothing to load."""
         return 0
 
-    def prefetch_from_storage(self, rid: str, key: list[int] | tuple[int, ...]) -> None:
-        """Request `rid` entered the waiting queue: start reading the pages of `key` past what the
-        cache holds from a storage tier, for that request; nothing without one."""
+    def prefetch_from_storage(
+        self, rid: str, key: list[int] | tuple[int, ...], extra_key: str | None = None
+    ) -> None:
+        """Request `rid` entered the waiting queue: start reading the pages of `key` (in namespace
+        `extra_key`) past what the cache holds from a storage tier, for that request; nothing
+        without one."""
         return None
 
     def check_prefetch_progress(self, rid: str) -> bool:
@@ -181,6 +184,11 @@ class BasePrefixCache(ABC):
 
     def release_prefetch(self, rid: str) -> None:
         """Request `rid` left the waiting queue without being admitted: drop its prefetch."""
+        return None
+
+    def set_namespace_digests(self, digest_of: Callable[[str], bytes | None]) -> None:
+        """Where a storage tier learns what a namespace's KV depends on (`digest_of(extra_key)`:
+        a LoRA adapter's weights' digest, None if unknown); nothing without one."""
         return None
 
     def set_pool_write_stream(self, stream: PoolWriteStream) -> None:

@@ -18,6 +18,10 @@ request's next match is longer: device, then host, then storage. A loaded page i
 pool slot is ever in flight between tiers, so the token-accounting invariant is the radix
 cache's. Storage pages are `page_tokens` long (a multiple of the pool's page size); a match that
 ends inside one uses its tail.
+
+Every walk, load and page key is in the request's radix namespace (`extra_key`, a LoRA
+adapter's id): an adapter's page key chain starts from its namespace's seed (a digest of the
+adapter's weights: storage/namespaces.py), the base model's from nothing, as before namespaces.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,9 +39,10 @@ from radixengine.mem_cache.base_prefix_cache import CacheReq, as_token_key, fini
 from radixengine.mem_cache.hicache_transfer import HostTransfer, gather_device, scatter_device
 from radixengine.mem_cache.host_radix_cache import WRITE_THROUGH_SELECTIVE_HITS, HostRadixCache
 from radixengine.mem_cache.memory_pool_host import HostKVPool
-from radixengine.mem_cache.radix_cache import TreeNode
+from radixengine.mem_cache.radix_cache import TreeNode, req_extra_key
 from radixengine.mem_cache.storage.base import HiCacheStorage, page_keys
 from radixengine.mem_cache.storage.io_threads import PrefetchOp, StoragePrefetcher, StorageWriter
+from radixengine.mem_cache.storage.namespaces import NamespaceSeeds
 from radixengine.mem_cache.storage.policies import HICACHE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES
 
 if TYPE_CHECKING:
@@ -109,6 +115,7 @@ class HiRadixCache(HostRadixCache):
         dtype = getattr(torch, storage.identity.kv_dtype)
         page_bytes = math.prod(storage.identity.page_shape()) * dtype.itemsize
         self.prefetcher = StoragePrefetcher(storage, prefetch.max_bytes, page_bytes)
+        self.namespaces = NamespaceSeeds()
         self._stored: set[str] = set()  # keys this cache wrote or read (known to be in storage)
         self._touched: dict[str, int] = {}  # key -> pages submitted when its recency was refreshed
         self.storage_hit_tokens = 0  # tokens loaded from storage into the pool
@@ -116,31 +123,38 @@ class HiRadixCache(HostRadixCache):
 
     # ---- page keys ----
 
-    def _page_keys(self, tokens: tuple[int, ...], num_pages: int) -> list[str]:
-        """The storage keys of the first `num_pages` pages of `tokens` (every key is made here)."""
-        return page_keys(tokens, self.page_tokens, num_pages)
+    def _page_keys(self, tokens: tuple[int, ...], num_pages: int, extra_key: str | None) -> list[str]:
+        """The storage keys of the first `num_pages` pages of `tokens` in namespace `extra_key`
+        (every key is made here)."""
+        return page_keys(tokens, self.page_tokens, num_pages, self.namespaces.seed(extra_key))
+
+    def set_namespace_digests(self, digest_of: Callable[[str], bytes | None]) -> None:
+        self.namespaces.set_digests(digest_of)
 
     # ---- reading back ----
 
-    def prefetch_from_storage(self, rid: str, key: list[int] | tuple[int, ...]) -> None:
-        """Request `rid` was queued: start reading the pages of `key` that neither the device nor
-        the host holds (without touching the tree). The prefetch is the request's own."""
+    def prefetch_from_storage(
+        self, rid: str, key: list[int] | tuple[int, ...], extra_key: str | None = None
+    ) -> None:
+        """Request `rid` was queued: start reading the pages of `key` in namespace `extra_key`
+        that neither the device nor the host holds (without touching the tree). The prefetch is
+        the request's own."""
         tokens = self._page_aligned(as_token_key(key))
         self.prefetcher.release(rid)
-        first = self._held_len(tokens) // self.page_tokens
+        first = self._held_len(tokens, extra_key) // self.page_tokens
         num_pages = len(tokens) // self.page_tokens
         if first >= num_pages:
             return
-        keys = self._page_keys(tokens, num_pages)[first:]
+        keys = self._page_keys(tokens, num_pages, extra_key)[first:]
         pts = self.page_tokens
         chunks = [tokens[(first + i) * pts : (first + i + 1) * pts] for i in range(len(keys))]
         self.prefetcher.request(rid, first, keys, chunks)
 
-    def _held_len(self, tokens: tuple[int, ...]) -> int:
-        """How much of `tokens` the tree holds, on the device or the host."""
+    def _held_len(self, tokens: tuple[int, ...], extra_key: str | None) -> int:
+        """How much of `tokens` the tree holds in namespace `extra_key`, on the device or the host."""
         node, i = self.root_node, 0
         while i < len(tokens):
-            child = node.children.get(self._child_key(tokens, i))
+            child = node.children.get(self._child_key(tokens, i, extra_key))
             matched = 0 if child is None else self._match_len(child.key, tokens, i)
             i += matched
             if matched == 0 or matched < len(child.key):
@@ -179,26 +193,27 @@ class HiRadixCache(HostRadixCache):
         pages the request's own prefetch has read (admission calls it just before offering
         `req`). Returns how many tokens it loaded; then the request's next match is that much
         longer, and other requests' earlier matches may be stale (the load may evict)."""
+        extra_key = req_extra_key(req)
         from_host = super().load_from_storage(req, key)
-        self._touch_hits(key, len(req.prefix_indices) + from_host)
-        from_storage = self._load_storage_pages(req.rid, key)
+        self._touch_hits(key, len(req.prefix_indices) + from_host, extra_key)
+        from_storage = self._load_storage_pages(req.rid, key, extra_key)
         if from_storage and not getattr(req, "retracted_stain", False):
             req.storage_hit_tokens = getattr(req, "storage_hit_tokens", 0) + from_storage
         return from_host + from_storage
 
-    def _load_storage_pages(self, rid: str, key: list[int] | tuple[int, ...]) -> int:
+    def _load_storage_pages(self, rid: str, key: list[int] | tuple[int, ...], extra_key: str | None) -> int:
         op = self.prefetcher.get(rid)
         if op is None:
             return 0
         tokens = self._page_aligned(as_token_key(key))
-        values, node = self._match_prefix_helper(tokens) if tokens else ([], self.root_node)
+        values, node = self._match_prefix_helper(tokens, extra_key) if tokens else ([], self.root_node)
         matched = sum(len(v) for v in values)
-        pages, keys = self._usable_pages(op, tokens, matched)
+        pages, keys = self._usable_pages(op, tokens, matched, extra_key)
         pages, keys = self._fitting_pages(pages, keys)
         if not pages:
             self.prefetcher.release(rid)
             return 0
-        loaded = self._load_pages(tokens, values, node, matched, pages, keys)
+        loaded = self._load_pages(tokens, (values, node, matched), pages, keys, extra_key)
         if loaded is None:  # no pool room: the pages stay for the request's next turn
             return 0
         self.prefetcher.release(rid)
@@ -206,7 +221,7 @@ class HiRadixCache(HostRadixCache):
             self._stored.update(keys)
         return loaded
 
-    def _touch_hits(self, key: list[int] | tuple[int, ...], hit_len: int) -> None:
+    def _touch_hits(self, key: list[int] | tuple[int, ...], hit_len: int, extra_key: str | None) -> None:
         """The stored pages of a device or host hit were used: refresh their recency, so that the
         size bound keeps a hot prefix served from the tree (once per page between writes:
         the order against newer pages is all that counts)."""
@@ -215,7 +230,7 @@ class HiRadixCache(HostRadixCache):
             return
         self._forget_gone()
         stamp = self.writer.submitted
-        keys = self._page_keys(as_token_key(key)[: num * self.page_tokens], num)
+        keys = self._page_keys(as_token_key(key)[: num * self.page_tokens], num, extra_key)
         keys = [k for k in keys if k in self._stored and self._touched.get(k) != stamp]
         for k in keys:
             self._touched[k] = stamp
@@ -232,7 +247,7 @@ class HiRadixCache(HostRadixCache):
             self._touched.pop(key, None)
 
     def _usable_pages(
-        self, op: PrefetchOp, tokens: tuple[int, ...], matched: int
+        self, op: PrefetchOp, tokens: tuple[int, ...], matched: int, extra_key: str | None
     ) -> tuple[list[torch.Tensor], list[str]]:
         """The pages of `op` that continue the tree's match of `tokens`: those from the page the
         match ends in, as long as their keys are the request's own."""
@@ -241,7 +256,7 @@ class HiRadixCache(HostRadixCache):
         start = matched // self.page_tokens
         if start < op.first_page or start >= num_pages:
             return [], []
-        own = self._page_keys(tokens, num_pages)
+        own = self._page_keys(tokens, num_pages, extra_key)
         end = op.first_page
         for page_key in op.keys[: len(pages)]:
             if end >= num_pages or own[end] != page_key:
@@ -265,14 +280,15 @@ class HiRadixCache(HostRadixCache):
     def _load_pages(
         self,
         tokens: tuple[int, ...],
-        values: list[torch.Tensor],
-        node: TreeNode,
-        matched: int,
+        match: tuple[list[torch.Tensor], TreeNode, int],
         pages: list[torch.Tensor],
         keys: list[str],
+        extra_key: str | None,
     ) -> int | None:
-        """Copy `pages` in after the tree's match; how many tokens, 0 if the copy failed, None
-        if the pool has no room for them."""
+        """Copy `pages` in after the tree's match (its values, last node and length) in
+        namespace `extra_key`; how many tokens, 0 if the copy failed, None if the pool has no
+        room for them."""
+        values, node, matched = match
         skip = matched - matched // self.page_tokens * self.page_tokens  # of the first page, in the tree
         num = len(pages) * self.page_tokens - skip
         slots = self._alloc_protecting(node, num)
@@ -292,7 +308,7 @@ class HiRadixCache(HostRadixCache):
         prefix = torch.cat(values) if values else self._empty()
         end = matched + num
         # counted_len=end: loading is no request's hit (lfu / slru count the request's own insert).
-        present = self._insert_helper(tokens[:end], torch.cat((prefix, slots)), 0, end)
+        present = self._insert_helper(tokens[:end], torch.cat((prefix, slots)), 0, end, extra_key)
         if present != matched:
             raise RuntimeError(f"load_from_storage: {present} tokens present, {matched} matched")
         self.storage_hit_tokens += num
@@ -311,16 +327,17 @@ class HiRadixCache(HostRadixCache):
             tokens = tuple((list(req.origin_input_ids) + list(req.output_ids))[:all_len])
         super().cache_finished_req(req, is_insert)
         if tokens is not None and len(tokens) >= self.page_tokens:
-            self._write_path(tokens)
+            self._write_path(tokens, req_extra_key(req))
 
-    def _write_path(self, tokens: tuple[int, ...]) -> None:
-        """Write the pages of the tree's path for `tokens` that storage does not have yet."""
+    def _write_path(self, tokens: tuple[int, ...], extra_key: str | None) -> None:
+        """Write the pages of the tree's path for `tokens` (in namespace `extra_key`) that
+        storage does not have yet."""
         num_pages = len(tokens) // self.page_tokens
-        nodes, slots = self._path_for(tokens[: num_pages * self.page_tokens])
+        nodes, slots = self._path_for(tokens[: num_pages * self.page_tokens], extra_key)
         num_pages = len(slots) // self.page_tokens
         if not num_pages:
             return
-        keys = self._page_keys(tokens, num_pages)
+        keys = self._page_keys(tokens, num_pages, extra_key)
         self._forget_gone()
         ends = _node_ends(nodes)
         todo = [k for k, key in enumerate(keys) if key not in self._stored]
@@ -351,13 +368,15 @@ class HiRadixCache(HostRadixCache):
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         return gather_device(self.kv_pool, slots).cpu()
 
-    def _path_for(self, tokens: tuple[int, ...]) -> tuple[list[TreeNode], torch.Tensor]:
-        """The nodes of the tree's longest match of `tokens` and the slots of the match, without
-        touching access times or splitting."""
+    def _path_for(
+        self, tokens: tuple[int, ...], extra_key: str | None
+    ) -> tuple[list[TreeNode], torch.Tensor]:
+        """The nodes of the tree's longest match of `tokens` in namespace `extra_key` and the
+        slots of the match, without touching access times or splitting."""
         node, i = self.root_node, 0
         nodes: list[TreeNode] = []
         while i < len(tokens):
-            child = node.children.get(self._child_key(tokens, i))
+            child = node.children.get(self._child_key(tokens, i, extra_key))
             matched = 0 if child is None or child.value is None else self._match_len(child.key, tokens, i)
             if not matched:
                 break
@@ -389,7 +408,7 @@ class HiRadixCache(HostRadixCache):
         if num_pages <= first:
             return
         slots = torch.cat([p.value for p in path])
-        keys = self._page_keys(tokens, num_pages)
+        keys = self._page_keys(tokens, num_pages, leaf.extra_key)
         self._forget_gone()
         self._submit(keys, [k for k in range(first, num_pages) if keys[k] not in self._stored], tokens, slots)
 

@@ -27,7 +27,7 @@ import torch
 from radixengine.mem_cache.base_prefix_cache import CacheReq, PoolWriteStream, as_token_key, finished_kv_len
 from radixengine.mem_cache.hicache_transfer import HostTransfer, InlineHostTransfer, TransferAck
 from radixengine.mem_cache.memory_pool_host import HostKVPool
-from radixengine.mem_cache.radix_cache import RadixCache, TreeNode
+from radixengine.mem_cache.radix_cache import RadixCache, TreeNode, req_extra_key
 from radixengine.mem_cache.storage.policies import HICACHE_WRITE_POLICIES
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ class HostRadixCache(RadixCache):
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
-            del parent.children[self._child_key(node.key, 0)]
+            del parent.children[self._node_key(node)]
             node.parent = None
             self.host_pool.free(node.host_value)
             freed += len(node.host_value)
@@ -188,21 +188,23 @@ class HostRadixCache(RadixCache):
     # ---- loading back ----
 
     def load_from_storage(self, req: CacheReq, key: list[int] | tuple[int, ...]) -> int:
-        """Admission's hook: load the host nodes that continue `key`'s device match back."""
-        loaded = self.load_back(key)
+        """Admission's hook: load the host nodes that continue `key`'s device match back (in the
+        request's namespace)."""
+        loaded = self.load_back(key, req_extra_key(req))
         if loaded and not getattr(req, "retracted_stain", False):
             req.host_hit_tokens = getattr(req, "host_hit_tokens", 0) + loaded
         return loaded
 
-    def load_back(self, key: list[int] | tuple[int, ...]) -> int:
-        """Copy the nodes on the host only that continue the device match of `key` into device
-        slots (evicting on the device if needed); returns how many tokens came back."""
+    def load_back(self, key: list[int] | tuple[int, ...], extra_key: str | None = None) -> int:
+        """Copy the nodes on the host only that continue the device match of `key` in namespace
+        `extra_key` into device slots (evicting on the device if needed); returns how many
+        tokens came back."""
         if self.host_pool is None:
             return 0
         self._release_done_loads()
         tokens = self._page_aligned(as_token_key(key))
-        values, node = self._match_prefix_helper(tokens) if tokens else ([], self.root_node)
-        host_nodes = self._host_path(node, tokens, sum(len(v) for v in values))
+        values, node = self._match_prefix_helper(tokens, extra_key) if tokens else ([], self.root_node)
+        host_nodes = self._host_path(node, tokens, sum(len(v) for v in values), extra_key)
         if not host_nodes:
             return 0
         for n in host_nodes:
@@ -220,12 +222,14 @@ class HostRadixCache(RadixCache):
         self.host_tokens_loaded += num
         return num
 
-    def _host_path(self, node: TreeNode, tokens: tuple[int, ...], matched: int) -> list[TreeNode]:
+    def _host_path(
+        self, node: TreeNode, tokens: tuple[int, ...], matched: int, extra_key: str | None
+    ) -> list[TreeNode]:
         """The nodes on the host only that continue the match at `node` (the last one split at
         the end of `tokens`)."""
         path, i, now = [], matched, self._tick()
         while i < len(tokens):
-            child = node.children.get(self._child_key(tokens, i))
+            child = node.children.get(self._child_key(tokens, i, extra_key))
             if child is None or child.value is not None or child.host_value is None:
                 break
             length = self._match_len(child.key, tokens, i)
@@ -268,13 +272,14 @@ class HostRadixCache(RadixCache):
             tokens = tuple((list(req.origin_input_ids) + list(req.output_ids))[: finished_kv_len(req)])
         super().cache_finished_req(req, is_insert)
         if tokens:
-            self._write_through(self._page_aligned(tokens))
+            self._write_through(self._page_aligned(tokens), req_extra_key(req))
 
-    def _write_through(self, tokens: tuple[int, ...]) -> None:
-        """Back up the device nodes of `tokens`'s path that have no host copy yet."""
+    def _write_through(self, tokens: tuple[int, ...], extra_key: str | None = None) -> None:
+        """Back up the device nodes of `tokens`'s path (in namespace `extra_key`) that have no
+        host copy yet."""
         node, i = self.root_node, 0
         while i < len(tokens):
-            child = node.children.get(self._child_key(tokens, i))
+            child = node.children.get(self._child_key(tokens, i, extra_key))
             if child is None or child.value is None or self._match_len(child.key, tokens, i) < len(child.key):
                 return
             selective = self.write_policy == "write_through_selective"

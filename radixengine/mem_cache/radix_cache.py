@@ -417,7 +417,7 @@ class RadixCache(BasePrefixCache):
         new_prefix_len = self._insert_req(req, token_ids[:aligned], kv[:aligned])
         self.token_to_kv_pool_allocator.free(kv[owned:new_prefix_len])
 
-        new_indices, new_last_node = self.match_prefix(token_ids[:aligned], _req_extra_key(req))
+        new_indices, new_last_node = self.match_prefix(token_ids[:aligned], req_extra_key(req))
         if len(new_indices) != aligned:
             raise RuntimeError(
                 f"cache_unfinished_req: matched {len(new_indices)} of {aligned} just-inserted tokens"
@@ -433,7 +433,7 @@ class RadixCache(BasePrefixCache):
 
     def _insert_req(self, req: CacheReq, token_ids: list[int], kv: torch.Tensor) -> int:
         """Insert a request's tokens: its hit on a node counts once, whatever it inserts again."""
-        present = self.insert(token_ids, kv, _req_priority(req), req.hit_counted_len, _req_extra_key(req))
+        present = self.insert(token_ids, kv, _req_priority(req), req.hit_counted_len, req_extra_key(req))
         req.hit_counted_len = max(req.hit_counted_len, len(token_ids))
         return present
 
@@ -487,5 +487,6 @@ def _req_priority(req: CacheReq) -> int:
     return getattr(req, "priority", None) or 0
 
 
-def _req_extra_key(req: CacheReq) -> str | None:
+def req_extra_key(req: CacheReq) -> str | None:
+    """The radix namespace of a request's KV (its LoRA adapter's id; None: the base model)."""
     return getattr(req, "extra_key", None)

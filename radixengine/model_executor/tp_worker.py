@@ -109,6 +109,11 @@ class TpModelWorker:
     def unload_lora_adapter(self, lora_id: str) -> None:
         self._lora_manager().unload_adapter(lora_id)
 
+    def lora_adapter_digest(self, lora_id: str) -> bytes | None:
+        """The digest of a loaded adapter's weights; None if it is not loaded (or LoRA is off)."""
+        manager = self.model_runner.lora_manager
+        return None if manager is None else manager.adapter_digest(lora_id)
+
     def _lora_manager(self):
         if self.model_runner.lora_manager is None:
             raise ValueError("LoRA is not enabled (start the server with --enable-lora)")

@@ -25,6 +25,8 @@ class LoRAWorker(Protocol):
 
     def unload_lora_adapter(self, lora_id: str) -> None: ...
 
+    def lora_adapter_digest(self, lora_id: str) -> bytes | None: ...
+
 
 class LoRAAdapters:
     def __init__(
@@ -68,6 +70,10 @@ class LoRAAdapters:
             )
             return
         self.send(LoRAAdapterReqOutput(True))
+
+    def digest(self, lora_id: str) -> bytes | None:
+        """The digest of the adapter's weights (the hierarchical cache's storage keys), if loaded."""
+        return None if self.worker is None else self.worker.lora_adapter_digest(lora_id)
 
     def request_error(self, lora_id: str | None) -> str | None:
         if lora_id is None or lora_id in self.loaded:

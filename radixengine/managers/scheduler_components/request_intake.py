@@ -131,6 +131,8 @@ class RequestIntake:
         # from storage (SGLang's _prefetch_kvcache); a request that leaves the queue without being
         # admitted (aborted, pushed out by a more important one) has that prefetch revoked.
         self.tree_cache = tree_cache
+        if tree_cache is not None:  # an adapter's storage pages are keyed by its weights
+            tree_cache.set_namespace_digests(self.lora.digest)
         # Admission orders it and takes from it in place (the list object never changes).
         self.waiting_queue: list[Req] = []
         # Answered at the end of the step, once its results are processed (under overlap a
@@ -230,7 +232,7 @@ class RequestIntake:
 
     def _queued(self, req: Req) -> None:
         if self.tree_cache is not None:
-            self.tree_cache.prefetch_from_storage(req.rid, req.origin_input_ids)
+            self.tree_cache.prefetch_from_storage(req.rid, req.origin_input_ids, req.extra_key)
 
     def _dropped(self, req: Req) -> None:
         if self.tree_cache is not None:

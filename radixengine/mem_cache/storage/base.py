@@ -3,7 +3,9 @@
 A storage page holds the KV of `page_tokens` consecutive tokens of a prefix, for every layer:
 a tensor `[layer_num, 2 (K, V), page_tokens, head_num, head_dim]`. Its key is a hash chain, as
 SGLang's storage keys: the key of page k hashes the key of page k-1 with page k's token ids, so
-a key names the whole prefix up to the end of its page and nothing else.
+a key names the whole prefix up to the end of its page and nothing else. The chain of a radix
+namespace (a LoRA adapter's KV) starts from that namespace's seed (storage/namespaces.py)
+instead of nothing, so its pages never meet another namespace's or the base model's.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ class KVIdentity:
         return (self.layer_num, 2, self.page_tokens, self.head_num, self.head_dim)
 
 
-def page_keys(tokens: tuple[int, ...], page_tokens: int, num_pages: int) -> list[str]:
-    """The keys of the first `num_pages` whole pages of `tokens` (a hash chain)."""
+def page_keys(tokens: tuple[int, ...], page_tokens: int, num_pages: int, seed: bytes = b"") -> list[str]:
+    """The keys of the first `num_pages` whole pages of `tokens` (a hash chain starting from
+    `seed`: nothing for the base model, `namespace_seed` for a namespace)."""
     keys: list[str] = []
-    prev = b""
+    prev = seed
     for k in range(num_pages):
         chunk = array("q", tokens[k * page_tokens : (k + 1) * page_tokens]).tobytes()
         prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
