@@ -13,47 +13,73 @@
 namespace radixengine::cpu {
 namespace {
 
-constexpr int64_t kRowWork = 1 << 17;  // multiply-adds a thread takes at least
-
-template <typename T>
-float dot(const T* x, const T* w, int64_t n) {
-  VecF acc = VecF::zero();
-  int64_t i = 0;
-  for (; i + kVecWidth <= n; i += kVecWidth) acc = fmadd(VecF::load(x + i), VecF::load(w + i), acc);
-  float sum = hsum(acc);
-  for (; i < n; ++i) sum += to_float(x[i]) * to_float(w[i]);
-  return sum;
-}
+constexpr int64_t kParallelWork = 1 << 22;  // multiply-adds below which one thread does all
+constexpr int64_t kBlockRows = 4;            // rows of one slot that share each weight load
 
 struct DeltaShape {
   int64_t in, out, max_rank, stack;
   std::vector<int64_t> offsets;  // stack + 1 column offsets of the stacked modules
 };
 
+// h[b][jk] = x_b . A[jk] for the block's rows (jk = j * stack + k, the pool's row order).
 template <typename T>
-void shrink_row(const T* x, const T* a_slot, const DeltaShape& s, int64_t rank, float* h) {
-  for (int64_t jk = 0; jk < rank * s.stack; ++jk) h[jk] = dot(x, a_slot + jk * s.in, s.in);
+void shrink_block(const T* const* x, int64_t rows, const T* a_slot, const DeltaShape& s, int64_t rank, float* h) {
+  const int64_t n = s.in, hk = s.max_rank * s.stack;
+  for (int64_t jk = 0; jk < rank * s.stack; ++jk) {
+    const T* w = a_slot + jk * n;
+    VecF acc[kBlockRows];
+    for (int64_t b = 0; b < rows; ++b) acc[b] = VecF::zero();
+    int64_t i = 0;
+    for (; i + kVecWidth <= n; i += kVecWidth) {
+      const VecF wv = VecF::load(w + i);
+      for (int64_t b = 0; b < rows; ++b) acc[b] = fmadd(VecF::load(x[b] + i), wv, acc[b]);
+    }
+    for (int64_t b = 0; b < rows; ++b) {
+      float sum = hsum(acc[b]);
+      for (int64_t t = i; t < n; ++t) sum += to_float(x[b][t]) * to_float(w[t]);
+      h[b * hk + jk] = sum;
+    }
+  }
 }
 
+// y_b[c] += sum_j h[b][j, k] B[j, k, c] over each stacked module k's own columns c.
 template <typename T>
-void expand_row(T* y, const T* b_slot, const DeltaShape& s, int64_t rank, const float* h) {
+void expand_block(T* const* y, int64_t rows, const T* b_slot, const DeltaShape& s, int64_t rank, const float* h) {
+  const int64_t hk = s.max_rank * s.stack;
   for (int64_t k = 0; k < s.stack; ++k) {
     int64_t c = s.offsets[k];
     const int64_t end = s.offsets[k + 1];
     for (; c + kVecWidth <= end; c += kVecWidth) {
-      VecF acc = VecF::load(y + c);
-      for (int64_t j = 0; j < rank; ++j) {
-        const T* b = b_slot + (j * s.stack + k) * s.out;
-        acc = fmadd(VecF::broadcast(h[j * s.stack + k]), VecF::load(b + c), acc);
+      for (int64_t b = 0; b < rows; ++b) {
+        VecF acc = VecF::load(y[b] + c);
+        for (int64_t j = 0; j < rank; ++j) {
+          const VecF wv = VecF::load(b_slot + (j * s.stack + k) * s.out + c);
+          acc = fmadd(VecF::broadcast(h[b * hk + j * s.stack + k]), wv, acc);
+        }
+        round_to<T>(acc).store(y[b] + c);
       }
-      round_to<T>(acc).store(y + c);
     }
     for (; c < end; ++c) {
-      float acc = to_float(y[c]);
-      for (int64_t j = 0; j < rank; ++j) acc += h[j * s.stack + k] * to_float(b_slot[(j * s.stack + k) * s.out + c]);
-      y[c] = from_float<T>(acc);
+      for (int64_t b = 0; b < rows; ++b) {
+        float acc = to_float(y[b][c]);
+        for (int64_t j = 0; j < rank; ++j)
+          acc += h[b * hk + j * s.stack + k] * to_float(b_slot[(j * s.stack + k) * s.out + c]);
+        y[b][c] = from_float<T>(acc);
+      }
     }
   }
+}
+
+// The rows of each slot (slot 0 left out), cut into blocks of at most kBlockRows.
+std::vector<std::vector<int64_t>> slot_blocks(const int64_t* slot_of, int64_t T, int64_t num_slots) {
+  std::vector<std::vector<int64_t>> by_slot(num_slots);
+  for (int64_t t = 0; t < T; ++t)
+    if (slot_of[t] > 0) by_slot[slot_of[t]].push_back(t);
+  std::vector<std::vector<int64_t>> blocks;
+  for (const auto& rows : by_slot)
+    for (size_t i = 0; i < rows.size(); i += kBlockRows)
+      blocks.emplace_back(rows.begin() + i, rows.begin() + std::min(rows.size(), i + kBlockRows));
+  return blocks;
 }
 
 DeltaShape delta_shape(const at::Tensor& a_buf, const at::Tensor& b_buf, const std::vector<int64_t>& pieces) {
@@ -93,22 +119,32 @@ void lora_delta(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_buf, con
     TORCH_CHECK(rank_of[slot_of[t]] >= 0 && rank_of[slot_of[t]] <= s.max_rank, "lora_delta: slot ", slot_of[t],
                 " has rank ", rank_of[slot_of[t]], " beyond the pool's ", s.max_rank);
   }
+  const auto blocks = slot_blocks(slot_of, T, num_slots);
+  const int64_t block_work = kBlockRows * s.max_rank * s.stack * (s.in + s.out);
   RADIX_DISPATCH_FLOAT_BF16(x.scalar_type(), "lora_delta", S, [&] {
-    const S* xp = x.data_ptr<S>();
-    S* yp = y.data_ptr<S>();
     const S* ap = a_buf.data_ptr<S>();
     const S* bp = b_buf.data_ptr<S>();
     const int64_t slot_a = s.max_rank * s.stack * s.in, slot_b = s.max_rank * s.stack * s.out;
-    const int64_t row_work = std::max<int64_t>(1, s.max_rank * s.stack * (s.in + s.out));
-    at::parallel_for(0, T, std::max<int64_t>(1, kRowWork / row_work), [&](int64_t begin, int64_t end) {
-      float* h = thread_scratch(s.max_rank * s.stack);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t slot = slot_of[t], rank = slot ? rank_of[slot] : 0;
-        if (rank == 0) continue;
-        shrink_row(xp + t * x.stride(0), ap + slot * slot_a, s, rank, h);
-        expand_row(yp + t * y.stride(0), bp + slot * slot_b, s, rank, h);
+    auto run_block = [&](int64_t i) {
+      const auto& rows = blocks[i];
+      const int64_t slot = slot_of[rows[0]], rank = rank_of[slot], n = rows.size();
+      if (rank == 0) return;
+      const S* xr[kBlockRows];
+      S* yr[kBlockRows];
+      for (int64_t b = 0; b < n; ++b) {
+        xr[b] = x.data_ptr<S>() + rows[b] * x.stride(0);
+        yr[b] = y.data_ptr<S>() + rows[b] * y.stride(0);
       }
-    });
+      float* h = thread_scratch(kBlockRows * s.max_rank * s.stack);
+      shrink_block(xr, n, ap + slot * slot_a, s, rank, h);
+      expand_block(yr, n, bp + slot * slot_b, s, rank, h);
+    };
+    const int64_t num_blocks = blocks.size();
+    if (num_blocks * block_work < kParallelWork) {
+      for (int64_t i = 0; i < num_blocks; ++i) run_block(i);
+    } else {
+      run_tasks(num_blocks, run_block);
+    }
   });
 }
 
