@@ -2,16 +2,17 @@
 base model alone, in one run (docs/lora.md, docs/benchmarks.md "LoRA adapters").
 
     python benchmarks/bench_lora.py                          # W1, W2; base, 1/4/16 adapters, rank 8 and 64
-    python benchmarks/bench_lora.py --workloads W1 --ranks 8 --spreads 4 --max-new-tokens 32
+    python benchmarks/bench_lora.py --workloads W1 --ranks 8 --spreads 4 --rounds 3
 
 For each workload: one Engine per configuration gets all 32 requests in one call (streamed, to
 time the first token); request i uses adapter i mod N (N = the spread). The adapters are random
 PEFT adapters of the model's shape (q/k/v/o and gate/up/down), written once to a temporary folder.
 The 16-adapter runs use `--max-loras-per-batch 4` (at most 4 adapters in any batch: requests
-wait for a slot), the others the default 8. Reported: output tokens/s, the ratio to the base
-model's run, time to first token, the prompt tokens found in the radix cache (each adapter's KV
-is its own: W1's shared system prompt is computed once per adapter), and how many of the
-requests finished."""
+wait for a slot), the others the default 8. With --rounds N every configuration runs N times,
+the base model first in each round. Reported (medians over the rounds): output tokens/s, the
+ratio to the same round's base model run (and its range), time to first token, the prompt
+tokens found in the radix cache (each adapter's KV is its own: W1's shared system prompt is
+computed once per adapter), and how many of the requests finished."""
 
 from __future__ import annotations
 
@@ -123,6 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the workload's (64)")
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every configuration this many times, base first in each round; the ratio is each round's "
+        "against that round's base, and the table shows the medians",
+    )  # fmt: skip
     p.add_argument("--output", default=str(REPO / "bench_results" / "bench_lora.json"))
     args = p.parse_args(argv)
 
@@ -139,51 +145,62 @@ def main(argv: list[str] | None = None) -> None:
             r: [write_adapter(folder / f"r{r}-{i}", config, r, seed=i) for i in range(max(spreads))]
             for r in ranks
         }
+        configs = [(0, None)] + [(n, rank) for rank in ranks for n in spreads]
         for workload in args.workloads.split(","):
-            with open(Path(args.workloads_dir) / f"{workload}.jsonl", encoding="utf-8") as f:
-                items = [json.loads(line) for line in f if line.strip()]
-            if args.max_new_tokens:
-                for item in items:
-                    item["sampling_params"] = {
-                        **item["sampling_params"],
-                        "max_new_tokens": args.max_new_tokens,
-                    }
-            base = run_config(items, model_path, args.dtype, args.threads, {}, 8)
-            rows.append(
-                {"workload": workload, "adapters": 0, "rank": None, "max_loras_per_batch": None, **base}
-            )
-            _print(rows[-1], base)
-            for rank in ranks:
-                for n in spreads:
-                    per_batch = 4 if n > 8 else 8
-                    adapters = {f"lora{i}": pool[rank][i] for i in range(n)}
-                    out = run_config(items, model_path, args.dtype, args.threads, adapters, per_batch)
-                    rows.append(
-                        {
-                            "workload": workload,
-                            "adapters": n,
-                            "rank": rank,
-                            "max_loras_per_batch": per_batch,
-                            **out,
-                        }
-                    )
-                    _print(rows[-1], base)
+            items = _load_workload(Path(args.workloads_dir) / f"{workload}.jsonl", args.max_new_tokens)
+            runs: dict[tuple[int, int | None], list[dict]] = {c: [] for c in configs}
+            for _ in range(args.rounds):
+                for n, rank in configs:
+                    adapters = {f"lora{i}": pool[rank][i] for i in range(n)} if n else {}
+                    out = run_config(items, model_path, args.dtype, args.threads, adapters, 4 if n > 8 else 8)
+                    out["x_base"] = out["output_tok_s"] / runs[(0, None)][-1]["output_tok_s"] if n else 1.0
+                    runs[(n, rank)].append(out)
+            for n, rank in configs:
+                rows.append(_row(workload, n, rank, runs[(n, rank)]))
+                _print(rows[-1])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model_path": model_path, "dtype": args.dtype, "threads": args.threads, "cpu": _cpu_name()}
+    meta = {"model_path": model_path, "dtype": args.dtype, "threads": args.threads, "cpu": _cpu_name(),
+            "rounds": args.rounds}  # fmt: skip
     Path(args.output).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.output}")
 
 
-def _print(row: dict, base: dict) -> None:
+def _load_workload(path: Path, max_new_tokens: int | None) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    if max_new_tokens:
+        for item in items:
+            item["sampling_params"] = {**item["sampling_params"], "max_new_tokens": max_new_tokens}
+    return items
+
+
+def _row(workload: str, n: int, rank: int | None, runs: list[dict]) -> dict:
+    """The configuration's medians over its rounds (and every round's numbers)."""
+    median = {k: statistics.median(r[k] for r in runs) for k in ("output_tok_s", "x_base", "ttft_mean_s")}
+    return {
+        "workload": workload,
+        "adapters": n,
+        "rank": rank,
+        "max_loras_per_batch": (4 if n > 8 else 8) if n else None,
+        **runs[0],
+        **median,
+        "x_base_rounds": [r["x_base"] for r in runs],
+        "finished": min(r["finished"] for r in runs),
+        "rounds": runs,
+    }
+
+
+def _print(row: dict) -> None:
     label = (
         "base model"
         if not row["adapters"]
         else f"{row['adapters']} adapters, rank {row['rank']}, per batch {row['max_loras_per_batch']}"
     )
+    spread = "–".join(f"{x:.2f}" for x in (min(row["x_base_rounds"]), max(row["x_base_rounds"])))
     print(
-        f"| {row['workload']} | {label} | {row['output_tok_s']:.1f} | {row['output_tok_s'] / base['output_tok_s']:.2f} "
+        f"| {row['workload']} | {label} | {row['output_tok_s']:.1f} | {row['x_base']:.2f} ({spread}) "
         f"| {row['ttft_mean_s']:.2f} | {row['cache_hit_rate']:.1%} | {row['finished']}/{row['requests']} |",
         flush=True,
     )

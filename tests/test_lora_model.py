@@ -179,13 +179,14 @@ def test_bf16_model_with_adapters_stays_near_peft(setup):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "tokens_per_req, gathered",
-    [([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], False), ([1] * 20, True), ([2, 3] * 10, True)],
-    ids=["runs", "masked-decode", "masked-extend"],
+    [([3, 1, 4, 1, 5, 9, 2, 6, 5, 3], False), ([1] * 20, True), ([2, 3] * 10, True), ([13] * 24, True)],
+    ids=["runs", "masked-decode", "masked-extend", "gathered-extend"],
 )
 def test_delta_equals_per_row_reference(tokens_per_req, gathered, dtype, native):
-    """Runs (an extend's requests) and the masked form (a slot of more runs than MAX_RUNS: the
-    native kernel on a CPU, else three torch ops) give each row `x A_s^T B_s` of its own slot,
-    with the slot's rank (the pool's columns beyond it are not read); base rows are untouched."""
+    """The native kernel (a CPU's small batches) and the torch forms (runs for an extend's
+    requests; for a slot of more runs than MAX_RUNS, masked up to MASKED_MAX_ROWS rows, gathered
+    above) give each row `x A_s^T B_s` of its own slot, with the slot's rank (the pool's columns
+    beyond it are not read); base rows are untouched."""
     from radixengine.layers.attention.native_cpu_ops import native_available
     from radixengine.layers.native_small_ops import native_small_ops
     from radixengine.lora.lora_backend import apply_lora_delta
@@ -206,7 +207,7 @@ def test_delta_equals_per_row_reference(tokens_per_req, gathered, dtype, native)
     n = sum(tokens_per_req)
     x, y = torch.randn(n, fin, generator=gen).to(dtype), torch.randn(n, fout, generator=gen).to(dtype)
     info = LoRABatchInfo.build(slots, tokens_per_req, ranks, torch.device("cpu"))
-    assert (info.masked is not None) == gathered
+    assert info.scattered == gathered
     assert any(len(seg.runs) > MAX_RUNS for seg in info.segments) == gathered
     expected = y.double()
     row = 0

@@ -1,13 +1,16 @@
-"""The batched low-rank delta (pure torch), added in place into the base linear's output (a
-fresh tensor of the linear's). Two forms, both the base GEMM once and then the deltas:
+"""The batched low-rank delta, added in place into the base linear's output (a fresh tensor of
+the linear's): the base GEMM once, then the deltas. On a CPU with the native kernels, one call
+for the batch (`lora_delta`, csrc/cpu_lora_delta.cpp: each row only its own slot's rank and, per
+stacked module, only that module's columns, rows of one slot sharing each weight load). Else
+the torch forms:
 
 - runs (an extend of few requests per adapter): per distinct slot, `(x A^T) B` with the slot's
   own rank, on each contiguous run of its rows;
-- masked (a decode batch, or requests of several adapters interleaved): one shrink over the
-  batch's slots taken whole, a mask that keeps each row's own slot's rank columns, one expand —
-  three ops whatever the number of adapters (no per-slot gathers), graph-safe on CUDA. On a CPU
-  with the native kernels, one call instead (`lora_delta`, csrc/cpu_lora_delta.cpp: each row only
-  its own slot's rank and, per stacked module, only that module's columns).
+- masked (a decode-sized batch of interleaved adapters): one shrink over the batch's slots taken
+  whole, a mask that keeps each row's own slot's rank columns, one expand — three ops whatever
+  the number of adapters;
+- gathered (a large batch of interleaved adapters): per slot, its rows gathered, shrunk,
+  expanded and added back.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ import torch
 
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.native_small_ops import runs_native
-from radixengine.lora.lora_batch_info import LoRABatchInfo, MaskedSlots
+from radixengine.lora.lora_batch_info import LoRABatchInfo, LoRASegment
+
+# The native kernel reads each slot's weights once per few rows (GEMV-like): it wins while rows
+# x rank stays small (a decode batch at any rank, an extend at rank 8), the GEMM forms above it.
+NATIVE_MAX_ROW_RANKS = 8192
+# The masked form computes every batch slot's columns for every row: for decode-sized batches.
+MASKED_MAX_ROWS = 256
 
 
 def apply_lora_delta(
@@ -34,24 +43,48 @@ def apply_lora_delta(
         return y
     x2 = x.reshape(-1, x.shape[-1])
     y2 = y.view(-1, y.shape[-1])
-    if info.masked is not None:
-        if runs_native(x2, y2, a_buf, b_buf):
-            native_cpu_ops.require_native().lora_delta(
-                y2, x2, a_buf, b_buf, info.masked.row_slot, info.masked.rank_of_slot, list(pieces)
-            )
-        else:
-            _masked_delta(x2, y2, a_buf, b_buf, info.masked)
-        return y
-    for seg in info.segments:
-        a = a_buf[seg.slot, : seg.rank].reshape(-1, a_buf.shape[-1])  # [r * stack, in]
-        b = b_buf[seg.slot, : seg.rank].reshape(-1, b_buf.shape[-1])  # [r * stack, out]
-        for start, end in seg.runs:
-            y2[start:end].addmm_(x2[start:end] @ a.t(), b)
+    rows = x2.shape[0]
+    if rows * info.max_rank <= NATIVE_MAX_ROW_RANKS and runs_native(x2, y2, a_buf, b_buf):
+        lib = native_cpu_ops.require_native()
+        lib.lora_delta(y2, x2, a_buf, b_buf, info.row_slot, info.rank_of_slot, list(pieces))
+    elif not info.scattered:
+        _runs_delta(x2, y2, a_buf, b_buf, info)
+    elif rows <= MASKED_MAX_ROWS:
+        _masked_delta(x2, y2, a_buf, b_buf, info)
+    else:
+        _gathered_delta(x2, y2, a_buf, b_buf, info)
     return y
 
 
+def _runs_delta(
+    x2: torch.Tensor, y2: torch.Tensor, a_buf: torch.Tensor, b_buf: torch.Tensor, info: LoRABatchInfo
+) -> None:
+    for seg in info.segments:
+        a, b = _slot_weights(a_buf, b_buf, seg)
+        for start, end in seg.runs:
+            y2[start:end].addmm_(x2[start:end] @ a.t(), b)
+
+
+def _gathered_delta(
+    x2: torch.Tensor, y2: torch.Tensor, a_buf: torch.Tensor, b_buf: torch.Tensor, info: LoRABatchInfo
+) -> None:
+    for seg in info.segments:
+        a, b = _slot_weights(a_buf, b_buf, seg)
+        rows = info.rows_of(seg)
+        y2.index_add_(0, rows, (x2.index_select(0, rows) @ a.t()) @ b)
+
+
+def _slot_weights(
+    a_buf: torch.Tensor, b_buf: torch.Tensor, seg: LoRASegment
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot's A `[r * stack, in]` and B `[r * stack, out]`, its own rank only."""
+    a = a_buf[seg.slot, : seg.rank].reshape(-1, a_buf.shape[-1])
+    b = b_buf[seg.slot, : seg.rank].reshape(-1, b_buf.shape[-1])
+    return a, b
+
+
 def _masked_delta(
-    x2: torch.Tensor, y2: torch.Tensor, a_buf: torch.Tensor, b_buf: torch.Tensor, m: MaskedSlots
+    x2: torch.Tensor, y2: torch.Tensor, a_buf: torch.Tensor, b_buf: torch.Tensor, m: LoRABatchInfo
 ) -> None:
     _, max_rank, stack, _ = a_buf.shape
     a = a_buf[m.lo : m.hi].reshape(-1, a_buf.shape[-1])  # [span * R * stack, in]

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# A slot whose rows come in at most this many runs adds its delta run by run, in place (an
-# extend's requests are runs); a batch with a slot of more runs (a decode batch: one row each)
-# takes the masked form instead (lora_backend.py).
+# In the torch forms, a slot whose rows come in at most this many runs adds its delta run by run,
+# in place (an extend's requests are runs); a batch with a slot of more runs (a decode batch: one
+# row each) takes the masked form instead (lora_backend.py).
 MAX_RUNS = 4
 
 
@@ -20,15 +20,30 @@ class LoRASegment:
 
 
 @dataclass
-class MaskedSlots:
-    """The masked form's operands: the batch's slots `lo..hi-1` taken whole from the pool, and
-    per row its slot, so that a row keeps only its own slot's rank columns."""
-
-    lo: int
-    hi: int
+class LoRABatchInfo:
+    segments: list[LoRASegment]  # one per distinct adapter slot of the batch (slot 0 has none)
     row_slot: torch.Tensor  # [rows] int64; 0 for a base-model row
     rank_of_slot: torch.Tensor  # [hi] int64
+    lo: int  # the batch's slots are lo..hi-1 (others in between are masked out)
+    hi: int
     masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    slot_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def max_rank(self) -> int:
+        return max((seg.rank for seg in self.segments), default=0)
+
+    @property
+    def scattered(self) -> bool:
+        """A slot's rows come in more than MAX_RUNS runs (the torch forms mask, not loop)."""
+        return any(len(seg.runs) > MAX_RUNS for seg in self.segments)
+
+    def rows_of(self, seg: LoRASegment) -> torch.Tensor:
+        """The slot's rows, int64, on the forward's device."""
+        if seg.slot not in self.slot_rows:
+            rows = torch.cat([torch.arange(start, end) for start, end in seg.runs])
+            self.slot_rows[seg.slot] = _upload(rows, self.row_slot.device)
+        return self.slot_rows[seg.slot]
 
     def mask(self, max_rank: int, stack: int, dtype: torch.dtype) -> torch.Tensor:
         """`[rows, (hi - lo) * max_rank * stack]`: 1 where the column is the row's slot's and
@@ -41,12 +56,6 @@ class MaskedSlots:
             in_rank = col_r < self.rank_of_slot[col_slot]
             self.masks[key] = ((self.row_slot[:, None] == col_slot[None, :]) & in_rank).to(dtype)
         return self.masks[key]
-
-
-@dataclass
-class LoRABatchInfo:
-    segments: list[LoRASegment]  # one per distinct adapter slot of the batch (slot 0 has none)
-    masked: MaskedSlots | None = None  # set when a slot's rows are too scattered for runs
 
     @classmethod
     def build(
@@ -65,19 +74,10 @@ class LoRABatchInfo:
                     slot_runs.append((start, start + n))
             start += n
         segments = [LoRASegment(slot, ranks[slot], r) for slot, r in sorted(runs.items())]
-        masked = None
-        if any(len(seg.runs) > MAX_RUNS for seg in segments):
-            masked = _masked_slots(slots, tokens_per_req, ranks, device)
-        return cls(segments, masked)
-
-
-def _masked_slots(
-    slots: list[int], tokens_per_req: list[int], ranks: dict[int, int], device: torch.device
-) -> MaskedSlots:
-    lo, hi = min(ranks), max(ranks) + 1
-    rank_of_slot = [ranks.get(s, 0) for s in range(hi)]
-    row_slot = torch.tensor(slots).repeat_interleave(torch.tensor(tokens_per_req))
-    return MaskedSlots(lo, hi, _upload(row_slot, device), _upload(torch.tensor(rank_of_slot), device))
+        lo, hi = (min(runs), max(runs) + 1) if runs else (1, 1)
+        row_slot = torch.tensor(slots).repeat_interleave(torch.tensor(tokens_per_req))
+        rank_of_slot = torch.tensor([ranks.get(s, 0) for s in range(hi)])
+        return cls(segments, _upload(row_slot, device), _upload(rank_of_slot, device), lo, hi)
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
