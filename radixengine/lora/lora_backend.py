@@ -21,8 +21,10 @@ from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.native_small_ops import runs_native
 from radixengine.lora.lora_batch_info import LoRABatchInfo, LoRASegment
 
-# The native kernel reads each slot's weights once per few rows (GEMV-like): it wins while rows
-# x rank stays small (a decode batch at any rank, an extend at rank 8), the GEMM forms above it.
+# The native kernel reads each slot's weights once per four rows (GEMV-like): at rank <= 16 it
+# is the fastest form at every batch size; above, only for interleaved adapters while rows x rank
+# stays small (a decode batch), the GEMM forms otherwise (bench_lora_delta.py, docs/lora.md).
+NATIVE_ANY_ROWS_MAX_RANK = 16
 NATIVE_MAX_ROW_RANKS = 8192
 # The masked form computes every batch slot's columns for every row: for decode-sized batches.
 MASKED_MAX_ROWS = 256
@@ -43,17 +45,21 @@ def apply_lora_delta(
         return y
     x2 = x.reshape(-1, x.shape[-1])
     y2 = y.view(-1, y.shape[-1])
-    rows = x2.shape[0]
-    if rows * info.max_rank <= NATIVE_MAX_ROW_RANKS and runs_native(x2, y2, a_buf, b_buf):
+    if _native_fits(x2.shape[0], info) and runs_native(x2, y2, a_buf, b_buf):
         lib = native_cpu_ops.require_native()
         lib.lora_delta(y2, x2, a_buf, b_buf, info.row_slot, info.rank_of_slot, list(pieces))
     elif not info.scattered:
         _runs_delta(x2, y2, a_buf, b_buf, info)
-    elif rows <= MASKED_MAX_ROWS:
+    elif x2.shape[0] <= MASKED_MAX_ROWS:
         _masked_delta(x2, y2, a_buf, b_buf, info)
     else:
-        _gathered_delta(x2, y2, a_buf, b_buf, info)
+        gathered_delta(x2, y2, a_buf, b_buf, info)
     return y
+
+
+def _native_fits(rows: int, info: LoRABatchInfo) -> bool:
+    rank = info.max_rank
+    return rank <= NATIVE_ANY_ROWS_MAX_RANK or (info.scattered and rows * rank <= NATIVE_MAX_ROW_RANKS)
 
 
 def _runs_delta(
@@ -65,7 +71,7 @@ def _runs_delta(
             y2[start:end].addmm_(x2[start:end] @ a.t(), b)
 
 
-def _gathered_delta(
+def gathered_delta(
     x2: torch.Tensor, y2: torch.Tensor, a_buf: torch.Tensor, b_buf: torch.Tensor, info: LoRABatchInfo
 ) -> None:
     for seg in info.segments:
