@@ -15,6 +15,8 @@ the torch forms:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from radixengine.layers.attention import native_cpu_ops
@@ -36,7 +38,7 @@ def apply_lora_delta(
     a_buf: torch.Tensor,
     b_buf: torch.Tensor,
     info: LoRABatchInfo,
-    pieces: tuple[int, ...],
+    pieces: Sequence[int],
 ) -> torch.Tensor:
     """`y` (the base linear's output of `x`) plus each row's delta; `a_buf` `[slots, R, stack,
     in]`, `b_buf` `[slots, R, stack, out]` (B scaled, each stacked module's B in its own output
@@ -47,7 +49,7 @@ def apply_lora_delta(
     y2 = y.view(-1, y.shape[-1])
     if _native_fits(x2.shape[0], info) and runs_native(x2, y2, a_buf, b_buf):
         lib = native_cpu_ops.require_native()
-        lib.lora_delta(y2, x2, a_buf, b_buf, info.row_slot, info.rank_of_slot, list(pieces))
+        lib.lora_delta(y2, x2, a_buf, b_buf, info.row_slot, info.rank_of_slot, pieces)
     elif not info.scattered:
         _runs_delta(x2, y2, a_buf, b_buf, info)
     elif x2.shape[0] <= MASKED_MAX_ROWS:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -29,11 +30,11 @@ class LoRABatchInfo:
     masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     slot_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    @property
+    @cached_property
     def max_rank(self) -> int:
         return max((seg.rank for seg in self.segments), default=0)
 
-    @property
+    @cached_property
     def scattered(self) -> bool:
         """A slot's rows come in more than MAX_RUNS runs (the torch forms mask, not loop)."""
         return any(len(seg.runs) > MAX_RUNS for seg in self.segments)

@@ -80,7 +80,7 @@ class LoRAManager:
 
     def _hook(self, key: tuple[int, str]):
         a_buf, b_buf = self.pool.buffers[key]
-        pieces = self.shapes[key].out_sizes
+        pieces = list(self.shapes[key].out_sizes)
 
         def add_delta(
             module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
