@@ -39,7 +39,7 @@ def time_ms(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def layer_times(rank: int, rows: int, adapters: int, requests: int) -> dict[str, float]:
+def layer_times(rank: int, rows: int, adapters: int, requests: int, dtype: torch.dtype) -> dict[str, float]:
     slots = [i % adapters + 1 for i in range(requests)]
     info = LoRABatchInfo.build(
         slots, [rows // requests] * requests, dict.fromkeys(set(slots), rank), torch.device("cpu")
@@ -48,9 +48,9 @@ def layer_times(rank: int, rows: int, adapters: int, requests: int) -> dict[str,
     repeats = 3 if rows > 512 else 20
     totals = {"native": 0.0, "torch": 0.0, "gathered": 0.0}
     for fan_in, pieces in MODULES.values():
-        a = torch.randn(SLOTS + 1, rank, len(pieces), fan_in) * 0.05
-        b = torch.randn(SLOTS + 1, rank, len(pieces), sum(pieces)) * 0.05
-        x, y = torch.randn(rows, fan_in), torch.randn(rows, sum(pieces))
+        a = (torch.randn(SLOTS + 1, rank, len(pieces), fan_in) * 0.05).to(dtype)
+        b = (torch.randn(SLOTS + 1, rank, len(pieces), sum(pieces)) * 0.05).to(dtype)
+        x, y = torch.randn(rows, fan_in).to(dtype), torch.randn(rows, sum(pieces)).to(dtype)
         forms = {
             "native": partial(native.lora_delta, y, x, a, b, info.row_slot, info.rank_of_slot, list(pieces)),
             "torch": partial(apply_lora_delta, x, y, a, b, info, pieces),
@@ -68,6 +68,7 @@ def main() -> None:
     p.add_argument("--rows", default="64,256,2048")
     p.add_argument("--adapters", type=int, default=4, help="interleaved over 32 requests (64 for 64 rows)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--output", default=str(REPO / "bench_results" / "bench_lora_delta.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,14 +76,18 @@ def main() -> None:
     print("| rank | rows | native ms | torch form ms | gathered ms |\n|---:|---:|---:|---:|---:|")
     for rank in map(int, args.ranks.split(",")):
         for rows in map(int, args.rows.split(",")):
-            t = layer_times(rank, rows, args.adapters, min(rows, 32) if rows > 64 else rows)
+            t = layer_times(
+                rank, rows, args.adapters, min(rows, 32) if rows > 64 else rows, getattr(torch, args.dtype)
+            )
             results.append({"rank": rank, "rows": rows, "adapters": args.adapters, **t})
             print(
                 f"| {rank} | {rows} | {t['native']:.2f} | {t['torch']:.2f} | {t['gathered']:.2f} |",
                 flush=True,
             )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"threads": args.threads, "results": results}, indent=1))
+    Path(args.output).write_text(
+        json.dumps({"threads": args.threads, "dtype": args.dtype, "results": results}, indent=1)
+    )
 
 
 if __name__ == "__main__":

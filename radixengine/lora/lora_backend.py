@@ -15,6 +15,7 @@ the torch forms:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -22,12 +23,15 @@ import torch
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.native_small_ops import runs_native
 from radixengine.lora.lora_batch_info import LoRABatchInfo, LoRASegment
+from radixengine.utils.cpu_bf16 import bf16_matmul_support
 
-# The native kernel reads each slot's weights once per four rows (GEMV-like): at rank <= 16 it
-# is the fastest form at every batch size; above, only for interleaved adapters while rows x rank
-# stays small (a decode batch), the GEMM forms otherwise (bench_lora_delta.py, docs/lora.md).
-NATIVE_ANY_ROWS_MAX_RANK = 16
-NATIVE_MAX_ROW_RANKS = 8192
+# The native kernel reads each slot's weights once per four rows in fp32 (GEMV-like), so the
+# GEMM forms win once rows x rank grows: above 1024 for runs, and for interleaved adapters above
+# 16384 (float32) or 2048 (bfloat16 with native bf16 GEMMs, twice float32's rate). Without bf16
+# products torch's bf16 GEMMs are 4-5x slower than float32's: the native kernel always
+# (bench_lora_delta.py; docs/lora.md "The delta").
+NATIVE_MAX_ROW_RANKS_RUNS = 1024
+NATIVE_MAX_ROW_RANKS_SCATTERED = {torch.float32: 16384, torch.bfloat16: 2048}
 # The masked form computes every batch slot's columns for every row: for decode-sized batches.
 MASKED_MAX_ROWS = 256
 
@@ -47,7 +51,7 @@ def apply_lora_delta(
         return y
     x2 = x.reshape(-1, x.shape[-1])
     y2 = y.view(-1, y.shape[-1])
-    if _native_fits(x2.shape[0], info) and runs_native(x2, y2, a_buf, b_buf):
+    if runs_native(x2, y2, a_buf, b_buf) and _native_fits(x2.shape[0], info, x2.dtype):
         lib = native_cpu_ops.require_native()
         lib.lora_delta(y2, x2, a_buf, b_buf, info.row_slot, info.rank_of_slot, pieces)
     elif not info.scattered:
@@ -59,9 +63,16 @@ def apply_lora_delta(
     return y
 
 
-def _native_fits(rows: int, info: LoRABatchInfo) -> bool:
-    rank = info.max_rank
-    return rank <= NATIVE_ANY_ROWS_MAX_RANK or (info.scattered and rows * rank <= NATIVE_MAX_ROW_RANKS)
+def _native_fits(rows: int, info: LoRABatchInfo, dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16 and not _bf16_gemms_native():
+        return True
+    limit = NATIVE_MAX_ROW_RANKS_SCATTERED[dtype] if info.scattered else NATIVE_MAX_ROW_RANKS_RUNS
+    return rows * info.max_rank <= limit
+
+
+@functools.cache
+def _bf16_gemms_native() -> bool:
+    return bf16_matmul_support().native
 
 
 def _runs_delta(
