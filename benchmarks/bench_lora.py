@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workloads", default="W1,W2")
     p.add_argument("--spreads", default="1,4,16", help="adapters the requests are spread over")
     p.add_argument("--ranks", default="8,64")
-    p.add_argument("--dtype", default="auto", help="the engine's (auto: bfloat16 where the CPU has bf16 products)")
+    p.add_argument(
+        "--dtype", default="auto", help="the engine's (auto: bfloat16 where the CPU has bf16 products)"
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the workload's (64)")
     p.add_argument(
