@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixengine.layers.attention import native_cpu_ops
+from radixengine.layers.packed_weight import PackedWeight, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -80,40 +80,17 @@ def fp32_sum_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y.to(x.dtype)
 
 
-@dataclass
-class AmxWeight:
+class AmxWeight(PackedWeight):
     """A linear's weight in the AMX tile layout."""
 
-    packed: torch.Tensor
-    out_features: int
-    in_features: int
-
-    @classmethod
-    def pack(cls, weight: torch.Tensor) -> AmxWeight:
-        native = native_cpu_ops.require_native()
-        return cls(native.amx_pack_linear_weight(weight), weight.shape[0], weight.shape[1])
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        y = native_cpu_ops.require_native().amx_linear(rows.contiguous(), self.packed, bias)
-        return y.view(*x.shape[:-1], self.out_features)
+    PACK_OP = "amx_pack_linear_weight"
+    LINEAR_OP = "amx_linear"
 
 
 def pack_amx_linears(model: nn.Module) -> int:
     """Pack the bf16 weight of every module that takes an ``amx_weight`` (linears, the LM head:
     ``model.lm_head``, an embedding table when tied) and whose weight fits the kernel; a module's
     float weight is dropped unless it also serves as an embedding. Returns how many were packed."""
-    lm_head = getattr(model, "lm_head", None)
-    count = 0
-    for module in model.modules():
-        if not hasattr(module, "amx_weight") or not (module.accepts_amx_weight() or module is lm_head):
-            continue
-        weight = module.weight
-        if weight is None or not packable(weight):
-            continue
-        module.amx_weight = AmxWeight.pack(weight.data)
-        if not module.keeps_float_weight():
-            module.weight = None
-        count += 1
+    count = pack_linears(model, AmxWeight, lambda module, weight: packable(weight))
     logger.info("bf16 weights of %d linears packed for AMX tiles", count)
     return count

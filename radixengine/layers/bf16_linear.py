@@ -17,13 +17,12 @@ Two uses, both chosen at load (``cpu_linear_plan``):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from radixengine.layers.amx_linear import fp32_sum_linear
-from radixengine.layers.attention import native_cpu_ops
+from radixengine.layers.packed_weight import PackedWeight, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -60,43 +59,27 @@ def holds_bf16_values(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and torch.equal(weight, weight.to(torch.bfloat16).float())
 
 
-@dataclass
-class Bf16PanelWeight:
+class Bf16PanelWeight(PackedWeight):
     """A linear's weight as bf16 panels of 32 output columns."""
 
-    packed: torch.Tensor
-    out_features: int
-    in_features: int
+    PACK_OP = "bf16_pack_linear_weight"
+    LINEAR_OP = "bf16_linear"
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> Bf16PanelWeight:
-        native = native_cpu_ops.require_native()
-        packed = native.bf16_pack_linear_weight(weight.to(torch.bfloat16).contiguous())
-        return cls(packed, weight.shape[0], weight.shape[1])
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        y = native_cpu_ops.require_native().bf16_linear(rows.contiguous(), self.packed, bias)
-        return y.view(*x.shape[:-1], self.out_features)
+    def pack(cls, weight: torch.Tensor) -> PackedWeight:
+        return super().pack(weight.to(torch.bfloat16).contiguous())
 
 
 def pack_bf16_linears(model: nn.Module) -> int:
     """Pack the weight of every module that takes a packed weight (linears, the LM head), holds
     bf16 values and has no GGUF blocks into bf16 panels; its float weight is dropped unless it also
     serves as an embedding. Returns how many were packed."""
-    lm_head = getattr(model, "lm_head", None)
-    count = 0
-    for module in model.modules():
-        if not hasattr(module, "amx_weight") or not (module.accepts_amx_weight() or module is lm_head):
-            continue
-        weight = module.weight
-        if weight is None or getattr(module, "block_weight", None) is not None:
-            continue
-        if not packable(weight) or not holds_bf16_values(weight.data):
-            continue
-        module.amx_weight = Bf16PanelWeight.pack(weight.data)
-        if not module.keeps_float_weight():
-            module.weight = None
-        count += 1
+    count = pack_linears(model, Bf16PanelWeight, _fits_panels)
     logger.info("weights of %d linears packed as bf16 panels (fp32 arithmetic)", count)
     return count
+
+
+def _fits_panels(module: nn.Module, weight: torch.Tensor) -> bool:
+    """No GGUF blocks (they keep their own kernels), a packable shape, bf16 values."""
+    no_blocks = getattr(module, "block_weight", None) is None
+    return no_blocks and packable(weight) and holds_bf16_values(weight.data)

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixengine.distributed import get_tp_group, tensor_model_parallel_all_reduce
-from radixengine.layers.amx_linear import AmxWeight
-from radixengine.layers.bf16_linear import Bf16PanelWeight
+from radixengine.layers.packed_weight import PackedWeight
 
 
 @dataclass
@@ -103,7 +102,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.block_weight: BlockWeight | None = None
         # A packed weight (AMX tiles or bf16 panels, layers/cpu_linear_plan.py), which drops `weight`
-        self.amx_weight: AmxWeight | Bf16PanelWeight | None = None
+        self.amx_weight: PackedWeight | None = None
 
     def accepts_amx_weight(self) -> bool:
         return True

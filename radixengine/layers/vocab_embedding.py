@@ -17,9 +17,8 @@ from radixengine.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from radixengine.layers.amx_linear import AmxWeight
-from radixengine.layers.bf16_linear import Bf16PanelWeight
 from radixengine.layers.linear import BlockWeight, block_linear
+from radixengine.layers.packed_weight import PackedWeight
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -39,7 +38,7 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
         # GGUF blocks of the weight, used when it serves as the LM head (see linear.BlockWeight).
         self.block_weight: BlockWeight | None = None
-        self.amx_weight: AmxWeight | Bf16PanelWeight | None = None  # packed for the LM head's use
+        self.amx_weight: PackedWeight | None = None  # packed for the LM head's use
 
     def accepts_amx_weight(self) -> bool:
         return False  # a table for lookups: packed only where it is the model's (tied) LM head

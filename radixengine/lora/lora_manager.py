@@ -9,7 +9,6 @@ import os
 import re
 import threading
 from collections.abc import Iterable
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -18,7 +17,6 @@ from radixengine.lora.lora_adapter import BaseShapes, LoRAAdapter, ModuleShape
 from radixengine.lora.lora_backend import apply_lora_delta
 from radixengine.lora.lora_batch_info import LoRABatchInfo
 from radixengine.lora.lora_config import TARGET_MODULES, LoRAConfig, LoRALoadError
-from radixengine.lora.lora_registry import parse_lora_paths
 from radixengine.lora.mem_pool import LoRAMemoryPool
 
 DEFAULT_MAX_LORA_RANK = 64
@@ -157,39 +155,6 @@ class LoRAManager:
         slots = [0 if i is None else slot_of[i] for i in lora_ids]
         ranks = {s: self.pool.rank_of(s) for s in set(slots) if s}
         self.batch_info = LoRABatchInfo.build(slots, tokens_per_req, ranks, self.device)
-
-
-def make_lora_manager(args: LoRAServerArgs, model: nn.Module, dtype: torch.dtype, device: torch.device):
-    """The manager with `--lora-paths` loaded (None without --enable-lora)."""
-    if not args.enable_lora:
-        return None
-    refs = parse_lora_paths(args.lora_paths)
-    configs = [LoRAConfig.from_folder(resolve_lora_path(r.lora_path)) for r in refs]
-    max_rank = args.max_lora_rank or max((c.r for c in configs), default=DEFAULT_MAX_LORA_RANK)
-    modules = args.lora_target_modules or ["all"]
-    manager = LoRAManager(
-        model,
-        args.max_loras_per_batch,
-        max_rank,
-        args.lora_eviction_policy,
-        args.max_loaded_loras,
-        None if "all" in modules else modules,
-        dtype,
-        device,
-    )
-    for ref in refs:
-        manager.load_adapter(ref.lora_id, ref.lora_path, ref.pinned)
-    return manager
-
-
-class LoRAServerArgs(Protocol):
-    enable_lora: bool
-    lora_paths: list[str] | None
-    max_loras_per_batch: int
-    max_loaded_loras: int | None
-    lora_eviction_policy: str
-    max_lora_rank: int | None
-    lora_target_modules: list[str] | None
 
 
 def resolve_lora_path(path: str) -> str:

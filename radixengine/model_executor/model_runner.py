@@ -12,10 +12,10 @@ from radixengine.layers.attention.attention_registry import create_attention_bac
 from radixengine.layers.linear import head_ranges
 from radixengine.layers.logits_processor import LogitsProcessorOutput
 from radixengine.layers.sampler import Sampler, argmax_rows, logprobs_of
-from radixengine.lora.lora_manager import make_lora_manager
 from radixengine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardBatch
+from radixengine.model_executor.lora_setup import make_lora_manager
 from radixengine.model_loader import ModelConfig, get_model
 from radixengine.models import ModelRegistry
 from radixengine.server_args import ServerArgs
