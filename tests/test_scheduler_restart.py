@@ -60,7 +60,9 @@ def test_a_killed_scheduler_is_restarted_and_its_batch_completes(model, tmp_path
     server = launch_test_server(model, tmp_path / "server.log", server_args(tmp_path))
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
     try:
-        lines = [chat_line(f"line{i}", max_tokens=200) for i in range(BATCH_LINES)]
+        # Long enough (3 rounds of 1,500 steps at --batch-max-running 2) to be running still once
+        # the 16 streams have started, however slowly the machine starts them.
+        lines = [chat_line(f"line{i}", max_tokens=1500) for i in range(BATCH_LINES)]
         upload = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
         batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")  # fmt: skip
