@@ -228,3 +228,37 @@ def test_delta_equals_per_row_reference(tokens_per_req, gathered, dtype, native)
 
 def _row_slots(slots: list[int], tokens_per_req: list[int]) -> list[int]:
     return [s for s, n in zip(slots, tokens_per_req) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pieces", [(37,), (14, 21), (40, 8, 8)], ids=["stack1", "stack2", "stack3"])
+def test_native_delta_covers_every_row_tile(pieces, dtype):
+    """The native kernel's register tiles (1-8 rows of one slot, a block of 8 and its remainder,
+    A rows in fours and the rest, output columns in two vectors, one and a scalar tail) give
+    each row `x A_s^T B_s` of its own slot, interleaved slots and all."""
+    from radixengine.layers.attention.native_cpu_ops import native_available, require_native
+    from radixengine.lora.lora_batch_info import LoRABatchInfo
+
+    if not native_available():
+        pytest.skip("the native CPU kernels are not built")
+    gen = torch.Generator().manual_seed(1)
+    stack, fin, fout, rank_max = len(pieces), 70, sum(pieces), 7
+    ranks = {1: 7, 2: 1, 3: 5}
+    a = torch.randn(4, rank_max, stack, fin, generator=gen).to(dtype)
+    b = torch.randn(4, rank_max, stack, fout, generator=gen).to(dtype)
+    slots = [s for count in range(1, 10) for s in (1, 2, 3, 0) for _ in range(count)] + [1] * 17
+    x = torch.randn(len(slots), fin, generator=gen).to(dtype)
+    y = torch.randn(len(slots), fout, generator=gen).to(dtype)
+    info = LoRABatchInfo.build(slots, [1] * len(slots), ranks, torch.device("cpu"))
+    expected = y.double()
+    for row, slot in enumerate(slots):
+        if slot:
+            for k, start in enumerate(torch.tensor((0, *pieces)).cumsum(0)[:-1].tolist()):
+                a_k, b_k = a[slot, : ranks[slot], k].double(), b[slot, : ranks[slot], k].double()
+                expected[row, start : start + pieces[k]] += (x[row].double() @ a_k.t()) @ b_k[
+                    :, start : start + pieces[k]
+                ]
+    got = y.clone()
+    require_native().lora_delta(got, x, a, b, info.row_slot, info.rank_of_slot, list(pieces))
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.1}
+    torch.testing.assert_close(got.double(), expected, check_dtype=False, **tol)

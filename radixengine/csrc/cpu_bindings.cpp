@@ -39,6 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A bf16 weight [N, K] in the tile layout amx_linear reads", py::arg("weight"));
   m.def("amx_linear", &cpu::amx_linear, "x [M, K] bf16 times a packed weight's transpose on AMX tiles",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  m.def("dpbf16_available", &cpu::dpbf16_available, "Whether this CPU and build have AVX512-BF16 dot products");
+  m.def("dpbf16_linear", &cpu::dpbf16_linear,
+        "x [M, K] bf16 times an amx_pack_linear_weight-packed weight's transpose with AVX512-BF16 dot products",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("bf16_pack_linear_weight", &cpu::bf16_pack_linear_weight,
         "A bf16 weight [N, K] as panels of 32 output columns, [N / 32][K][32], for bf16_linear",
         py::arg("weight"));

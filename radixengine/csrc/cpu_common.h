@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -32,6 +33,16 @@ void run_tasks(int64_t num_tasks, const Fn& fn) {
       fn(t);
     }
   });
+}
+
+// fn(std::integral_constant<int, n>) for a runtime n in [1, N]: a register tile's row count
+// made a compile-time constant, so that its accumulators stay in registers.
+template <int N, typename Fn>
+void with_rows(int n, Fn&& fn) {
+  if constexpr (N > 1) {
+    if (n < N) return with_rows<N - 1>(n, fn);
+  }
+  fn(std::integral_constant<int, N>{});
 }
 
 // Per-thread scratch buffer of fp32 (grows, never shrinks).

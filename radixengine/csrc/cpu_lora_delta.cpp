@@ -7,66 +7,141 @@
 // a_buf [slots, R, stack, in], b_buf [slots, R, stack, out] (the LoRA pool's layout); `pieces`:
 // the output columns of each stacked module, in order. The shrink is accumulated in fp32 and
 // not rounded; a bfloat16 y is rounded once, after the add.
+//
+// The rows of each slot are cut into blocks of up to kBlockRows; a block is one task. Its shrink
+// runs register tiles of up to 4 rows x kShrinkCols rows of A (each x and A vector loaded once
+// per tile), its expand tiles of all the block's rows x 2 vectors of output columns (each B
+// vector loaded once per block): the weights are read once per block, and the products run on
+// independent accumulators.
 #include "cpu_common.h"
 #include "cpu_ops.h"
 
 namespace radixengine::cpu {
 namespace {
 
-constexpr int64_t kParallelWork = 1 << 22;  // multiply-adds below which one thread does all
-constexpr int64_t kBlockRows = 4;            // rows of one slot that share each weight load
+constexpr int64_t kParallelWork = 1 << 18;  // multiply-adds below which one thread does all
+constexpr int kBlockRows = 8;                // rows of one slot that share each weight load
+constexpr int kShrinkRows = 4;
+constexpr int kShrinkCols = kVecWidth == 16 ? 4 : 2;  // A rows per shrink tile (register budget)
 
 struct DeltaShape {
   int64_t in, out, max_rank, stack;
   std::vector<int64_t> offsets;  // stack + 1 column offsets of the stacked modules
 };
 
-// h[b][jk] = x_b . A[jk] for the block's rows (jk = j * stack + k, the pool's row order).
-template <typename T>
-void shrink_block(const T* const* x, int64_t rows, const T* a_slot, const DeltaShape& s, int64_t rank, float* h) {
-  const int64_t n = s.in, hk = s.max_rank * s.stack;
-  for (int64_t jk = 0; jk < rank * s.stack; ++jk) {
-    const T* w = a_slot + jk * n;
-    VecF acc[kBlockRows];
-    for (int64_t b = 0; b < rows; ++b) acc[b] = VecF::zero();
-    int64_t i = 0;
-    for (; i + kVecWidth <= n; i += kVecWidth) {
-      const VecF wv = VecF::load(w + i);
-      for (int64_t b = 0; b < rows; ++b) acc[b] = fmadd(VecF::load(x[b] + i), wv, acc[b]);
+// h[b * hk + jk0 + c] = x_b . A[jk0 + c] for RT rows (widened to fp32) and JT rows of A.
+template <int RT, int JT, typename T>
+void shrink_tile(const float* const* x, const T* a, int64_t n, int64_t jk0, int64_t hk, float* h) {
+  VecF acc[RT][JT];
+  for (int b = 0; b < RT; ++b)
+    for (int c = 0; c < JT; ++c) acc[b][c] = VecF::zero();
+  const T* w[JT];
+  for (int c = 0; c < JT; ++c) w[c] = a + (jk0 + c) * n;
+  int64_t i = 0;
+  for (; i + kVecWidth <= n; i += kVecWidth) {
+    VecF wv[JT];
+    for (int c = 0; c < JT; ++c) wv[c] = VecF::load(w[c] + i);
+    for (int b = 0; b < RT; ++b) {
+      const VecF xv = VecF::load(x[b] + i);
+      for (int c = 0; c < JT; ++c) acc[b][c] = fmadd(xv, wv[c], acc[b][c]);
     }
-    for (int64_t b = 0; b < rows; ++b) {
-      float sum = hsum(acc[b]);
-      for (int64_t t = i; t < n; ++t) sum += to_float(x[b][t]) * to_float(w[t]);
-      h[b * hk + jk] = sum;
+  }
+  for (int b = 0; b < RT; ++b) {
+    float sums[JT];
+    if constexpr (JT == 4) {
+      hsum4(acc[b], sums);
+    } else {
+      for (int c = 0; c < JT; ++c) sums[c] = hsum(acc[b][c]);
+    }
+    for (int c = 0; c < JT; ++c) {
+      for (int64_t t = i; t < n; ++t) sums[c] += x[b][t] * to_float(w[c][t]);
+      h[b * hk + jk0 + c] = sums[c];
     }
   }
 }
 
-// y_b[c] += sum_j h[b][j, k] B[j, k, c] over each stacked module k's own columns c.
+template <int RT, typename T>
+void shrink_rows(const float* const* x, const T* a, int64_t n, int64_t jks, int64_t hk, float* h) {
+  int64_t jk = 0;
+  for (; jk + kShrinkCols <= jks; jk += kShrinkCols) shrink_tile<RT, kShrinkCols>(x, a, n, jk, hk, h);
+  for (; jk < jks; ++jk) shrink_tile<RT, 1>(x, a, n, jk, hk, h);
+}
+
+// h[b][jk] = x_b . A[jk] for the block's rows (jk = j * stack + k, the pool's row order). 16-bit
+// rows are widened once into `x32` ([kBlockRows][in]), not once per tile.
 template <typename T>
-void expand_block(T* const* y, int64_t rows, const T* b_slot, const DeltaShape& s, int64_t rank, const float* h) {
+void shrink_block(const T* const* x, int rows, const T* a_slot, const DeltaShape& s, int64_t rank, float* h,
+                  float* x32) {
+  const float* xf[kBlockRows];
+  for (int b = 0; b < rows; ++b) {
+    if constexpr (std::is_same_v<T, float>) {
+      xf[b] = x[b];
+    } else {
+      float* row = x32 + b * s.in;
+      int64_t i = 0;
+      for (; i + kVecWidth <= s.in; i += kVecWidth) VecF::load(x[b] + i).store(row + i);
+      for (; i < s.in; ++i) row[i] = to_float(x[b][i]);
+      xf[b] = row;
+    }
+  }
+  const int64_t hk = s.max_rank * s.stack, jks = rank * s.stack;
+  for (int b = 0; b < rows; b += kShrinkRows) {
+    with_rows<kShrinkRows>(std::min(kShrinkRows, rows - b), [&](auto rt) {
+      shrink_rows<decltype(rt)::value>(xf + b, a_slot, s.in, jks, hk, h + b * hk);
+    });
+  }
+}
+
+// y_b[c .. c + CV vectors) += sum_j h[b][j, k] B[j, k, c ..] for the block's R rows.
+template <int R, int CV, typename T>
+void expand_tile(T* const* y, const T* b_slot, const DeltaShape& s, int64_t rank, int64_t k, const float* h,
+                 int64_t c) {
+  const int64_t hk = s.max_rank * s.stack;
+  VecF acc[R][CV];
+  for (int b = 0; b < R; ++b)
+    for (int v = 0; v < CV; ++v) acc[b][v] = VecF::load(y[b] + c + v * kVecWidth);
+  for (int64_t j = 0; j < rank; ++j) {
+    const T* row = b_slot + (j * s.stack + k) * s.out + c;
+    VecF wv[CV];
+    for (int v = 0; v < CV; ++v) wv[v] = VecF::load(row + v * kVecWidth);
+    for (int b = 0; b < R; ++b) {
+      const VecF hv = VecF::broadcast(h[b * hk + j * s.stack + k]);
+      for (int v = 0; v < CV; ++v) acc[b][v] = fmadd(hv, wv[v], acc[b][v]);
+    }
+  }
+  for (int b = 0; b < R; ++b)
+    for (int v = 0; v < CV; ++v) round_to<T>(acc[b][v]).store(y[b] + c + v * kVecWidth);
+}
+
+template <int R, typename T>
+void expand_rows(T* const* y, const T* b_slot, const DeltaShape& s, int64_t rank, const float* h) {
   const int64_t hk = s.max_rank * s.stack;
   for (int64_t k = 0; k < s.stack; ++k) {
     int64_t c = s.offsets[k];
     const int64_t end = s.offsets[k + 1];
-    for (; c + kVecWidth <= end; c += kVecWidth) {
-      for (int64_t b = 0; b < rows; ++b) {
-        VecF acc = VecF::load(y[b] + c);
-        for (int64_t j = 0; j < rank; ++j) {
-          const VecF wv = VecF::load(b_slot + (j * s.stack + k) * s.out + c);
-          acc = fmadd(VecF::broadcast(h[b * hk + j * s.stack + k]), wv, acc);
-        }
-        round_to<T>(acc).store(y[b] + c);
-      }
-    }
+    for (; c + 2 * kVecWidth <= end; c += 2 * kVecWidth) expand_tile<R, 2>(y, b_slot, s, rank, k, h, c);
+    for (; c + kVecWidth <= end; c += kVecWidth) expand_tile<R, 1>(y, b_slot, s, rank, k, h, c);
     for (; c < end; ++c) {
-      for (int64_t b = 0; b < rows; ++b) {
+      for (int b = 0; b < R; ++b) {
         float acc = to_float(y[b][c]);
         for (int64_t j = 0; j < rank; ++j)
           acc += h[b * hk + j * s.stack + k] * to_float(b_slot[(j * s.stack + k) * s.out + c]);
         y[b][c] = from_float<T>(acc);
       }
     }
+  }
+}
+
+// y_b[c] += sum_j h[b][j, k] B[j, k, c] over each stacked module k's own columns c. On AVX-512
+// all of a block's rows share a tile; with 16 registers (AVX2) halves of it.
+template <typename T>
+void expand_block(T* const* y, int rows, const T* b_slot, const DeltaShape& s, int64_t rank, const float* h) {
+  constexpr int kTileRows = kVecWidth == 16 ? kBlockRows : kBlockRows / 2;
+  const int64_t hk = s.max_rank * s.stack;
+  for (int b = 0; b < rows; b += kTileRows) {
+    with_rows<kTileRows>(std::min(kTileRows, rows - b), [&](auto r) {
+      expand_rows<decltype(r)::value>(y + b, b_slot, s, rank, h + b * hk);
+    });
   }
 }
 
@@ -127,16 +202,17 @@ void lora_delta(at::Tensor& y, const at::Tensor& x, const at::Tensor& a_buf, con
     const int64_t slot_a = s.max_rank * s.stack * s.in, slot_b = s.max_rank * s.stack * s.out;
     auto run_block = [&](int64_t i) {
       const auto& rows = blocks[i];
-      const int64_t slot = slot_of[rows[0]], rank = rank_of[slot], n = rows.size();
+      const int64_t slot = slot_of[rows[0]], rank = rank_of[slot];
+      const int n = static_cast<int>(rows.size());
       if (rank == 0) return;
       const S* xr[kBlockRows];
       S* yr[kBlockRows];
-      for (int64_t b = 0; b < n; ++b) {
+      for (int b = 0; b < n; ++b) {
         xr[b] = x.data_ptr<S>() + rows[b] * x.stride(0);
         yr[b] = y.data_ptr<S>() + rows[b] * y.stride(0);
       }
-      float* h = thread_scratch(kBlockRows * s.max_rank * s.stack);
-      shrink_block(xr, n, ap + slot * slot_a, s, rank, h);
+      float* h = thread_scratch(kBlockRows * (s.max_rank * s.stack + s.in));
+      shrink_block(xr, n, ap + slot * slot_a, s, rank, h, h + kBlockRows * s.max_rank * s.stack);
       expand_block(yr, n, bp + slot * slot_b, s, rank, h);
     };
     const int64_t num_blocks = blocks.size();

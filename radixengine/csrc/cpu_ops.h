@@ -92,6 +92,13 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias);
 
+// Whether this CPU and build have AVX512-BF16 dot products (dpbf16_linear).
+bool dpbf16_available();
+
+// x [M, K] bf16 times W^T (+ bias) with AVX512-BF16 dot products, W as amx_pack_linear_weight
+// packed it (cpu_dpbf16_linear.cpp); call only when dpbf16_available().
+at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype);
 
 // y [T, out] += each row's LoRA delta, in place: B_s (A_s x[t]) for its slot s = row_slot[t] (0:

@@ -2,10 +2,13 @@
 (``/get_server_info`` reports the choice and why as ``linear_kernel`` / ``linear_kernel_reason``):
 
 - ``amx``: bf16 weights packed for AMX tiles (``layers/amx_linear.py``);
+- ``dpbf16``: the same packing, multiplied with AVX512-BF16 dot products where there is no AMX
+  (``layers/dpbf16_linear.py``);
 - ``bf16_panels``: bf16-stored weights widened to fp32 inside the native GEMM
   (``layers/bf16_linear.py``): a bf16 model on a CPU without native bf16 products, or a float32
   model whose weights hold bf16 values (a 16-bit checkpoint run in float32);
-- ``torch``: ``F.linear`` (MKL / oneDNN), e.g. a bf16 model where oneDNN has AVX512-BF16.
+- ``torch``: ``F.linear`` (MKL / oneDNN), e.g. a float32 model, or a bf16 one with the native
+  kernels off.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import nn
 from radixengine.layers.amx_linear import amx_linear_unavailable_reason, pack_amx_linears
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.bf16_linear import pack_bf16_linears
+from radixengine.layers.dpbf16_linear import dpbf16_linear_unavailable_reason, pack_dpbf16_linears
 from radixengine.utils.cpu_bf16 import bf16_matmul_support
 
 PANELS_ENV_VAR = "RADIXENGINE_BF16_PANELS"
@@ -26,7 +30,7 @@ PANELS_ENV_VAR = "RADIXENGINE_BF16_PANELS"
 
 @dataclass(frozen=True)
 class LinearPlan:
-    kernel: str  # "amx", "bf16_panels" or "torch"
+    kernel: str  # "amx", "dpbf16", "bf16_panels" or "torch"
     reason: str
 
 
@@ -47,9 +51,16 @@ def plan_cpu_linears(dtype: torch.dtype) -> LinearPlan:
         if amx_linear_unavailable_reason() is None:
             return LinearPlan("amx", "bf16 weights packed for AMX tiles")
         support = bf16_matmul_support()
+        dpbf16_off = dpbf16_linear_unavailable_reason()
+        if support.native and dpbf16_off is None:
+            return LinearPlan(
+                "dpbf16", f"{support.reason}: bf16 weights packed for its dot products (vdpbf16ps)"
+            )
         if support.native:
             return LinearPlan(
-                "torch", f"{support.reason}: oneDNN's bf16 matmul (native bf16 products) runs bf16 linears"
+                "torch",
+                f"{support.reason}: oneDNN's bf16 matmul (native bf16 products) runs bf16 linears "
+                f"(the packed dot-product kernel is off: {dpbf16_off})",
             )
         if panels_off:
             return LinearPlan("torch", f"{support.reason}, but bf16 panels are off: {panels_off}")
@@ -73,6 +84,8 @@ def apply_cpu_linear_plan(model: nn.Module, plan: LinearPlan) -> tuple[LinearPla
     with no weight of bf16 values stays on torch) and how many linears were packed."""
     if plan.kernel == "amx":
         return plan, pack_amx_linears(model)
+    if plan.kernel == "dpbf16":
+        return plan, pack_dpbf16_linears(model)
     if plan.kernel == "bf16_panels":
         count = pack_bf16_linears(model)
         if count == 0:

@@ -25,13 +25,13 @@ from radixengine.layers.native_small_ops import runs_native
 from radixengine.lora.lora_batch_info import LoRABatchInfo, LoRASegment
 from radixengine.utils.cpu_bf16 import bf16_matmul_support
 
-# The native kernel reads each slot's weights once per four rows in fp32 (GEMV-like), so the
-# GEMM forms win once rows x rank grows: above 1024 for runs, and for interleaved adapters above
-# 16384 (float32) or 2048 (bfloat16 with native bf16 GEMMs, twice float32's rate). Without bf16
-# products torch's bf16 GEMMs are 4-5x slower than float32's: the native kernel always
-# (bench_lora_delta.py; docs/lora.md "The delta").
-NATIVE_MAX_ROW_RANKS_RUNS = 1024
-NATIVE_MAX_ROW_RANKS_SCATTERED = {torch.float32: 16384, torch.bfloat16: 2048}
+# The native kernel computes in fp32 (bench_lora_delta.py; docs/lora.md "The delta"): it beats
+# torch's fp32 GEMMs at every size, and torch's bf16 ones without bf16 products (4-5x slower
+# than fp32 there), so it always runs for those. oneDNN's bf16 GEMMs with bf16 products run
+# twice the fp32 rate: above these rows x rank (a long prefill) they win, for contiguous runs
+# of one adapter at ~3k, for interleaved adapters (the gathers' cost) at ~32k.
+BF16_GEMM_MIN_ROW_RANKS_RUNS = 3072
+BF16_GEMM_MIN_ROW_RANKS_SCATTERED = 32768
 # The masked form computes every batch slot's columns for every row: for decode-sized batches.
 MASKED_MAX_ROWS = 256
 
@@ -64,9 +64,9 @@ def apply_lora_delta(
 
 
 def _native_fits(rows: int, info: LoRABatchInfo, dtype: torch.dtype) -> bool:
-    if dtype == torch.bfloat16 and not _bf16_gemms_native():
+    if dtype != torch.bfloat16 or not _bf16_gemms_native():
         return True
-    limit = NATIVE_MAX_ROW_RANKS_SCATTERED[dtype] if info.scattered else NATIVE_MAX_ROW_RANKS_RUNS
+    limit = BF16_GEMM_MIN_ROW_RANKS_SCATTERED if info.scattered else BF16_GEMM_MIN_ROW_RANKS_RUNS
     return rows * info.max_rank <= limit
 
 

@@ -60,7 +60,7 @@ class ModelRunner:
             self.model_config, self.device, server_args.load_format, gguf_blocks=self._use_gguf_blocks()
         )
         self.linear_kernel, self.linear_kernel_reason = "torch", f"device {self.device.type}"
-        self.amx_linears = self.bf16_panel_linears = 0
+        self.amx_linears = self.dpbf16_linears = self.bf16_panel_linears = 0
         if self.device.type == "cpu":
             self._pack_cpu_linears()
         self.lora_manager = make_lora_manager(server_args, self.model, self.dtype, self.device)
@@ -90,6 +90,8 @@ class ModelRunner:
         self.linear_kernel, self.linear_kernel_reason = plan.kernel, plan.reason
         if plan.kernel == "amx":
             self.amx_linears = count
+        elif plan.kernel == "dpbf16":
+            self.dpbf16_linears = count
         elif plan.kernel == "bf16_panels":
             self.bf16_panel_linears = count
         logger.info("linears on %s (%d packed): %s", plan.kernel, count, plan.reason)

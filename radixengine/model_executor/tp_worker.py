@@ -54,8 +54,9 @@ class WorkerInfo:
     page_size: int
     device: str
     amx_linear_layers: int = 0  # linears computing from AMX-packed bf16 weights (layers/amx_linear.py)
+    dpbf16_linear_layers: int = 0  # linears computing from AVX512-BF16 dot products (layers/dpbf16_linear.py)
     bf16_panel_linear_layers: int = 0  # linears computing from bf16 panels (layers/bf16_linear.py)
-    linear_kernel: str = "torch"  # amx, bf16_panels or torch (layers/cpu_linear_plan.py)
+    linear_kernel: str = "torch"  # amx, dpbf16, bf16_panels or torch (layers/cpu_linear_plan.py)
     linear_kernel_reason: str = ""
     resolved_dtype: str = ""  # the compute dtype --dtype resolved to, and why
     resolved_dtype_reason: str = ""
@@ -91,6 +92,7 @@ class TpModelWorker:
             device=str(runner.device),
             amx_linear_layers=runner.amx_linears,
             bf16_panel_linear_layers=runner.bf16_panel_linears,
+            dpbf16_linear_layers=runner.dpbf16_linears,
             linear_kernel=runner.linear_kernel,
             linear_kernel_reason=runner.linear_kernel_reason,
             resolved_dtype=str(runner.dtype).removeprefix("torch."),

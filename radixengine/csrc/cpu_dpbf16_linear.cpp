@@ -1,0 +1,151 @@
+// bf16 linear y = x W^T (+ b) with AVX512-BF16 dot products (vdpbf16ps: bf16 pairs multiplied,
+// summed into fp32), for CPUs that have them but no AMX (AMD Zen 4 and later). W is packed once
+// at load in amx_pack_linear_weight's layout:
+//
+//   packed [N / 32][K / 32][2][16][16][2]:  packed[nb][kb][t][p][c][e] = W[32 nb + 16 t + c][32 kb + 2 p + e]
+//
+// so that packed[nb][kb][t][p] (16 outputs x one pair of inputs) is one 64-byte vector operand
+// of vdpbf16ps, and a block of 32 output columns is one contiguous run of K * 64 bytes. A
+// register tile is up to 8 rows x 32 columns (16 fp32 accumulators); per pair of inputs it loads
+// two weight vectors and broadcasts each row's pair. A task takes a few column blocks and a chunk
+// of rows, so that its blocks stay in L2 while the chunk's row tiles pass over them.
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "cpu_common.h"
+#include "cpu_ops.h"
+
+#if defined(__AVX512F__) && defined(__x86_64__)
+#define RADIX_HAVE_DPBF16 1
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+namespace radixengine::cpu {
+
+namespace {
+
+constexpr int64_t kCols = 32;       // output columns per packed block
+constexpr int64_t kDepth = 32;      // inputs per packed block
+constexpr int kTileRows = 8;        // rows of one register tile
+constexpr int64_t kRowChunk = 128;  // rows of x per task
+
+struct DpLinearArgs {
+  const bf16* x;  // [M][K]
+  const bf16* w;  // packed
+  const float* bias;  // [N] or null
+  bf16* y;  // [M][N]
+  int64_t M, N, K;
+};
+
+#if RADIX_HAVE_DPBF16
+
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+
+// y[m0 .. m0 + R) x [n0, n0 + 32) for one column block `wb`.
+template <int R>
+void tile(const DpLinearArgs& a, const bf16* wb, int64_t m0, int64_t n0) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const bf16* x = a.x + m0 * a.K;
+  for (int64_t kb = 0; kb < a.K / kDepth; ++kb) {
+    const bf16* b = wb + kb * kDepth * kCols;
+    const bf16* xk = x + kb * kDepth;
+    for (int p = 0; p < kDepth / 2; ++p) {
+      const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * 32));
+      const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 16 * kDepth + p * 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xk + r * a.K + 2 * p, sizeof(pair));
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      }
+    }
+  }
+  const __m512 b0 = a.bias ? _mm512_loadu_ps(a.bias + n0) : _mm512_setzero_ps();
+  const __m512 b1 = a.bias ? _mm512_loadu_ps(a.bias + n0 + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const __m512bh out = _mm512_cvtne2ps_pbh(_mm512_add_ps(acc[r][1], b1), _mm512_add_ps(acc[r][0], b0));
+    _mm512_storeu_si512(a.y + (m0 + r) * a.N + n0, reinterpret_cast<__m512i>(out));
+  }
+}
+
+void column_blocks(const DpLinearArgs& a, int64_t nb0, int64_t nb1, int64_t m_begin, int64_t m_end) {
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const bf16* wb = a.w + nb * a.K * kCols;
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
+      with_rows<kTileRows>(static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)),
+                           [&](auto rows) { tile<decltype(rows)::value>(a, wb, m0, nb * kCols); });
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+void run_dpbf16_linear(const DpLinearArgs& a) {
+  const int64_t num_blocks = a.N / kCols;
+  const int64_t target_tasks = 8 * at::get_num_threads();
+  const int64_t per_task = std::max<int64_t>(1, (num_blocks + target_tasks - 1) / target_tasks);
+  const int64_t column_tasks = (num_blocks + per_task - 1) / per_task;
+  const int64_t row_chunks = (a.M + kRowChunk - 1) / kRowChunk;
+  // Row chunk major: the threads share the same rows of x at a time.
+  run_tasks(column_tasks * row_chunks, [&](int64_t task) {
+    const int64_t nb0 = task % column_tasks * per_task;
+    const int64_t m_begin = task / column_tasks * kRowChunk;
+    column_blocks(a, nb0, std::min(num_blocks, nb0 + per_task), m_begin, std::min(a.M, m_begin + kRowChunk));
+  });
+}
+
+#else
+
+void run_dpbf16_linear(const DpLinearArgs&) {
+  TORCH_CHECK(false, "dpbf16_linear: this build of the native kernels has no AVX512-BF16 code");
+}
+
+#endif
+
+}  // namespace
+
+bool dpbf16_available() {
+#if RADIX_HAVE_DPBF16
+  static const bool available = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+    return ((eax >> 5) & 1u) != 0;  // AVX512-BF16
+  }();
+  return available;
+#else
+  return false;
+#endif
+}
+
+at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(dpbf16_available(), "dpbf16_linear: this CPU or build has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "dpbf16_linear: x must be a bfloat16 CPU matrix [M, K]");
+  TORCH_CHECK(packed.dim() == 6 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "dpbf16_linear: packed must come from amx_pack_linear_weight");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t N = packed.size(0) * kCols;
+  TORCH_CHECK(packed.size(1) * kDepth == K, "dpbf16_linear: x has K = ", K, ", the weight ",
+              packed.size(1) * kDepth);
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "dpbf16_linear: bias must have N = ", N, " values");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  run_dpbf16_linear({reinterpret_cast<const bf16*>(xc.data_ptr()), reinterpret_cast<const bf16*>(packed.data_ptr()),
+                     bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, reinterpret_cast<bf16*>(y.data_ptr()),
+                     M, N, K});
+  return y;
+}
+
+}  // namespace radixengine::cpu
