@@ -46,15 +46,28 @@ struct DpLinearArgs {
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
 
+// Prefetch the K-block of the weight at `b` (2 KB, 32 lines) into L1 (HINT = _MM_HINT_T0) or L2.
+template <_mm_hint HINT>
+inline void prefetch_block(const bf16* b) {
+  const char* p = reinterpret_cast<const char*>(b);
+  for (int line = 0; line < kDepth * kCols * 2 / 64; ++line) _mm_prefetch(p + 64 * line, HINT);
+}
+
 // y[m0 .. m0 + R) x [n0, n0 + 32) for one column block `wb`.
+// Weights to bring into cache K-block by K-block alongside the tile's own, so that streaming
+// them from memory overlaps the products (null: none): `ahead` into L1 (this block two K-blocks
+// ahead), `next` into L2 (the next column block: this one and it do not both fit in L1).
 template <int R>
-void tile(const DpLinearArgs& a, const bf16* wb, int64_t m0, int64_t n0) {
+void tile(const DpLinearArgs& a, const bf16* wb, int64_t m0, int64_t n0, const bf16* ahead, const bf16* next) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const bf16* x = a.x + m0 * a.K;
   for (int64_t kb = 0; kb < a.K / kDepth; ++kb) {
     const bf16* b = wb + kb * kDepth * kCols;
     const bf16* xk = x + kb * kDepth;
+    // (prefetches never fault: `ahead` runs past the last block's end)
+    if (ahead) prefetch_block<_MM_HINT_T0>(ahead + kb * kDepth * kCols);
+    if (next) prefetch_block<_MM_HINT_T1>(next + kb * kDepth * kCols);
     for (int p = 0; p < kDepth / 2; ++p) {
       const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * 32));
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 16 * kDepth + p * 32));
@@ -75,12 +88,21 @@ void tile(const DpLinearArgs& a, const bf16* wb, int64_t m0, int64_t n0) {
   }
 }
 
+// A block's first row tile streams it from memory; with more tiles, the second one fetches the
+// next block meanwhile, so only a task's first block (or every block, with one tile) is read
+// ahead by its own first tile.
 void column_blocks(const DpLinearArgs& a, int64_t nb0, int64_t nb1, int64_t m_begin, int64_t m_end) {
+  const int64_t block = a.K * kCols;
+  const bool one_tile = m_end - m_begin <= kTileRows;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
-    const bf16* wb = a.w + nb * a.K * kCols;
+    const bf16* wb = a.w + nb * block;
     for (int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
-      with_rows<kTileRows>(static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)),
-                           [&](auto rows) { tile<decltype(rows)::value>(a, wb, m0, nb * kCols); });
+      const bool first = m0 == m_begin;
+      const bf16* ahead = first && (one_tile || nb == nb0) ? wb + 2 * kDepth * kCols : nullptr;
+      const bf16* next = m0 == m_begin + kTileRows && nb + 1 < nb1 ? wb + block : nullptr;
+      with_rows<kTileRows>(static_cast<int>(std::min<int64_t>(kTileRows, m_end - m0)), [&](auto rows) {
+        tile<decltype(rows)::value>(a, wb, m0, nb * kCols, ahead, next);
+      });
     }
   }
 }
