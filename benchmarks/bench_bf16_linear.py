@@ -1,7 +1,8 @@
 """The linears of one SmolLM2-135M step on a CPU without AMX: torch's fp32 `F.linear` (MKL /
 oneDNN sgemm), torch's bf16 `F.linear` (oneDNN: AVX512-BF16 products where the CPU has them,
-else a slow path), and the bf16 panels of `layers/bf16_linear.py` (bf16 weights widened to fp32
-inside the native GEMM) with bf16 and with fp32 activations. 30 layers of q/k/v (960 x 576),
+else a slow path), the bf16 panels of `layers/bf16_linear.py` (bf16 weights widened to fp32
+inside the native GEMM) with bf16 and with fp32 activations, and, where the CPU has
+AVX512-BF16, the packed dot-product kernel of `layers/dpbf16_linear.py`. 30 layers of q/k/v (960 x 576),
 o (576 x 576), gate/up (3072 x 576) and down (576 x 1536), each its own weights (so that, as in
 the model, every weight comes from memory), plus the LM head (49152 x 576) for the decode rows;
 wall time of the whole step per row count, the systems alternating within one process.
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.bf16_linear import Bf16PanelWeight
+from radixengine.layers.dpbf16_linear import DpBf16Weight, dpbf16_linear_unavailable_reason
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 LM_HEAD = (49152, 576)
@@ -42,12 +44,16 @@ def step_fns(rows: int, layers: int, lm_head: bool) -> dict[str, Callable[[], No
     def run(weights, xs, fn) -> Callable[[], None]:
         return lambda: [fn(xs[w.shape[1]] if hasattr(w, "shape") else xs[w.in_features], w) for w in weights]
 
-    return {
+    fns = {
         "fp32 F.linear": run(w32, x32, F.linear),
         "bf16 F.linear": run(w16, x16, F.linear),
         "bf16 panels, bf16 x": run(panels, x16, lambda x, w: w.linear(x)),
         "bf16 panels, fp32 x": run(panels, x32, lambda x, w: w.linear(x)),
     }
+    if dpbf16_linear_unavailable_reason() is None:
+        packed = [DpBf16Weight.pack(w) for w in w16]
+        fns["dpbf16"] = run(packed, x16, lambda x, w: w.linear(x))
+    return fns
 
 
 def time_ms(fn: Callable[[], None], repeats: int, clock: Callable[[], float]) -> float:
@@ -95,17 +101,20 @@ def main() -> None:
         results.append(row)
         print(f"rows {rows:5d}: " + "  ".join(f"{n} {row[n]:.1f} ms" for n in fns), flush=True)
     names = list(fns)
+    dp = "dpbf16" in names
     print(
         "\n| rows | "
         + " | ".join(f"{n} (ms)" for n in names)
         + " | fp32 / panels bf16 x | fp32 / panels fp32 x |"
+        + (" bf16 F.linear / dpbf16 |" if dp else "")
     )
-    print("| ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: |")
+    print("| ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: |" + (" ---: |" if dp else ""))
     for row in results:
         r16 = row["fp32 F.linear"] / row["bf16 panels, bf16 x"]
         r32 = row["fp32 F.linear"] / row["bf16 panels, fp32 x"]
         cells = " | ".join(f"{row[n]:.1f}" for n in names)
-        print(f"| {row['rows']} | {cells} | {r16:.2f}× | {r32:.2f}× |")
+        extra = f" {row['bf16 F.linear'] / row['dpbf16']:.2f}× |" if dp else ""
+        print(f"| {row['rows']} | {cells} | {r16:.2f}× | {r32:.2f}× |{extra}")
     if args.out:
         meta = {
             "level": level,
