@@ -1,8 +1,11 @@
 """The batched low-rank delta, added in place into the base linear's output (a fresh tensor of
 the linear's): the base GEMM once, then the deltas. On a CPU with the native kernels, one call
-for the batch (`lora_delta`, csrc/cpu_lora_delta.cpp: each row only its own slot's rank and, per
-stacked module, only that module's columns, rows of one slot sharing each weight load). Else
-the torch forms:
+for the batch, whatever its size (`lora_delta`, csrc/cpu_lora_delta.cpp: each row only its own
+slot's rank and, per stacked module, only that module's columns, rows of one slot sharing each
+weight load). Torch's GEMMs lose to it in fp32 at every size, and in bf16 they would be faster
+on long prefill runs only if their shapes repeated: oneDNN builds a kernel for every new row
+count (~1.2 ms here), and a serving batch's run lengths rarely repeat (docs/lora.md "The
+delta"). Elsewhere (CUDA; a CPU without the native kernels) the torch forms:
 
 - runs (an extend of few requests per adapter): per distinct slot, `(x A^T) B` with the slot's
   own rank, on each contiguous run of its rows;
@@ -15,7 +18,6 @@ the torch forms:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -23,15 +25,7 @@ import torch
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.native_small_ops import runs_native
 from radixengine.lora.lora_batch_info import LoRABatchInfo, LoRASegment
-from radixengine.utils.cpu_bf16 import bf16_matmul_support
 
-# The native kernel computes in fp32 (bench_lora_delta.py; docs/lora.md "The delta"): it beats
-# torch's fp32 GEMMs at every size, and torch's bf16 ones without bf16 products (4-5x slower
-# than fp32 there), so it always runs for those. oneDNN's bf16 GEMMs with bf16 products run
-# twice the fp32 rate: above these rows x rank (a long prefill) they win, for contiguous runs
-# of one adapter at ~3k, for interleaved adapters (the gathers' cost) at ~32k.
-BF16_GEMM_MIN_ROW_RANKS_RUNS = 3072
-BF16_GEMM_MIN_ROW_RANKS_SCATTERED = 32768
 # The masked form computes every batch slot's columns for every row: for decode-sized batches.
 MASKED_MAX_ROWS = 256
 
@@ -51,7 +45,7 @@ def apply_lora_delta(
         return y
     x2 = x.reshape(-1, x.shape[-1])
     y2 = y.view(-1, y.shape[-1])
-    if runs_native(x2, y2, a_buf, b_buf) and _native_fits(x2.shape[0], info, x2.dtype):
+    if runs_native(x2, y2, a_buf, b_buf):
         lib = native_cpu_ops.require_native()
         lib.lora_delta(y2, x2, a_buf, b_buf, info.row_slot, info.rank_of_slot, pieces)
     elif not info.scattered:
@@ -61,18 +55,6 @@ def apply_lora_delta(
     else:
         gathered_delta(x2, y2, a_buf, b_buf, info)
     return y
-
-
-def _native_fits(rows: int, info: LoRABatchInfo, dtype: torch.dtype) -> bool:
-    if dtype != torch.bfloat16 or not _bf16_gemms_native():
-        return True
-    limit = BF16_GEMM_MIN_ROW_RANKS_SCATTERED if info.scattered else BF16_GEMM_MIN_ROW_RANKS_RUNS
-    return rows * info.max_rank <= limit
-
-
-@functools.cache
-def _bf16_gemms_native() -> bool:
-    return bf16_matmul_support().native
 
 
 def _runs_delta(
