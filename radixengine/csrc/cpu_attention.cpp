@@ -330,7 +330,7 @@ void extend_task(const ExtendArgs& a, const QT* q, const KVT* k_buf, const KVT* 
   const int64_t first_pos = prefix + j0;      // position of the block's first query
   const int64_t num_keys = first_pos + nq;    // keys visible to the block's last query
   const int64_t M = nq * G;                   // query rows, query-major: row = j * G + g
-  QueryBlock<KVT> blk(D, M);
+  QueryBlock<KVT> blk(D, M, std::is_same_v<QT, bf16> && dpbf16_attention_enabled());
   for (int64_t j = 0; j < nq; ++j) {
     for (int64_t g = 0; g < G; ++g) {
       const QT* src = q + (a.extend_start_loc[b] + j0 + j) * a.q_stride0 +

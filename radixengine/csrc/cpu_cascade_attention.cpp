@@ -32,7 +32,8 @@ void unit_task(const CascadeUnits& a, const QT* q, const KVT* k_buf, const KVT* 
   const int64_t G = a.group;
   const int64_t m0 = a.member_ptr[u];
   const int64_t num_members = a.member_ptr[u + 1] - m0;
-  QueryBlock<KVT> blk(a.pool.head_dim, num_members * G);  // rows member-major: j * G + g
+  QueryBlock<KVT> blk(a.pool.head_dim, num_members * G,  // rows member-major: j * G + g
+                      std::is_same_v<QT, bf16> && dpbf16_attention_enabled());
   for (int64_t j = 0; j < num_members; ++j) {
     const int64_t b = a.members[m0 + j];
     for (int64_t g = 0; g < G; ++g) {
