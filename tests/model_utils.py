@@ -251,3 +251,18 @@ def assert_close_rel(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4) 
     err = (ours.float() - ref.float()).abs().max().item()
     scale = ref.float().abs().max().item()
     assert err <= rtol * scale, f"max abs error {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def assert_runners_agree(runner: ModelRunner, reference: ModelRunner, decode_steps: int = 4) -> None:
+    """Two runners of one model (a packed CPU linear against torch's): the logits of an extend of
+    two prompts and of `decode_steps` greedy decode steps within 5% of the reference's largest,
+    and the extend's greedy tokens equal."""
+    prompts = {"a": list(range(3, 40)), "b": [7, 9, 11, 200, 13]}
+    ours, ref = ModelDriver(runner), ModelDriver(reference)
+    got, want = ours.extend(prompts), ref.extend(prompts)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    for _ in range(decode_steps):
+        step = dict(zip(prompts, want.argmax(-1).tolist()))
+        got, want = ours.decode(step), ref.decode(step)
+        assert (got - want).abs().max() < 0.05 * want.abs().max()

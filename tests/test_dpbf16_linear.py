@@ -13,7 +13,7 @@ from radixengine.layers.amx_linear import amx_linear_reference
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.cpu_linear_plan import plan_cpu_linears
 from radixengine.layers.dpbf16_linear import DpBf16Weight, dpbf16_linear_unavailable_reason
-from tests.model_utils import ModelDriver, make_runner, save_tiny_model
+from tests.model_utils import assert_runners_agree, make_runner, save_tiny_model
 
 needs_dpbf16 = pytest.mark.skipif(
     dpbf16_linear_unavailable_reason() is not None,
@@ -106,7 +106,6 @@ def folder(tmp_path_factory):
 @needs_dpbf16
 def test_model_on_dpbf16_linears_matches_onednn(folder, monkeypatch):
     monkeypatch.setenv("RADIXENGINE_AMX_LINEAR", "0")
-    prompts = {"a": list(range(3, 40)), "b": [7, 9, 11, 200, 13]}
     runner = make_runner(folder, dtype="bfloat16", attention_backend="native_cpu")
     assert runner.linear_kernel == "dpbf16" and runner.dpbf16_linears > 0
     linears = [m for m in runner.model.modules() if getattr(m, "amx_weight", None) is not None]
@@ -116,14 +115,7 @@ def test_model_on_dpbf16_linears_matches_onednn(folder, monkeypatch):
     monkeypatch.setenv("RADIXENGINE_DPBF16_LINEAR", "0")
     plain = make_runner(folder, dtype="bfloat16", attention_backend="native_cpu")
     assert plain.dpbf16_linears == 0
-    ours, ref = ModelDriver(runner), ModelDriver(plain)
-    got, want = ours.extend(prompts), ref.extend(prompts)
-    assert (got - want).abs().max() < 0.05 * want.abs().max()
-    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
-    for _ in range(4):
-        step = dict(zip(prompts, want.argmax(-1).tolist()))
-        got, want = ours.decode(step), ref.decode(step)
-        assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert_runners_agree(runner, plain)
 
 
 @needs_dpbf16

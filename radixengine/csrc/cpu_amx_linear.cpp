@@ -19,13 +19,14 @@
 #include "cpu_amx.h"
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "cpu_tile_layout_linear.h"
 
 namespace radixengine::cpu {
 
 namespace {
 
-constexpr int64_t kCols = 32;  // output columns per block (two B tiles)
-constexpr int64_t kDepth = 32;  // K values per tile product
+constexpr int64_t kCols = kTileLayoutCols;  // output columns per block (two B tiles)
+constexpr int64_t kDepth = kTileLayoutDepth;  // K values per tile product
 constexpr int64_t kRowChunk = 256;  // rows of x per task (a multiple of 32)
 
 struct AmxLinearArgs {
@@ -136,18 +137,8 @@ void column_blocks(const AmxLinearArgs& a, int64_t nb0, int64_t nb1, int64_t m_b
 #pragma GCC pop_options
 
 void run_amx_linear(const AmxLinearArgs& a) {
-  const int64_t num_blocks = a.N / kCols;
-  // Contiguous runs of column blocks, about 8 per thread (shared counter: uneven progress
-  // balances), for each chunk of kRowChunk rows: a chunk of x stays in L2 while the weight
-  // streams past it (without chunks, a prefill's x is read again from memory for every block).
-  const int64_t target_tasks = 8 * at::get_num_threads();
-  const int64_t per_task = std::max<int64_t>(1, (num_blocks + target_tasks - 1) / target_tasks);
-  const int64_t column_tasks = (num_blocks + per_task - 1) / per_task;
-  const int64_t row_chunks = (a.Mp + kRowChunk - 1) / kRowChunk;
-  run_tasks(column_tasks * row_chunks, [&](int64_t task) {
-    const int64_t nb0 = task % column_tasks * per_task;
-    const int64_t m_begin = task / column_tasks * kRowChunk;
-    column_blocks(a, nb0, std::min(num_blocks, nb0 + per_task), m_begin, std::min(a.Mp, m_begin + kRowChunk));
+  run_column_block_tasks(a.N / kCols, a.Mp, kRowChunk, [&](int64_t nb0, int64_t nb1, int64_t m0, int64_t m1) {
+    column_blocks(a, nb0, nb1, m0, m1);
   });
 }
 
@@ -175,19 +166,8 @@ at::Tensor amx_pack_linear_weight(const at::Tensor& weight) {
 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_tiles_available(), "amx_linear: this CPU or build cannot use AMX tiles");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "amx_linear: x must be a bfloat16 CPU matrix [M, K]");
-  TORCH_CHECK(packed.dim() == 6 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              "amx_linear: packed must come from amx_pack_linear_weight");
-  const int64_t M = x.size(0), K = x.size(1);
-  const int64_t N = packed.size(0) * kCols;
-  TORCH_CHECK(packed.size(1) * kDepth == K, "amx_linear: x has K = ", K, ", the weight ",
-              packed.size(1) * kDepth);
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "amx_linear: bias must have N = ", N, " values");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const TileLayoutShape s = check_tile_layout_linear(x, packed, bias, "amx_linear");
+  const int64_t M = s.M, N = s.N, K = s.K;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const int64_t Mp = M <= 32 ? M : round_up(M, 16);
@@ -198,7 +178,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   }
   run_amx_linear({reinterpret_cast<const bf16*>(xp.data_ptr()),
                   reinterpret_cast<const bf16*>(packed.data_ptr()),
-                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                  s.bias_f.defined() ? s.bias_f.data_ptr<float>() : nullptr,
                   reinterpret_cast<bf16*>(y.data_ptr()), M, Mp, N, K});
   return y;
 }

@@ -17,6 +17,7 @@
 
 #include "cpu_common.h"
 #include "cpu_ops.h"
+#include "cpu_tile_layout_linear.h"
 
 #if defined(__AVX512F__) && defined(__x86_64__)
 #define RADIX_HAVE_DPBF16 1
@@ -28,8 +29,8 @@ namespace radixengine::cpu {
 
 namespace {
 
-constexpr int64_t kCols = 32;       // output columns per packed block
-constexpr int64_t kDepth = 32;      // inputs per packed block
+constexpr int64_t kCols = kTileLayoutCols;
+constexpr int64_t kDepth = kTileLayoutDepth;
 constexpr int kTileRows = 8;        // rows of one register tile
 constexpr int64_t kRowChunk = 128;  // rows of x per task
 
@@ -110,16 +111,8 @@ void column_blocks(const DpLinearArgs& a, int64_t nb0, int64_t nb1, int64_t m_be
 #pragma GCC pop_options
 
 void run_dpbf16_linear(const DpLinearArgs& a) {
-  const int64_t num_blocks = a.N / kCols;
-  const int64_t target_tasks = 8 * at::get_num_threads();
-  const int64_t per_task = std::max<int64_t>(1, (num_blocks + target_tasks - 1) / target_tasks);
-  const int64_t column_tasks = (num_blocks + per_task - 1) / per_task;
-  const int64_t row_chunks = (a.M + kRowChunk - 1) / kRowChunk;
-  // Row chunk major: the threads share the same rows of x at a time.
-  run_tasks(column_tasks * row_chunks, [&](int64_t task) {
-    const int64_t nb0 = task % column_tasks * per_task;
-    const int64_t m_begin = task / column_tasks * kRowChunk;
-    column_blocks(a, nb0, std::min(num_blocks, nb0 + per_task), m_begin, std::min(a.M, m_begin + kRowChunk));
+  run_column_block_tasks(a.N / kCols, a.M, kRowChunk, [&](int64_t nb0, int64_t nb1, int64_t m0, int64_t m1) {
+    column_blocks(a, nb0, nb1, m0, m1);
   });
 }
 
@@ -148,24 +141,13 @@ bool dpbf16_available() {
 
 at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(dpbf16_available(), "dpbf16_linear: this CPU or build has no AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "dpbf16_linear: x must be a bfloat16 CPU matrix [M, K]");
-  TORCH_CHECK(packed.dim() == 6 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              "dpbf16_linear: packed must come from amx_pack_linear_weight");
-  const int64_t M = x.size(0), K = x.size(1);
-  const int64_t N = packed.size(0) * kCols;
-  TORCH_CHECK(packed.size(1) * kDepth == K, "dpbf16_linear: x has K = ", K, ", the weight ",
-              packed.size(1) * kDepth);
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "dpbf16_linear: bias must have N = ", N, " values");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const TileLayoutShape s = check_tile_layout_linear(x, packed, bias, "dpbf16_linear");
+  const int64_t M = s.M, N = s.N, K = s.K;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const at::Tensor xc = x.contiguous();
   run_dpbf16_linear({reinterpret_cast<const bf16*>(xc.data_ptr()), reinterpret_cast<const bf16*>(packed.data_ptr()),
-                     bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, reinterpret_cast<bf16*>(y.data_ptr()),
+                     s.bias_f.defined() ? s.bias_f.data_ptr<float>() : nullptr, reinterpret_cast<bf16*>(y.data_ptr()),
                      M, N, K});
   return y;
 }
