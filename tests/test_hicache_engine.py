@@ -98,7 +98,11 @@ def test_smollm2_system_prompt_from_storage_after_restart(tmp_path):
     with Engine(**kw) as second:
         warm = second.chat(chats, params)
     assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in cold]
-    assert warm[0]["meta_info"]["cached_tokens_details"]["storage"] >= 128
+    # Whichever chat the scheduler admits first loads the system prompt from storage (the two
+    # arrive together, in either order); the other finds it on the device.
+    details = [o["meta_info"]["cached_tokens_details"] for o in warm]
+    assert max(d["storage"] for d in details) >= 128
+    assert all(d["storage"] + d["device"] >= 128 for d in details)
 
 
 def test_pages_queued_at_shutdown_are_written(model_path, tmp_path):
