@@ -25,6 +25,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
+// AVX512-BF16 in CPUID (leaf 7, sub-leaf 1: EAX bit 5).
+inline bool cpuid_avx512_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 5) & 1u);
+}
+
 // AMX-BF16, AMX-TILE and AVX512-BF16 (its conversions) in CPUID, and the kernel's permission to
 // use the tile registers (arch_prctl ARCH_REQ_XCOMP_PERM). Checked once per process.
 inline bool amx_tiles_available() {
@@ -33,8 +39,7 @@ inline bool amx_tiles_available() {
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     const bool amx_bf16 = (edx >> 22) & 1u;
     const bool amx_tile = (edx >> 24) & 1u;
-    if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
-    const bool avx512_bf16 = (eax >> 5) & 1u;
+    const bool avx512_bf16 = cpuid_avx512_bf16();
     constexpr int kArchReqXcompPerm = 0x1023;
     constexpr int kXfeatureXtiledata = 18;
     return amx_bf16 && amx_tile && avx512_bf16 &&

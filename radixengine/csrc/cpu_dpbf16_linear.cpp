@@ -15,13 +15,13 @@
 #include <algorithm>
 #include <cstring>
 
+#include "cpu_amx.h"
 #include "cpu_common.h"
 #include "cpu_ops.h"
 #include "cpu_tile_layout_linear.h"
 
-#if defined(__AVX512F__) && defined(__x86_64__)
+#if RADIX_HAVE_AMX  // the AVX-512 build on x86-64 Linux: AVX512-BF16 code and its CPUID check
 #define RADIX_HAVE_DPBF16 1
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -128,11 +128,7 @@ void run_dpbf16_linear(const DpLinearArgs&) {
 
 bool dpbf16_available() {
 #if RADIX_HAVE_DPBF16
-  static const bool available = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
-    return ((eax >> 5) & 1u) != 0;  // AVX512-BF16
-  }();
+  static const bool available = cpuid_avx512_bf16();
   return available;
 #else
   return false;

@@ -31,10 +31,6 @@ class LoRABatchInfo:
     slot_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @cached_property
-    def max_rank(self) -> int:
-        return max((seg.rank for seg in self.segments), default=0)
-
-    @cached_property
     def scattered(self) -> bool:
         """A slot's rows come in more than MAX_RUNS runs (the torch forms mask, not loop)."""
         return any(len(seg.runs) > MAX_RUNS for seg in self.segments)
