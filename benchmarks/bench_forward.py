@@ -71,7 +71,9 @@ class OurModel:
             )
         )
 
-    def _forward(self, mode, ids, rows, seq_lens, locs, prefix=None, extend=None) -> torch.Tensor:
+    def _forward(
+        self, mode, ids, rows, seq_lens, locs, prefix=None, extend=None, lora_ids=None
+    ) -> torch.Tensor:
         batch = ModelWorkerBatch(
             forward_mode=mode,
             input_ids=ids,
@@ -82,6 +84,7 @@ class OurModel:
             extend_prefix_lens=prefix,
             extend_seq_lens=extend,
             sampling_info=None,
+            lora_ids=lora_ids,
         )
         return self.runner.forward(ForwardBatch.init_new(batch, self.runner)).next_token_logits
 

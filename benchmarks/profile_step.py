@@ -8,6 +8,8 @@ for a decode step (batch B, every request with C cached tokens) and a prefill ch
     python benchmarks/profile_step.py --cached-len 480 --shared-prefix-len 420 --prefix-groups 4   # a tree
     python benchmarks/profile_step.py --shared-prefix-len 420 --disable-shared-prefix-attention    # ablation
     python benchmarks/profile_step.py --dtype bfloat16 --cached-len 480 --shared-prefix-len 420 --compare-own-only
+    python benchmarks/profile_step.py --dtype bfloat16 --cached-len 480 --shared-prefix-len 420 --prefix-groups 4 \
+        --lora-adapters 4 --lora-rank 8                                                      # W1 over 4 adapters
 
 With --shared-prefix-len P the decode batch's requests share their first P KV slots (a radix-cache
 hit), in --prefix-groups groups of requests (each group its own prefix); the rest of each
@@ -22,14 +24,19 @@ Each part is timed by wrapping the module's forward with perf_counter (the parts
 another on the calling thread, so the times add up; "other" is the rest of the step: embedding,
 residual adds, activation, batch metadata, Python dispatch). The parts: linears by role (qkv, o,
 gate_up, down), the LM head, attention (the backend call, KV write included), RMSNorm, rotary.
+With --lora-adapters N (random PEFT adapters of --lora-rank, request i on adapter i mod N) the
+adapters' deltas are a part of their own, "lora delta" (the base linears' parts leave it out).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -40,12 +47,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 from bench_forward import OurModel, _fill_random_kv  # noqa: E402
+from bench_lora import write_adapter  # noqa: E402
 
 from radixengine.layers.layernorm import RMSNorm  # noqa: E402
 from radixengine.layers.linear import Linear  # noqa: E402
 from radixengine.layers.logits_processor import LogitsProcessor  # noqa: E402
 from radixengine.layers.radix_attention import RadixAttention  # noqa: E402
 from radixengine.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
+from radixengine.lora import lora_manager  # noqa: E402
 from radixengine.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from radixengine.model_executor.model_runner import ModelRunner  # noqa: E402
 from radixengine.server_args import ServerArgs  # noqa: E402
@@ -82,14 +91,34 @@ class PartTimer:
             elif isinstance(module, RotaryEmbedding):
                 self.wrap(module, "rotary")
 
+    def instrument_lora_delta(self) -> None:
+        """The adapters' deltas (the base linears' forward hooks) as a part of their own."""
+        apply = lora_manager.apply_lora_delta
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = apply(*args, **kwargs)
+            self.seconds["lora delta"] += time.perf_counter() - start
+            return out
+
+        lora_manager.apply_lora_delta = timed
+
 
 class DecodeSteps:
     """`bs` requests with `cached` random K/V tokens each; every call times one more decode step."""
 
     def __init__(
-        self, model: OurModel, bs: int, cached: int, timer: PartTimer, shared: int = 0, groups: int = 1
+        self,
+        model: OurModel,
+        bs: int,
+        cached: int,
+        timer: PartTimer,
+        shared: int = 0,
+        groups: int = 1,
+        lora_ids: list[str | None] | None = None,
     ) -> None:
         runner = model.runner
+        self.lora_ids = lora_ids
         self.model, self.timer, self.vocab = model, timer, runner.model_config.vocab_size
         self.pool, self.alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
         self.rows = self.pool.alloc(bs)
@@ -111,11 +140,15 @@ class DecodeSteps:
         ids = torch.randint(self.vocab, (len(self.rows),))
         self.timer.seconds.clear()
         start = time.perf_counter()
-        self.model._forward(ForwardMode.DECODE, ids, self.rows, [self.seq] * len(self.rows), locs)
+        self.model._forward(
+            ForwardMode.DECODE, ids, self.rows, [self.seq] * len(self.rows), locs, lora_ids=self.lora_ids
+        )
         return time.perf_counter() - start
 
 
-def prefill_step(model: OurModel, num_reqs: int, length: int) -> float:
+def prefill_step(
+    model: OurModel, num_reqs: int, length: int, lora_ids: list[str | None] | None = None
+) -> float:
     """One EXTEND of `num_reqs` new prompts of `length` tokens (no cached prefix)."""
     runner = model.runner
     rows = runner.req_to_token_pool.alloc(num_reqs)
@@ -125,7 +158,16 @@ def prefill_step(model: OurModel, num_reqs: int, length: int) -> float:
     ids = torch.randint(runner.model_config.vocab_size, (num_reqs * length,))
     n = len(rows)
     start = time.perf_counter()
-    model._forward(ForwardMode.EXTEND, ids, rows, [length] * n, torch.cat(slots), [0] * n, [length] * n)
+    model._forward(
+        ForwardMode.EXTEND,
+        ids,
+        rows,
+        [length] * n,
+        torch.cat(slots),
+        [0] * n,
+        [length] * n,
+        lora_ids=lora_ids,
+    )
     elapsed = time.perf_counter() - start
     model._release(rows, slots)
     return elapsed
@@ -190,6 +232,10 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--compare-own-only", action="store_true", help="see above; needs --shared-prefix-len")
+    p.add_argument(
+        "--lora-adapters", type=int, default=0, help="random adapters, request i on adapter i mod N"
+    )
+    p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.compare_own_only and (not args.shared_prefix_len or args.disable_shared_prefix_attention):
@@ -212,10 +258,13 @@ def main() -> None:
             kv_cache_dtype=args.kv_cache_dtype,
             num_threads=args.threads,
             disable_shared_prefix_attention=args.disable_shared_prefix_attention,
+            **lora_flags(args),
         )
     )
     timer = PartTimer()
     timer.instrument(model.runner.model)
+    timer.instrument_lora_delta()
+    decode_loras = lora_ids(model.runner, args.batch_size)
     if args.compare_own_only:
         report_own_only(compare_own_only(model, args, timer), args)
         return
@@ -225,7 +274,13 @@ def main() -> None:
         "attention_backend": type(model.runner.attn_backend).__name__,
         "decode": breakdown(
             DecodeSteps(
-                model, args.batch_size, args.cached_len, timer, args.shared_prefix_len, args.prefix_groups
+                model,
+                args.batch_size,
+                args.cached_len,
+                timer,
+                args.shared_prefix_len,
+                args.prefix_groups,
+                decode_loras,
             ),
             timer,
             args.repeats,
@@ -233,7 +288,11 @@ def main() -> None:
     }
     if args.prefill_reqs > 0:
         results["prefill"] = breakdown(
-            lambda: prefill_step(model, args.prefill_reqs, args.prefill_len), timer, args.repeats
+            lambda: prefill_step(
+                model, args.prefill_reqs, args.prefill_len, lora_ids(model.runner, args.prefill_reqs)
+            ),
+            timer,
+            args.repeats,
         )
     for case in [c for c in ("decode", "prefill") if c in results]:
         r = results[case]
@@ -256,6 +315,30 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def lora_flags(args) -> dict:
+    """The server flags of `--lora-adapters` random adapters (written to a temporary folder)."""
+    if not args.lora_adapters:
+        return {}
+    from radixengine.model_loader import ModelConfig, default_model_path
+
+    config = ModelConfig(args.model_path or default_model_path(), None, args.dtype, "cpu").hf_config
+    folder = Path(tempfile.mkdtemp(prefix="profile-step-lora-"))
+    atexit.register(shutil.rmtree, folder, True)
+    paths = [
+        f"lora{i}=" + write_adapter(folder / f"a{i}", config, args.lora_rank, seed=i)
+        for i in range(args.lora_adapters)
+    ]
+    return {"lora_paths": paths, "max_loras_per_batch": max(8, args.lora_adapters)}
+
+
+def lora_ids(runner: ModelRunner, num_reqs: int) -> list[str | None] | None:
+    """Request i's adapter: the loaded adapter i mod N (by the worker's ids, in load order)."""
+    if runner.lora_manager is None:
+        return None
+    loaded = list(runner.lora_manager.adapters)
+    return [loaded[i % len(loaded)] for i in range(num_reqs)]
 
 
 def report_own_only(medians: dict, args) -> None:

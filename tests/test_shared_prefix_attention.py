@@ -167,6 +167,14 @@ def _random_batch(
 CASES = {
     # name: (tree [(length, members)], own lengths, heads, kv heads, dim)
     "one_prefix_bs32": ([(420, list(range(32)))], [60 + i % 7 for i in range(32)], 9, 3, 64),
+    # W1 over four LoRA adapters: each adapter's requests share its own copy of the prefix.
+    "four_prefixes_bs32": (
+        [(420, list(range(g, 32, 4))) for g in range(4)],
+        [60 + i % 5 for i in range(32)],
+        9,
+        3,
+        64,
+    ),
     "three_levels": (
         [(100, list(range(8))), (80, [0, 1, 2, 3]), (70, [4, 5, 6, 7]), (65, [0, 1]), (90, [6, 7])],
         [1, 2, 3, 4, 5, 6, 7, 8],

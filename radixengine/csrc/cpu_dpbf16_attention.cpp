@@ -72,11 +72,16 @@ void scores_tile(const bf16* const* k_rows, int64_t D, const uint32_t* qp, int64
     for (int v = 0; v < CV; ++v) _mm512_storeu_ps(st + t * ld + c0 + 16 * v, _mm512_mul_ps(acc[t][v], s));
 }
 
-template <int KT>
-void scores_rows(const bf16* const* k_rows, int64_t D, const uint32_t* qp, int64_t ld, float scale, float* st) {
-  int64_t c = 0;
-  for (; c + 16 * kVecs <= ld; c += 16 * kVecs) scores_tile<KT, kVecs>(k_rows, D, qp, ld, scale, st, c);
-  for (; c < ld; c += 16) scores_tile<KT, 1>(k_rows, D, qp, ld, scale, st, c);
+// The scores of all n keys for CV vectors of query columns from c0, KT keys a tile: KT * CV
+// independent accumulators, enough to keep the dot products' pipeline full.
+template <int KT, int CV>
+void scores_columns(const bf16* const* k_rows, int64_t n, int64_t D, const uint32_t* qp, int64_t ld, float scale,
+                    float* st, int64_t c0) {
+  for (int64_t i = 0; i < n; i += KT) {
+    with_rows<KT>(static_cast<int>(std::min<int64_t>(KT, n - i)), [&](auto kt) {
+      scores_tile<decltype(kt)::value, CV>(k_rows + i, D, qp, ld, scale, st + i * ld, c0);
+    });
+  }
 }
 
 template <int MT, int CV>
@@ -108,10 +113,17 @@ void pv_rows(const uint32_t* pp, int64_t pairs, int64_t ld, const uint32_t* vp, 
 
 void dpbf16_scores(const bf16* const* k_rows, int64_t n, int64_t D, const uint32_t* qp, int64_t ld,
                    float scale, float* st) {
-  for (int64_t i = 0; i < n; i += kTile) {
-    with_rows<kTile>(static_cast<int>(std::min<int64_t>(kTile, n - i)), [&](auto kt) {
-      scores_rows<decltype(kt)::value>(k_rows + i, D, qp, ld, scale, st + i * ld);
-    });
+  int64_t c = 0;
+  for (; c + 16 * kVecs <= ld; c += 16 * kVecs) scores_columns<kTile, kVecs>(k_rows, n, D, qp, ld, scale, st, c);
+  switch ((ld - c) / 16) {  // the last columns: fewer vectors, more keys a tile
+    case 3:
+      return scores_columns<kTile, 3>(k_rows, n, D, qp, ld, scale, st, c);
+    case 2:
+      return scores_columns<2 * kTile, 2>(k_rows, n, D, qp, ld, scale, st, c);
+    case 1:
+      return scores_columns<2 * kTile, 1>(k_rows, n, D, qp, ld, scale, st, c);
+    default:
+      return;
   }
 }
 

@@ -79,29 +79,22 @@ class QueryBlock {
   // `kv_head` (soft-capped when logit_cap > 0); the caller may set masked scores to -inf.
   float* scores(const PoolView& pool, const KVT* k_buf, const KVT* v_buf, int64_t row,
                 int64_t start, int64_t n, int64_t kv_head, float logit_cap) {
-    const int64_t row_stride = pool.num_kv_heads * D_;
+    gather_rows(pool, k_buf, v_buf, row, start, n, kv_head);
     if constexpr (kBf16KV) {
       if (dp_) {
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t offset = slot_at(pool, row, start + i) * row_stride + kv_head * D_;
-          k_rows_kv_[i] = k_buf + offset;
-          v_rows_[i] = v_buf + offset;
-        }
         dpbf16_scores(k_rows_kv_, n, D_, qp_, ld_, scale_, st_);
         if (logit_cap > 0.0f) soft_cap(st_, n * ld_, logit_cap);
         return st_;
       }
     }
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t offset = slot_at(pool, row, start + i) * row_stride + kv_head * D_;
       if constexpr (kConvertKV) {
-        load_scaled(k_buf + offset, k_block_ + i * D_, D_, 1.0f);
-        load_scaled(v_buf + offset, v_block_ + i * D_, D_, 1.0f);
+        load_scaled(k_rows_kv_[i], k_block_ + i * D_, D_, 1.0f);
+        load_scaled(v_rows_[i], v_block_ + i * D_, D_, 1.0f);
         k_rows_[i] = k_block_ + i * D_;
         v_rows_f_[i] = v_block_ + i * D_;
       } else {
-        k_rows_[i] = k_buf + offset;
-        v_rows_[i] = v_buf + offset;
+        k_rows_[i] = k_rows_kv_[i];
       }
     }
     gemm(n, ld_, D_, k_rows_, 1, qt_rows_, 0, st_, ld_, /*accumulate=*/false);
@@ -135,6 +128,22 @@ class QueryBlock {
   float* row_sum;  // [ld]
 
  private:
+  // k_rows_kv_ / v_rows_ = kv head `kv_head` of the pool rows of positions start .. start + n - 1
+  // of req_to_token row `row`, each touched once (touch_row) so that their cache misses overlap.
+  void gather_rows(const PoolView& pool, const KVT* k_buf, const KVT* v_buf, int64_t row, int64_t start,
+                   int64_t n, int64_t kv_head) {
+    const int64_t row_stride = pool.num_kv_heads * D_;
+    const int64_t head_bytes = D_ * static_cast<int64_t>(sizeof(KVT));
+    uint32_t touched = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t offset = slot_at(pool, row, start + i) * row_stride + kv_head * D_;
+      k_rows_kv_[i] = k_buf + offset;
+      v_rows_[i] = v_buf + offset;
+      touched += touch_row(k_rows_kv_[i], head_bytes) + touch_row(v_rows_[i], head_bytes);
+    }
+    asm volatile("" : : "r"(touched));  // keep the loads
+  }
+
   static constexpr bool kConvertKV = !std::is_same_v<KVT, float>;
   static constexpr bool kBf16KV = std::is_same_v<KVT, bf16>;
   int64_t D_, M_, ld_;
