@@ -8,7 +8,8 @@
 #   env       the GPU, driver and library versions (env.json)
 #   backends  attention backends, kernels and CUDA graphs against torch_native and transformers:
 #             tests/test_gpu_backends.py (triton == torch_native == transformers; CUDA-graph on/off
-#             greedy equality in fp32 and bf16), tests/test_model_gpu.py, tests/test_sampler.py
+#             greedy equality in fp32 and bf16), tests/test_model_gpu.py, tests/test_sampler.py,
+#             tests/test_triton_lora_delta.py (the LoRA delta's kernels on the GPU)
 #   suite     the whole test suite with RADIXENGINE_TEST_DEVICE=cuda (the scheduler suites on the GPU)
 #   decode    benchmarks/bench_gpu_decode.py: one decode step per backend, CUDA graphs on and off
 #   syncs     benchmarks/count_syncs.py: host syncs per decode step of the normal and the overlap loop
@@ -141,7 +142,7 @@ for stage in $STAGES; do
       run_stage backends "${T_BACKENDS:-300}" "flashinfer: no such backend in this build" \
         $PY -m pytest -q -p no:cacheprovider -rfEs --junitxml="$RESULTS/backends.xml" \
         tests/test_gpu_backends.py tests/test_model_gpu.py tests/test_sampler.py tests/test_overlap_no_sync.py \
-        ${BACKENDS_ARGS:-} ;;
+        tests/test_triton_lora_delta.py ${BACKENDS_ARGS:-} ;;
     suite)
       run_stage suite "${T_SUITE:-1800}" "RADIXENGINE_TEST_DEVICE=$DEVICE ${SUITE_TESTS:-tests}" \
         env RADIXENGINE_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider -rfE \

@@ -17,6 +17,7 @@ INTERPRETED = [
     "tests/test_triton_extend_attention.py",
     "tests/test_triton_rope_kv.py",
     "tests/test_triton_decode_launches.py",
+    "tests/test_triton_lora_delta.py",
     # The decode kernel's tests of the GPU module (RADIXENGINE_GPU_TEST_DEVICE=cpu runs them here).
     "tests/test_gpu_backends.py::test_decode_attention_kernel_matches_sdpa",
     "tests/test_gpu_backends.py::test_decode_attention_kernel_sliding_window_and_soft_cap",

@@ -5,7 +5,9 @@ slot's rank and, per stacked module, only that module's columns, rows of one slo
 weight load). Torch's GEMMs lose to it in fp32 at every size, and in bf16 they would be faster
 on long prefill runs only if their shapes repeated: oneDNN builds a kernel for every new row
 count (~1.2 ms here), and a serving batch's run lengths rarely repeat (docs/lora.md "The
-delta"). Elsewhere (CUDA; a CPU without the native kernels) the torch forms:
+delta"). On CUDA, two Triton launches (layers/triton_ops/lora_delta.py: a shrink and an expand,
+each program up to 16 rows of one slot), unless RADIXENGINE_TRITON_LORA=0 (read at import) asks
+for the torch forms, which a CPU without the native kernels takes too:
 
 - runs (an extend of few requests per adapter): per distinct slot, `(x A^T) B` with the slot's
   own rank, on each contiguous run of its rows;
@@ -18,6 +20,7 @@ delta"). Elsewhere (CUDA; a CPU without the native kernels) the torch forms:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +31,7 @@ from radixengine.lora.lora_batch_info import LoRABatchInfo, LoRASegment
 
 # The masked form computes every batch slot's columns for every row: for decode-sized batches.
 MASKED_MAX_ROWS = 256
+TRITON_ON_CUDA = os.environ.get("RADIXENGINE_TRITON_LORA", "1") != "0"
 
 
 def apply_lora_delta(
@@ -48,6 +52,8 @@ def apply_lora_delta(
     if runs_native(x2, y2, a_buf, b_buf):
         lib = native_cpu_ops.require_native()
         lib.lora_delta(y2, x2, a_buf, b_buf, info.row_slot, info.rank_of_slot, pieces)
+    elif x2.is_cuda and TRITON_ON_CUDA:
+        triton_delta(x2, y2, a_buf, b_buf, info, pieces)
     elif not info.scattered:
         _runs_delta(x2, y2, a_buf, b_buf, info)
     elif x2.shape[0] <= MASKED_MAX_ROWS:
@@ -55,6 +61,39 @@ def apply_lora_delta(
     else:
         gathered_delta(x2, y2, a_buf, b_buf, info)
     return y
+
+
+def triton_delta(
+    x2: torch.Tensor,
+    y2: torch.Tensor,
+    a_buf: torch.Tensor,
+    b_buf: torch.Tensor,
+    info: LoRABatchInfo,
+    pieces: Sequence[int],
+) -> None:
+    """The GPU kernels (imported here: a CPU process never loads Triton)."""
+    from radixengine.layers.triton_ops import lora_delta as kernels
+
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    offsets = _column_offsets(tuple(pieces), x2.device)
+    kernels.lora_delta(
+        y2, x2, a_buf, b_buf, info.blocks(kernels.BLOCK_T), info.rank_of_slot, offsets, max(pieces)
+    )
+
+
+_OFFSETS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _column_offsets(pieces: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The stacked modules' first output columns and the end, int32 on `device` (made once)."""
+    key = (pieces, device)
+    if key not in _OFFSETS:
+        offsets = torch.tensor([0, *pieces], dtype=torch.int32).cumsum(0).to(torch.int32)
+        _OFFSETS[key] = (
+            offsets.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else offsets
+        )
+    return _OFFSETS[key]
 
 
 def _runs_delta(

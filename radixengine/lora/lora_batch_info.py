@@ -29,6 +29,7 @@ class LoRABatchInfo:
     hi: int
     masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     slot_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    row_blocks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @cached_property
     def scattered(self) -> bool:
@@ -41,6 +42,20 @@ class LoRABatchInfo:
             rows = torch.cat([torch.arange(start, end) for start, end in seg.runs])
             self.slot_rows[seg.slot] = _upload(rows, self.row_slot.device)
         return self.slot_rows[seg.slot]
+
+    def blocks(self, block_rows: int) -> torch.Tensor:
+        """int32 `[n, 3]` on the forward's device: (first row, rows, slot) of every run of a slot,
+        cut into pieces of at most `block_rows` rows (the GPU kernels' programs)."""
+        if block_rows not in self.row_blocks:
+            table = [
+                (first, min(block_rows, end - first), seg.slot)
+                for seg in self.segments
+                for start, end in seg.runs
+                for first in range(start, end, block_rows)
+            ]
+            blocks = torch.tensor(table, dtype=torch.int32).reshape(-1, 3)
+            self.row_blocks[block_rows] = _upload(blocks, self.row_slot.device)
+        return self.row_blocks[block_rows]
 
     def mask(self, max_rank: int, stack: int, dtype: torch.dtype) -> torch.Tensor:
         """`[rows, (hi - lo) * max_rank * stack]`: 1 where the column is the row's slot's and
