@@ -87,12 +87,17 @@ def test_registry_resolves_counts_and_waits_for_unload():
         registry.acquire(ref.lora_id)
         registry.acquire(ref.lora_id)
         assert registry.unregister("a") is ref and "a" not in registry
+        assert registry.was_unloaded("a") and not registry.was_unloaded("b")
+        with pytest.raises(UnknownLoRAError, match="'a' was unloaded"):
+            registry.resolve("a")
         waiter = asyncio.ensure_future(registry.wait_idle(ref.lora_id))
         registry.release(ref.lora_id)
         await asyncio.sleep(0)
         assert not waiter.done()  # one request still in flight
         registry.release(ref.lora_id)
         await asyncio.wait_for(waiter, 1)
+        registry.register(LoRARef("a", "/y"))  # loaded again: resolves, no longer "unloaded"
+        assert not registry.was_unloaded("a") and registry.resolve("a").lora_path == "/y"
 
     asyncio.run(scenario())
 

@@ -139,7 +139,9 @@ def test_load_use_unload_then_400(server, client, paths, oracle):
     r = post(server, "/unload_lora_adapter", {"lora_name": "c"})
     assert r.status_code == 200 and "c" not in r.json()["loaded_adapters"]
     r = post(server, "/generate", _generate_body([ids], "c"))
-    assert r.status_code == 400 and "'c'" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "'c' was unloaded" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="'c' was unloaded"):  # not the base model's output
+        client.completions.create(model="c", prompt="hi", max_tokens=2)
     assert post(server, "/unload_lora_adapter", {"lora_name": "c"}).status_code == 400
     idle(server)
 

@@ -44,8 +44,9 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
 
 def lora_adapter_of(tm: TokenizerManager, req: CompletionRequest | ChatCompletionRequest) -> str | None:
     """The LoRA adapter a request names (None: the base model): `lora_path`, else `model` when it
-    is an adapter's name or SGLang's `base:adapter` (an unknown adapter there is a 400); any other
-    `model` means the one base model."""
+    is an adapter's name or SGLang's `base:adapter` (an unknown adapter there is a 400), or the
+    name of an adapter that was unloaded (a 400: its requests must not get the base model's
+    output); any other `model` means the one base model."""
     if req.lora_path is not None:
         tm.lora.resolve(req.lora_path)
         return req.lora_path
@@ -54,6 +55,8 @@ def lora_adapter_of(tm: TokenizerManager, req: CompletionRequest | ChatCompletio
         return None
     if model in tm.lora.registry:
         return model
+    if tm.lora.registry.was_unloaded(model):
+        tm.lora.resolve(model, param="model")
     if ":" in model:
         adapter = (
             model[len(tm.served_model_name) + 1 :]

@@ -69,6 +69,7 @@ class LoRARegistry:
 
     def __init__(self, refs: list[LoRARef] | None = None) -> None:
         self._refs: dict[str, LoRARef] = {r.lora_name: r for r in refs or []}
+        self._unloaded: set[str] = set()  # names unloaded and not loaded again
         self._in_flight: dict[str, int] = {}
         self._idle: dict[str, asyncio.Event] = {}
 
@@ -78,22 +79,28 @@ class LoRARegistry:
     def refs(self) -> list[LoRARef]:
         return list(self._refs.values())
 
+    def was_unloaded(self, name: str) -> bool:
+        return name in self._unloaded
+
     def resolve(self, name: str) -> LoRARef:
         ref = self._refs.get(name)
         if ref is None:
             known = ", ".join(sorted(self._refs)) or "none loaded"
-            raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {known})")
+            state = "was unloaded" if name in self._unloaded else "is not loaded"
+            raise UnknownLoRAError(f"LoRA adapter {name!r} {state} (loaded: {known})")
         return ref
 
     def register(self, ref: LoRARef) -> None:
         if ref.lora_name in self._refs:
             raise ValueError(f"a LoRA adapter named {ref.lora_name!r} is already loaded")
         self._refs[ref.lora_name] = ref
+        self._unloaded.discard(ref.lora_name)
 
     def unregister(self, name: str) -> LoRARef:
         """Stop resolving `name` (new requests get a 400); returns its ref."""
         ref = self.resolve(name)
         del self._refs[name]
+        self._unloaded.add(name)
         return ref
 
     def acquire(self, lora_id: str) -> None:
