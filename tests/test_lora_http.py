@@ -149,3 +149,6 @@ def test_load_use_unload_then_400(server, client, paths, oracle):
 def test_a_bad_adapter_is_refused_at_run_time(server, tmp_path):
     r = post(server, "/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path)})
     assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+    base_name = httpx.get(server.base_url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    r = post(server, "/load_lora_adapter", {"lora_name": base_name, "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and "as the served model is" in r.json()["error"]["message"]

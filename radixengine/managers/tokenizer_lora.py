@@ -32,6 +32,14 @@ class TokenizerLoRA:
         self._request_reply = request_reply
         self._busy: set[str] = set()  # names being loaded or unloaded
         self._lock = asyncio.Lock()  # one load or unload on its way to the scheduler at a time
+        self.served_model_name: str | None = None
+
+    def set_served_model_name(self, name: str) -> None:
+        """The base model's name, which no adapter may take (a `model` naming it means the base
+        model)."""
+        if name in self.registry:
+            raise ValueError(f"--lora-paths: an adapter is named {name!r}, as the served model is; rename it")
+        self.served_model_name = name
 
     def resolve(self, name: object, param: str = "lora_path") -> str | None:
         """The adapter id of a request's `lora_path` (None: the base model)."""
@@ -56,6 +64,10 @@ class TokenizerLoRA:
         self._check_enabled()
         if name in self.registry or name in self._busy:
             raise RequestError(f"a LoRA adapter named {name!r} is already loaded", param="lora_name")
+        if name == self.served_model_name:
+            raise RequestError(
+                f"a LoRA adapter may not be named {name!r}, as the served model is", param="lora_name"
+            )
         ref = LoRARef(name, path, pinned)
         self._busy.add(name)
         try:
