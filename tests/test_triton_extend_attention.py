@@ -8,23 +8,19 @@ with it), so the shapes are small.
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
+from triton_test_utils import DEVICE, on_gpu_or_interpreted
 
 from radixengine.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from radixengine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixengine.model_executor.forward_batch_info import ForwardMode
 
 pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on a CPU under TRITON_INTERPRET=1 only (tests/test_triton_interpreted.py runs it so)",
-)
+pytestmark = on_gpu_or_interpreted
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,14 @@ extend), and the pool's columns past a slot's rank never read. On a CPU under TR
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_test_utils import DEVICE, on_gpu_or_interpreted
 
 from radixengine.lora.lora_batch_info import LoRABatchInfo
 
 pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on a CPU under TRITON_INTERPRET=1 only (tests/test_triton_interpreted.py runs it so)",
-)
+pytestmark = on_gpu_or_interpreted
 
 BATCHES = {
     "decode": ([(i * 7) % 4 for i in range(21)], [1] * 21),

@@ -5,19 +5,14 @@ q and k heads as a view of the fused qkv output. On a CPU under TRITON_INTERPRET
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_test_utils import DEVICE, on_gpu_or_interpreted
 
 from radixengine.layers.rotary_embedding import RotaryEmbedding
 
 pytest.importorskip("triton")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="on a CPU under TRITON_INTERPRET=1 only (tests/test_triton_interpreted.py runs it so)",
-)
+pytestmark = on_gpu_or_interpreted
 
 
 def assert_equal_as_rounded(got: torch.Tensor, expected: torch.Tensor) -> None:
