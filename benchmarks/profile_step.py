@@ -240,6 +240,8 @@ def main() -> None:
     args = p.parse_args()
     if args.compare_own_only and (not args.shared_prefix_len or args.disable_shared_prefix_attention):
         p.error("--compare-own-only needs --shared-prefix-len and the shared-prefix pass on")
+    if args.compare_own_only and args.lora_adapters:
+        p.error("--compare-own-only runs the base model only: leave out --lora-adapters")
 
     model = OurModel.__new__(OurModel)
     batches = 2 if args.compare_own_only else 1  # the own-tokens-only batch beside the shared one

@@ -143,3 +143,16 @@ def test_adapter_digest_names_its_weights():
     # The hierarchical cache keys an adapter's storage pages by it (docs/lora.md).
     assert _adapter(2, 1.0).digest() == _adapter(2, 1.0).digest()
     assert len({_adapter(2, 1.0).digest(), _adapter(2, 2.0).digest(), _adapter(3, 1.0).digest()}) == 3
+
+
+def test_no_adapter_takes_the_served_model_name():
+    """A `model` naming the served model means the base model, so no adapter may take the name:
+    refused at start (here) and at /load_lora_adapter (tests/test_lora_http.py)."""
+    from types import SimpleNamespace
+
+    from radixengine.managers.tokenizer_lora import TokenizerLoRA
+
+    args = SimpleNamespace(enable_lora=True, lora_paths=["base=/x", "a=/y"])
+    with pytest.raises(ValueError, match="'base', as the served model is"):
+        TokenizerLoRA(args, None, "base")
+    assert TokenizerLoRA(args, None, "other").served_model_name == "other"

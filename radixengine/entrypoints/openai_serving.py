@@ -53,10 +53,9 @@ def lora_adapter_of(tm: TokenizerManager, req: CompletionRequest | ChatCompletio
     model = req.model
     if model is None or model == tm.served_model_name or not tm.lora.enabled:
         return None
-    if model in tm.lora.registry:
-        return model
-    if tm.lora.registry.was_unloaded(model):
+    if model in tm.lora.registry or tm.lora.registry.was_unloaded(model):
         tm.lora.resolve(model, param="model")
+        return model
     if ":" in model:
         adapter = (
             model[len(tm.served_model_name) + 1 :]

@@ -26,20 +26,19 @@ class LoRAServerArgs(Protocol):
 
 
 class TokenizerLoRA:
-    def __init__(self, args: LoRAServerArgs, request_reply: RequestReply) -> None:
+    def __init__(self, args: LoRAServerArgs, request_reply: RequestReply, served_model_name: str) -> None:
+        """`served_model_name`: the base model's, which no adapter may take (a `model` naming it
+        means the base model)."""
         self.enabled = args.enable_lora
         self.registry = LoRARegistry(parse_lora_paths(args.lora_paths) if self.enabled else [])
+        if served_model_name in self.registry:
+            raise ValueError(
+                f"--lora-paths: an adapter is named {served_model_name!r}, as the served model is; rename it"
+            )
+        self.served_model_name = served_model_name
         self._request_reply = request_reply
         self._busy: set[str] = set()  # names being loaded or unloaded
         self._lock = asyncio.Lock()  # one load or unload on its way to the scheduler at a time
-        self.served_model_name: str | None = None
-
-    def set_served_model_name(self, name: str) -> None:
-        """The base model's name, which no adapter may take (a `model` naming it means the base
-        model)."""
-        if name in self.registry:
-            raise ValueError(f"--lora-paths: an adapter is named {name!r}, as the served model is; rename it")
-        self.served_model_name = name
 
     def resolve(self, name: object, param: str = "lora_path") -> str | None:
         """The adapter id of a request's `lora_path` (None: the base model)."""

@@ -106,8 +106,7 @@ class TokenizerManager:
             ClearHiCacheReqOutput: deque(),
             LoRAAdapterReqOutput: deque(),
         }
-        self.lora = TokenizerLoRA(server_args, self._request_reply)
-        self.lora.set_served_model_name(self.served_model_name)
+        self.lora = TokenizerLoRA(server_args, self._request_reply, self.served_model_name)
 
     def init_model_info(self, served: ServedModel) -> None:
         """What the info routes report about the model (see ServedModel)."""
