@@ -36,7 +36,6 @@ class LoRAArgs(Protocol):
     max_lora_rank: int | None
     lora_target_modules: list[str] | None
     tp_size: int
-    speculative_algorithm: str | None
 
 
 def validate_lora_args(args: LoRAArgs) -> None:
@@ -61,18 +60,8 @@ def validate_lora_args(args: LoRAArgs) -> None:
         raise ValueError(
             f"--lora-target-modules: {unknown} are not supported (supported: {', '.join(TARGET_MODULES)}, all)"
         )
-    if args.enable_lora:
-        _refuse_combinations(args)
-
-
-def _refuse_combinations(args: LoRAArgs) -> None:
-    refused = {
-        "--tp-size > 1": args.tp_size > 1,
-        "--speculative-algorithm": args.speculative_algorithm is not None,
-    }
-    for what, on in refused.items():
-        if on:
-            raise ValueError(f"--enable-lora cannot be used with {what}")
+    if args.enable_lora and args.tp_size > 1:
+        raise ValueError("--enable-lora cannot be used with --tp-size > 1")
 
 
 def _positive_int(value) -> bool:

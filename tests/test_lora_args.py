@@ -52,8 +52,8 @@ def test_lora_paths_turn_lora_on():
             "--lora-target-modules: ['embed_tokens']",
         ),
         (
-            dict(enable_lora=True, speculative_algorithm="NGRAM"),
-            "--enable-lora cannot be used with --speculative",
+            dict(enable_lora=True, tp_size=2),
+            "--enable-lora cannot be used with --tp-size > 1",
         ),
     ],
 )

@@ -45,16 +45,14 @@ def make_scheduler(overlap: bool = False, **kw):
 class ScriptedIndex:
     """Drafts the next tokens of a known continuation, optionally with one token corrupted."""
 
-    def __init__(
-        self, req, continuations: dict[tuple, list[int]], corrupt: bool, width: int = 8, ahead: int = 0
-    ) -> None:
-        self.req, self.continuations, self.corrupt, self.width = req, continuations, corrupt, width
+    def __init__(self, req, continuation: list[int], corrupt: bool, width: int = 8, ahead: int = 0) -> None:
+        self.req, self.continuation, self.corrupt, self.width = req, continuation, corrupt, width
         self.ahead = ahead  # tokens of a step in flight the draft follows (overlap)
 
     def draft(self, shared=None) -> NgramDraft:
         req = self.req
         done = len(req.output_ids) + self.ahead
-        full = self.continuations[tuple(req.origin_input_ids)]
+        full = self.continuation
         tokens = [(req.output_ids or [0])[-1], *full[done : done + self.width - 1]]
         if self.corrupt and len(tokens) > 2:
             j = int(np.random.default_rng(done).integers(1, len(tokens)))
@@ -62,15 +60,21 @@ class ScriptedIndex:
         return NgramDraft(np.array(tokens, dtype=np.int64), np.arange(-1, len(tokens) - 1))
 
 
-def script_drafts(monkeypatch, continuations: dict[tuple, list[int]], corrupt: bool = False) -> None:
-    """Every request drafts from its known continuation (the budget still trims the drafts)."""
+def script_drafts(
+    monkeypatch, continuations: dict[tuple, list[int]], corrupt: bool = False, key=None
+) -> None:
+    """Every request drafts from its known continuation (the budget still trims the drafts),
+    found by `key(req)` (default: its prompt)."""
+    key = key or (lambda req: tuple(req.origin_input_ids))
 
     def draft_one(self, req, paced, sources=()):
-        return ScriptedIndex(req, continuations, corrupt, self.config.params.num_draft_tokens).draft()
+        width = self.config.params.num_draft_tokens
+        return ScriptedIndex(req, continuations[key(req)], corrupt, width).draft()
 
     def propose_one(self, req, extra, paced, sources=()):  # the overlap loop's: after the step in flight
         width = self.config.params.num_draft_tokens + (extra is not None)  # as NgramIndex.draft_after
-        return ScriptedIndex(req, continuations, corrupt, width, len(extra or ())).draft().tokens[1:].tolist()
+        scripted = ScriptedIndex(req, continuations[key(req)], corrupt, width, len(extra or ()))
+        return scripted.draft().tokens[1:].tolist()
 
     monkeypatch.setattr(SpeculativeDrafter, "_draft_one", draft_one)
     monkeypatch.setattr(SpeculativeDrafter, "_propose_one", propose_one)

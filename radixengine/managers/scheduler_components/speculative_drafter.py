@@ -238,7 +238,8 @@ def draft_and_target_configs(args: ServerArgs) -> tuple[ModelConfig, ModelConfig
 
 def draft_model_args(args: ServerArgs) -> ServerArgs:
     """The draft model's runner: the target's device, dtype and threads; its own pools of the
-    target's size (page size 1); one rank; no speculation, no CUDA graphs."""
+    target's size (page size 1); one rank; no speculation, no CUDA graphs, no LoRA (adapters are
+    the target's: the draft model drafts for every request as itself, the verify applies them)."""
     return dataclasses.replace(
         args,
         model_path=args.speculative_draft_model_path,
@@ -254,6 +255,8 @@ def draft_model_args(args: ServerArgs) -> ServerArgs:
         dist_init_addr=None,
         disable_cuda_graph=True,
         context_length=None,
+        enable_lora=False,
+        lora_paths=None,
     )
 
 
