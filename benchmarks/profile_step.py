@@ -63,19 +63,27 @@ ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class PartTimer:
+    """Each part's own time: a part timed inside another (the LoRA delta inside its linear's
+    forward) counts for itself, not for the one around it."""
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self._timed_total = 0.0  # the whole time of every timed call finished so far
 
-    def wrap(self, module: torch.nn.Module, part: str) -> None:
-        forward = module.forward
-
-        def timed(*args, **kwargs):
+    def timed(self, fn, part: str):
+        def call(*args, **kwargs):
+            inner_before = self._timed_total
             start = time.perf_counter()
-            out = forward(*args, **kwargs)
-            self.seconds[part] += time.perf_counter() - start
+            out = fn(*args, **kwargs)
+            elapsed = time.perf_counter() - start
+            self.seconds[part] += elapsed - (self._timed_total - inner_before)
+            self._timed_total = inner_before + elapsed
             return out
 
-        module.forward = timed
+        return call
+
+    def wrap(self, module: torch.nn.Module, part: str) -> None:
+        module.forward = self.timed(module.forward, part)
 
     def instrument(self, model: torch.nn.Module) -> None:
         for name, module in model.named_modules():
@@ -92,16 +100,8 @@ class PartTimer:
                 self.wrap(module, "rotary")
 
     def instrument_lora_delta(self) -> None:
-        """The adapters' deltas (the base linears' forward hooks) as a part of their own."""
-        apply = lora_manager.apply_lora_delta
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            out = apply(*args, **kwargs)
-            self.seconds["lora delta"] += time.perf_counter() - start
-            return out
-
-        lora_manager.apply_lora_delta = timed
+        """The adapters' deltas (in the base linears' forwards) as a part of their own."""
+        lora_manager.apply_lora_delta = self.timed(lora_manager.apply_lora_delta, "lora delta")
 
 
 class DecodeSteps:

@@ -35,7 +35,6 @@ class LoRAArgs(Protocol):
     lora_eviction_policy: str
     max_lora_rank: int | None
     lora_target_modules: list[str] | None
-    tp_size: int
 
 
 def validate_lora_args(args: LoRAArgs) -> None:
@@ -60,8 +59,6 @@ def validate_lora_args(args: LoRAArgs) -> None:
         raise ValueError(
             f"--lora-target-modules: {unknown} are not supported (supported: {', '.join(TARGET_MODULES)}, all)"
         )
-    if args.enable_lora and args.tp_size > 1:
-        raise ValueError("--enable-lora cannot be used with --tp-size > 1")
 
 
 def _positive_int(value) -> bool:

@@ -51,10 +51,6 @@ def test_lora_paths_turn_lora_on():
             dict(enable_lora=True, lora_target_modules=["embed_tokens"]),
             "--lora-target-modules: ['embed_tokens']",
         ),
-        (
-            dict(enable_lora=True, tp_size=2),
-            "--enable-lora cannot be used with --tp-size > 1",
-        ),
     ],
 )
 def test_bad_lora_flags_are_refused_naming_them(kwargs, needle):
@@ -105,12 +101,12 @@ def test_registry_resolves_counts_and_waits_for_unload():
 def _adapter(rank: int, value: float):
     import torch
 
-    from radixengine.lora.lora_adapter import LoRAAdapter
+    from radixengine.lora.lora_adapter import LoRAAdapter, weights_digest
     from radixengine.lora.lora_config import LoRAConfig
 
     config = LoRAConfig("/x", rank, float(rank), ("o_proj",))
     weights = {(0, "o_proj"): (torch.full((rank, 1, 4), value), torch.full((rank, 1, 4), value))}
-    return LoRAAdapter(config, weights)
+    return LoRAAdapter(config, weights, weights_digest(weights))
 
 
 @pytest.mark.parametrize("policy, victim", [("lru", "b"), ("fifo", "a")])

@@ -7,11 +7,15 @@ A linear may also hold its weight as GGUF blocks (`BlockWeight`, loaded beside t
 weight when the model comes from a GGUF): on a CPU, batches of at most `max_tokens` rows (decode)
 then read the blocks (6x fewer bytes than float32 for Q4_1, 7x for Q4_K) and larger ones
 (prefill) use the float weight. Both compute with the same dequantized values.
+
+A LoRA adapter's delta rides on a linear as its `output_delta`: added to this rank's output (a
+row-parallel linear's partial output, before the ranks' sum, so the sum carries it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +92,12 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, block: BlockWeight | Non
     return F.linear(x, weight)
 
 
+class OutputDelta(Protocol):
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (this rank's output of `x`) with the delta added."""
+        ...
+
+
 class Linear(nn.Module):
     """`y = x W^T + b`, the whole weight on every rank; parameters are allocated uninitialised
     (the loader fills them). `output_size` is this rank's."""
@@ -103,6 +113,7 @@ class Linear(nn.Module):
         self.block_weight: BlockWeight | None = None
         # A packed weight (AMX tiles or bf16 panels, layers/cpu_linear_plan.py), which drops `weight`
         self.amx_weight: PackedWeight | None = None
+        self.output_delta: OutputDelta | None = None
 
     def accepts_amx_weight(self) -> bool:
         return True
@@ -111,6 +122,10 @@ class Linear(nn.Module):
         return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base_linear(x)
+        return y if self.output_delta is None else self.output_delta(x, y)
+
+    def _base_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx_weight is not None:
             return self.amx_weight.linear(x, self.bias)
         if self.block_weight is None or not self.block_weight.applies_to(x):
@@ -155,6 +170,7 @@ class MergedColumnParallelLinear(Linear):
         tp_size = get_tp_group().world_size
         for size in output_sizes:
             _check_divisible("output features", size, tp_size)
+        self.total_output_sizes = list(output_sizes)  # the checkpoint's
         self.output_sizes = [size // tp_size for size in output_sizes]  # this rank's
         super().__init__(input_size, sum(self.output_sizes), bias)
 
@@ -182,6 +198,7 @@ class QKVParallelLinear(Linear):
         )
         self.head_size = head_size
         self.q_size, self.kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
+        self.total_q_size, self.total_kv_size = num_heads * head_size, num_kv_heads * head_size
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
 
     @property
@@ -218,6 +235,7 @@ class RowParallelLinear(Linear):
             size = input_size // tp.world_size
             input_range = (tp.rank * size, size)
         self.input_start = input_range[0]
+        self.total_input_size = input_size  # the checkpoint's
         super().__init__(input_range[1], output_size, bias)
 
     def accepts_amx_weight(self) -> bool:
@@ -227,9 +245,12 @@ class RowParallelLinear(Linear):
         if self.tp_size == 1:
             return super().forward(x)
         if _reduce_in_float32(x):
-            y = tensor_model_parallel_all_reduce(F.linear(x.float(), self._float32_weight())).to(x.dtype)
+            partial = F.linear(x.float(), self._float32_weight())
         else:
-            y = tensor_model_parallel_all_reduce(block_linear(x, self.weight, self.block_weight))
+            partial = block_linear(x, self.weight, self.block_weight)
+        if self.output_delta is not None:
+            partial = self.output_delta(x, partial)
+        y = tensor_model_parallel_all_reduce(partial).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def _float32_weight(self) -> torch.Tensor:

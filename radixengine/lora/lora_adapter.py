@@ -16,15 +16,42 @@ _KEY = re.compile(r".*\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.we
 
 @dataclass(frozen=True)
 class ModuleShape:
-    """A fused linear of the base model: its input features and the output rows of each of its
-    stacked parts (q, k, v for qkv_proj; gate, up for gate_up_proj)."""
+    """A fused linear of the base model as the checkpoint has it: its input features and the
+    output rows of each of its stacked parts (q, k, v for qkv_proj; gate, up for gate_up_proj).
+    Under tensor parallelism, this rank's slice of it: `in_range` `(start, size)` of the input
+    columns (a row-parallel linear's), `out_ranges` `(start, size)` of each part's output rows (a
+    column-parallel one's); None: all of them."""
 
     in_features: int
     out_sizes: tuple[int, ...]
+    in_range: tuple[int, int] | None = None
+    out_ranges: tuple[tuple[int, int], ...] | None = None
 
     @property
     def out_features(self) -> int:
         return sum(self.out_sizes)
+
+    @property
+    def rank_in_features(self) -> int:
+        return self.in_features if self.in_range is None else self.in_range[1]
+
+    @property
+    def rank_out_sizes(self) -> tuple[int, ...]:
+        return self.out_sizes if self.out_ranges is None else tuple(size for _, size in self.out_ranges)
+
+    def rank_slice(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a fused `a` `[r, stack, in]` and `b` `[r, stack, out]`: A's input
+        columns, and of B each part's output rows (one after the other, as the linear's)."""
+        if self.in_range is not None:
+            start, size = self.in_range
+            a = a[..., start : start + size].contiguous()
+        if self.out_ranges is not None:
+            firsts = [sum(self.out_sizes[:part]) for part in range(len(self.out_sizes))]
+            b = torch.cat(
+                [b[..., f + start : f + start + size] for f, (start, size) in zip(firsts, self.out_ranges)],
+                -1,
+            )
+        return a, b
 
 
 # (layer id, fused module name) → its shape
@@ -34,25 +61,19 @@ BaseShapes = dict[tuple[int, str], ModuleShape]
 @dataclass
 class LoRAAdapter:
     """Per (layer, fused module): `a` [r, stack, in] and `b` [r, stack, out] (B already scaled,
-    each part's B in its own output rows); modules the adapter does not target are absent."""
+    each part's B in its own output rows; under tensor parallelism this rank's slice); modules
+    the adapter does not target are absent. `weights_digest`: see `weights_digest`."""
 
     config: LoRAConfig
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    weights_digest: bytes
 
     @property
     def rank(self) -> int:
         return self.config.r
 
     def digest(self) -> bytes:
-        """A hash of what the adapter's KV depends on besides the base model: its weights as the
-        delta uses them (fused, B scaled, in the model's dtype). Equal digests, equal KV: the
-        hierarchical cache keys the adapter's storage pages by it (docs/lora.md)."""
-        h = hashlib.blake2b(digest_size=16)
-        for (layer, module), pair in sorted(self.weights.items()):
-            for t in pair:
-                h.update(f"{layer}|{module}|{t.dtype}|{tuple(t.shape)}|".encode())
-                h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return h.digest()
+        return self.weights_digest
 
     @classmethod
     def load(cls, config: LoRAConfig, shapes: BaseShapes, dtype: torch.dtype) -> LoRAAdapter:
@@ -86,7 +107,22 @@ class LoRAAdapter:
             start = sum(shape.out_sizes[:part])
             a[:, part] = lora_a.to(dtype)
             b[:, part, start : start + out] = (lora_b.float() * config.scaling).t().to(dtype)
-        return cls(config, weights)
+        digest = weights_digest(weights)
+        sliced = {key: shapes[key].rank_slice(a, b) for key, (a, b) in weights.items()}
+        return cls(config, sliced, digest)
+
+
+def weights_digest(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> bytes:
+    """A hash of what the adapter's KV depends on besides the base model: its whole weights as the
+    delta uses them (fused, B scaled, in the model's dtype), the same on every TP rank. Equal
+    digests, equal KV: the hierarchical cache keys the adapter's storage pages by it
+    (docs/lora.md)."""
+    h = hashlib.blake2b(digest_size=16)
+    for (layer, module), pair in sorted(weights.items()):
+        for t in pair:
+            h.update(f"{layer}|{module}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """LoRAManager: the model worker's adapters. It keeps the loaded adapters in host memory, owns
-the slot pool, adds the delta after the target linears (a forward hook on each: whatever the
-base linear is — float, GGUF blocks, AMX) and, right before each forward, gives the batch's
+the slot pool, adds the delta to the target linears' outputs (each linear's `output_delta`:
+whatever the base linear is — float, GGUF blocks, AMX; under tensor parallelism each rank's slice
+of the adapter, a row-parallel linear's delta before the ranks' sum) and, right before each forward, gives the batch's
 adapters their slots (`prepare_lora_batch`)."""
 
 from __future__ import annotations
@@ -39,11 +40,19 @@ def base_shapes(model: nn.Module, target_modules: Iterable[str]) -> dict[tuple[i
 
 
 def _shape(fused: str, module: nn.Module) -> ModuleShape:
+    """The checkpoint's shape of the linear and this rank's slice of it (its loader's)."""
     if fused == "qkv_proj":
-        return ModuleShape(module.input_size, (module.q_size, module.kv_size, module.kv_size))
+        q, kv = module.total_q_size, module.total_kv_size
+        return ModuleShape(module.input_size, (q, kv, kv), out_ranges=_out_ranges(module, ("q", "k", "v")))
     if fused == "gate_up_proj":
-        return ModuleShape(module.input_size, tuple(module.output_sizes))
-    return ModuleShape(module.input_size, (module.output_size,))
+        sizes = tuple(module.total_output_sizes)
+        return ModuleShape(module.input_size, sizes, out_ranges=_out_ranges(module, range(len(sizes))))
+    in_range = (module.input_start, module.input_size)
+    return ModuleShape(module.total_input_size, (module.output_size,), in_range=in_range)
+
+
+def _out_ranges(module: nn.Module, shard_ids) -> tuple[tuple[int, int], ...]:
+    return tuple(module.shard_offsets(shard_id)[1:] for shard_id in shard_ids)
 
 
 class LoRAManager:
@@ -74,19 +83,23 @@ class LoRAManager:
         self._lock = threading.Lock()
         self.batch_info: LoRABatchInfo | None = None
         for key, module in modules.items():
-            module.register_forward_hook(self._hook(key))
+            module.output_delta = self._delta(key)
 
-    def _hook(self, key: tuple[int, str]):
+    def _delta(self, key: tuple[int, str]):
         a_buf, b_buf = self.pool.buffers[key]
-        pieces = list(self.shapes[key].out_sizes)
+        pieces = list(self.shapes[key].rank_out_sizes)
 
-        def add_delta(
-            module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
-        ) -> torch.Tensor:
+        def add_delta(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             info = self.batch_info
             if info is None or not info.segments:
-                return output
-            return apply_lora_delta(inputs[0], output, a_buf, b_buf, info, pieces)
+                return y
+            if y.dtype == a_buf.dtype:
+                return apply_lora_delta(x, y, a_buf, b_buf, info, pieces)
+            # a 16-bit model's row-parallel partial output, summed over the ranks in float32
+            delta = apply_lora_delta(
+                x, torch.zeros(y.shape, dtype=x.dtype, device=y.device), a_buf, b_buf, info, pieces
+            )
+            return y.add_(delta)
 
         return add_delta
 

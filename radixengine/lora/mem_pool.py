@@ -47,8 +47,8 @@ class LoRAMemoryPool:
             stack = FUSED_MODULES[key[1]]
             n = max_loras_per_batch + 1
             self.buffers[key] = (
-                torch.zeros(n, max_lora_rank, stack, shape.in_features, dtype=dtype, device=device),
-                torch.zeros(n, max_lora_rank, stack, shape.out_features, dtype=dtype, device=device),
+                torch.zeros(n, max_lora_rank, stack, shape.rank_in_features, dtype=dtype, device=device),
+                torch.zeros(n, max_lora_rank, stack, sum(shape.rank_out_sizes), dtype=dtype, device=device),
             )
         self.slots = [_Slot() for _ in range(max_loras_per_batch + 1)]
         self.slot_of: dict[str, int] = {}
