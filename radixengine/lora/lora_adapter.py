@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from radixengine.lora.lora_config import FUSED_MODULES, TARGET_MODULES, LoRAConfig, LoRALoadError
+from radixengine.lora.lora_config import (
+    FUSED_MODULES,
+    FUSED_PEFT_MODULES,
+    TARGET_MODULES,
+    LoRAConfig,
+    LoRALoadError,
+    split_modules,
+)
 
 _KEY = re.compile(r".*\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
@@ -86,17 +93,19 @@ class LoRAAdapter:
     ) -> LoRAAdapter:
         r = config.r
         weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        filled: dict[tuple[int, str, int], str] = {}  # (layer, fused, part) -> the PEFT module
         pairs = _pairs(config, tensors)
         for (layer, module), (lora_a, lora_b) in sorted(pairs.items()):
-            fused, part = TARGET_MODULES[module]
+            fused = TARGET_MODULES[split_modules(module)[0]][0]
+            parts = [TARGET_MODULES[m][1] for m in split_modules(module)]
             shape = shapes.get((layer, fused))
             if shape is None:
                 raise LoRALoadError(
                     f"adapter {config.path}: layer {layer} {module} has no linear in the base model"
                 )
-            out = shape.out_sizes[part]
+            outs = [shape.out_sizes[p] for p in parts]
             _check_shape(config, layer, module, "lora_A", lora_a, (r, shape.in_features))
-            _check_shape(config, layer, module, "lora_B", lora_b, (out, r))
+            _check_shape(config, layer, module, "lora_B", lora_b, (sum(outs), r))
             if (layer, fused) not in weights:
                 stack = FUSED_MODULES[fused]
                 weights[(layer, fused)] = (
@@ -104,9 +113,14 @@ class LoRAAdapter:
                     torch.zeros(r, stack, shape.out_features, dtype=dtype),
                 )
             a, b = weights[(layer, fused)]
-            start = sum(shape.out_sizes[:part])
-            a[:, part] = lora_a.to(dtype)
-            b[:, part, start : start + out] = (lora_b.float() * config.scaling).t().to(dtype)
+            scaled_b = (lora_b.float() * config.scaling).t().to(dtype)  # [r, sum(outs)]
+            row = 0
+            for part, out in zip(parts, outs):
+                _claim(filled, config, layer, fused, part, module)
+                start = sum(shape.out_sizes[:part])
+                a[:, part] = lora_a.to(dtype)  # a fused module: one A for each part it holds
+                b[:, part, start : start + out] = scaled_b[:, row : row + out]
+                row += out
         digest = weights_digest(weights)
         sliced = {key: shapes[key].rank_slice(a, b) for key, (a, b) in weights.items()}
         return cls(config, sliced, digest)
@@ -141,7 +155,7 @@ def _pairs(config: LoRAConfig, tensors: dict[str, torch.Tensor]) -> dict[tuple[i
     pairs: dict[tuple[int, str], list] = {}
     for key, tensor in tensors.items():
         m = _KEY.fullmatch(key)
-        if m is None or m[2] not in TARGET_MODULES:
+        if m is None or (m[2] not in TARGET_MODULES and m[2] not in FUSED_PEFT_MODULES):
             raise LoRALoadError(
                 f"adapter {config.path}: tensor {key} is not supported (only q/k/v/o/gate/up/down LoRA A/B)"
             )
@@ -155,6 +169,13 @@ def _pairs(config: LoRAConfig, tensors: dict[str, torch.Tensor]) -> dict[tuple[i
                 f"adapter {config.path}: layer {layer} {module} has lora_{'A' if a is None else 'B'} missing"
             )
     return pairs
+
+
+def _claim(filled: dict, config: LoRAConfig, layer: int, fused: str, part: int, module: str) -> None:
+    """A part of a fused linear takes one PEFT module's weights (q_proj, or qkv_proj: not both)."""
+    other = filled.setdefault((layer, fused, part), module)
+    if other != module:
+        raise LoRALoadError(f"adapter {config.path}: layer {layer} has both {other} and {module}")
 
 
 def _check_shape(config: LoRAConfig, layer: int, module: str, which: str, t: torch.Tensor, want) -> None:

@@ -17,6 +17,12 @@ TARGET_MODULES: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
+# PEFT's names for the modules of checkpoints that fuse them (Phi-3): each stands for the split
+# modules it holds, one A for all of them and B's output rows in their order.
+FUSED_PEFT_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 # Our fused linears and how many PEFT modules each stacks.
 FUSED_MODULES: dict[str, int] = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 # PEFT's shorthands for target_modules.
@@ -32,8 +38,13 @@ class LoRAConfig:
     path: str
     r: int
     lora_alpha: float
-    target_modules: tuple[str, ...]  # PEFT names, a subset of TARGET_MODULES
+    target_modules: tuple[str, ...]  # PEFT names, of TARGET_MODULES and FUSED_PEFT_MODULES
     use_rslora: bool = False
+
+    @property
+    def split_target_modules(self) -> tuple[str, ...]:
+        """The modules of TARGET_MODULES the adapter targets (a fused one: the modules it holds)."""
+        return tuple(sorted({s for m in self.target_modules for s in split_modules(m)}))
 
     @property
     def scaling(self) -> float:
@@ -86,18 +97,23 @@ def _check_supported(path: str, raw: dict) -> None:
         raise LoRALoadError(f"adapter {path}: bias={bias!r} is not supported (only 'none')")
 
 
+def split_modules(name: str) -> tuple[str, ...]:
+    """The TARGET_MODULES a PEFT module name stands for."""
+    return FUSED_PEFT_MODULES.get(name, (name,))
+
+
 def _target_modules(path: str, target) -> tuple[str, ...]:
     if isinstance(target, str):
         if target in _ALL_LINEAR:
-            return tuple(TARGET_MODULES)
+            return (*TARGET_MODULES, *FUSED_PEFT_MODULES)
         raise LoRALoadError(f"adapter {path}: target_modules as a regex ({target!r}) is not supported")
     if not target:
         raise LoRALoadError(f"adapter {path}: no target_modules")
     names = tuple(sorted({str(t).rsplit(".", 1)[-1] for t in target}))
-    unknown = [n for n in names if n not in TARGET_MODULES]
+    unknown = [n for n in names if n not in TARGET_MODULES and n not in FUSED_PEFT_MODULES]
     if unknown:
         raise LoRALoadError(
             f"adapter {path}: target modules {unknown} are not supported "
-            f"(supported: {', '.join(TARGET_MODULES)})"
+            f"(supported: {', '.join((*TARGET_MODULES, *FUSED_PEFT_MODULES))})"
         )
     return names

@@ -135,7 +135,7 @@ class LoRAManager:
             raise LoRALoadError(
                 f"adapter {config.path}: rank {config.r} exceeds --max-lora-rank {self.max_lora_rank}"
             )
-        outside = [m for m in config.target_modules if m not in self.target_modules]
+        outside = [m for m in config.split_target_modules if m not in self.target_modules]
         if outside:
             raise LoRALoadError(
                 f"adapter {config.path}: target modules {outside} are not in --lora-target-modules "
