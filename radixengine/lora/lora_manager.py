@@ -1,8 +1,8 @@
 """LoRAManager: the model worker's adapters. It keeps the loaded adapters in host memory, owns
-the slot pool, adds the delta to the target linears' outputs (each linear's `output_delta`:
-whatever the base linear is — float, GGUF blocks, AMX; under tensor parallelism each rank's slice
-of the adapter, a row-parallel linear's delta before the ranks' sum) and, right before each forward, gives the batch's
-adapters their slots (`prepare_lora_batch`)."""
+the slot pool, adds the delta to the target linears' outputs (each linear's `output_delta`,
+whatever the base linear is — float, GGUF blocks, AMX; under tensor parallelism with this rank's
+slice of each adapter, a row-parallel linear's before the ranks' sum) and, right before each
+forward, gives the batch's adapters their slots (`prepare_lora_batch`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from radixengine.layers.linear import OutputDelta
 from radixengine.lora.lora_adapter import BaseShapes, LoRAAdapter, ModuleShape
 from radixengine.lora.lora_backend import apply_lora_delta
 from radixengine.lora.lora_batch_info import LoRABatchInfo
@@ -85,7 +86,7 @@ class LoRAManager:
         for key, module in modules.items():
             module.output_delta = self._delta(key)
 
-    def _delta(self, key: tuple[int, str]):
+    def _delta(self, key: tuple[int, str]) -> OutputDelta:
         a_buf, b_buf = self.pool.buffers[key]
         pieces = list(self.shapes[key].rank_out_sizes)
 

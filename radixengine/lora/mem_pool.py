@@ -1,8 +1,9 @@
 """LoRAMemoryPool: the adapters a batch can use, in a fixed number of slots.
 
 Per layer and fused module, A `[slots + 1, R, stack, in]` and B `[slots + 1, R, stack, out]`
-(R = --max-lora-rank; the rank axis outermost, so slot s of rank r is the contiguous views
-`A[s, :r]` and `B[s, :r]`). Slot 0 is the base model (zeros, never computed)."""
+(`in` and `out`: this TP rank's; R = --max-lora-rank; the rank axis outermost, so slot s of rank
+r is the contiguous views `A[s, :r]` and `B[s, :r]`). Slot 0 is the base model (zeros, never
+computed)."""
 
 from __future__ import annotations
 
