@@ -243,3 +243,38 @@ def test_windowed_models_triton_matches_torch_native_and_transformers(arch, tmp_
         assert_close_rel(
             logits[-1][i], hf_last_logits(hf, req.tokens, req.chunks if longrope else None), rtol=1e-4
         )
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_on_off_equal_with_lora_adapters(tiny, tmp_path, dtype):
+    """Decode graphs capture the LoRA delta's kernels over static tables (lora/lora_graph.py):
+    requests of two adapters and of the base model, padded batches and an eager one, give the
+    tokens and logits of the eager forward."""
+    from lora_utils import save_random_adapter
+
+    folder, _ = tiny
+    paths = [
+        f"{n}={save_random_adapter(folder, tmp_path / n, seed=i, r=4 * (i + 1))}" for i, n in enumerate("ab")
+    ]
+    on = runner_for(folder, "triton", graphs=True, dtype=dtype, lora_paths=paths)
+    off = runner_for(folder, "triton", graphs=False, dtype=dtype, lora_paths=paths)
+    assert on.cuda_graph_runner is not None and on.cuda_graph_runner.lora_graph is not None
+    ids = {ref.split("-", 2)[2]: ref for ref in on.lora_manager.adapters}
+    for n, seed in [(3, 5), (8, 6), (11, 7)]:
+        prompts = prompts_for(seed, [5 + 7 * i for i in range(n)])
+        lora_ids = {rid: ids["ab"[i % 3]] for i, rid in enumerate(prompts) if i % 3 < 2}
+        outs = []
+        for runner in (on, off):
+            driver = ModelDriver(runner, lora_ids)
+            logits = driver.extend(prompts)
+            steps = []
+            for _ in range(6):
+                step = {rid: int(logits[i].argmax()) for i, rid in enumerate(prompts)}
+                steps.append(step)
+                logits = driver.decode(step)
+            outs.append((steps, logits.float().cpu()))
+            for rid in prompts:
+                driver.free(rid)
+        assert outs[0][0] == outs[1][0]
+        assert_close_rel(outs[0][1], outs[1][1], rtol=1e-5 if dtype == "float32" else 2e-2)

@@ -144,3 +144,37 @@ def test_memory_lowers_the_largest_graph_and_a_larger_batch_is_logged_once(
     assert first.shape == second.shape == (3, runner.model_config.vocab_size)
     told = [r for r in caplog.records if "above the largest CUDA graph" in r.message]
     assert len(told) == 1 and "decode batch 3" in told[0].message
+
+
+def test_lora_tables_are_refilled_before_each_replay(tiny, tmp_path, fake_cuda, monkeypatch):
+    """With LoRA adapters the graphs read the block table and the slots' ranks from static
+    tensors: each replay refills them from its batch (blocks of its adapters' rows, then empty
+    entries up to the graph's size), leaving nothing of the batch before."""
+    from lora_utils import save_random_adapter
+
+    adapters = {n: save_random_adapter(tiny, tmp_path / n, seed=i, r=2 + 2 * i) for i, n in enumerate("ab")}
+    runner = make_runner(tiny, cuda_graph_max_bs=4, lora_paths=[f"{n}={p}" for n, p in adapters.items()])
+    ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
+    original_forward = CudaGraphRunner._forward
+
+    def forward(self, fb):
+        fake_cuda.append({"ropes": ropes})
+        return original_forward(self, fb)
+
+    monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
+    graphs = CudaGraphRunner(runner)
+    manager = runner.lora_manager
+    assert graphs.lora_graph is not None and manager.batch_info is None
+    ids = {ref.split("-", 2)[2]: ref for ref in manager.adapters}
+    driver = ModelDriver(runner, {"x": ids["a"], "z": ids["b"]})
+    driver.extend({"x": [1, 2, 3], "y": [4, 5], "z": [6]})
+    runner.cuda_graph_runner = graphs
+    driver.decode({"x": 7, "y": 8, "z": 9})  # 3 rows, padded to the graph of 4
+    slot = manager.pool.slot_of
+    table = graphs.lora_graph.blocks[:4].tolist()
+    assert table == [[0, 1, slot[ids["a"]]], [2, 1, slot[ids["b"]]], [0, 0, 0], [0, 0, 0]]
+    ranks = graphs.lora_graph.rank_of_slot
+    assert ranks[slot[ids["a"]]] == 2 and ranks[slot[ids["b"]]] == 4
+    del driver.lora_ids["x"]
+    driver.decode({"x": 1, "y": 2, "z": 3})
+    assert graphs.lora_graph.blocks[:4].tolist() == [[2, 1, slot[ids["b"]]], [0, 0, 0], [0, 0, 0], [0, 0, 0]]

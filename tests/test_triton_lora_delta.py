@@ -56,3 +56,30 @@ def test_triton_delta_equals_per_row_reference(batch, pieces, dtype):
     torch.testing.assert_close(got.cpu().double(), expected, check_dtype=False, **tol)
     base = [i for i, s in enumerate(row_slots) if s == 0]
     assert torch.equal(got.cpu()[base], y[base])
+
+
+def test_a_captured_graphs_static_tables_give_the_batchs_delta():
+    """Under a CUDA graph the kernels read static tables (lora/lora_graph.py): filled from a
+    batch of 5 decode rows for the graph of 8, they give the batch's own delta and leave the
+    padded rows alone; refilled from a smaller batch, the entries of the one before are gone."""
+    from radixengine.lora.lora_backend import triton_delta
+    from radixengine.lora.lora_batch_info import KERNEL_BLOCK_ROWS
+    from radixengine.lora.lora_graph import LoRAGraphBuffers
+
+    gen = torch.Generator().manual_seed(5)
+    pieces, fan_in, max_rank = (24, 8), 40, 4
+    a = torch.randn(4, max_rank, 2, fan_in, generator=gen).to(DEVICE)
+    b = torch.randn(4, max_rank, 2, sum(pieces), generator=gen).to(DEVICE)
+    x = torch.randn(8, fan_in, generator=gen).to(DEVICE)
+    y = torch.randn(8, sum(pieces), generator=gen).to(DEVICE)
+    graph = LoRAGraphBuffers(8, 3, KERNEL_BLOCK_ROWS, torch.device(DEVICE))
+    for slots in ([1, 0, 3, 3, 2], [0, 2]):
+        bs = len(slots)
+        batch = LoRABatchInfo.build(slots, [1] * bs, {1: 4, 2: 1, 3: 3}, torch.device(DEVICE))
+        expected = y.clone()
+        triton_delta(x[:bs], expected[:bs], a, b, batch, pieces)
+        graph.fill(batch, 8)
+        got = y.clone()
+        triton_delta(x, got, a, b, graph.captured_info(8), pieces)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[bs:], y[bs:]) and not torch.equal(got[:bs], y[:bs])

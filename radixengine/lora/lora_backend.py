@@ -27,7 +27,7 @@ import torch
 
 from radixengine.layers.attention import native_cpu_ops
 from radixengine.layers.native_small_ops import runs_native
-from radixengine.lora.lora_batch_info import LoRABatchInfo, LoRASegment
+from radixengine.lora.lora_batch_info import KERNEL_BLOCK_ROWS, LoRABatchInfo, LoRASegment
 
 # The masked form computes every batch slot's columns for every row: for decode-sized batches.
 MASKED_MAX_ROWS = 256
@@ -45,7 +45,7 @@ def apply_lora_delta(
     """`y` (the base linear's output of `x`) plus each row's delta; `a_buf` `[slots, R, stack,
     in]`, `b_buf` `[slots, R, stack, out]` (B scaled, each stacked module's B in its own output
     columns: `pieces`, in order)."""
-    if not info.segments:
+    if not info.runs_delta:
         return y
     x2 = x.reshape(-1, x.shape[-1])
     y2 = y.view(-1, y.shape[-1])
@@ -78,7 +78,15 @@ def triton_delta(
         x2 = x2.contiguous()
     offsets = _column_offsets(tuple(pieces), x2.device)
     kernels.lora_delta(
-        y2, x2, a_buf, b_buf, info.blocks(kernels.BLOCK_T), info.rank_of_slot, offsets, max(pieces)
+        y2,
+        x2,
+        a_buf,
+        b_buf,
+        info.blocks(KERNEL_BLOCK_ROWS),
+        info.rank_of_slot,
+        offsets,
+        max(pieces),
+        KERNEL_BLOCK_ROWS,
     )
 
 

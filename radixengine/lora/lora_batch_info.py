@@ -11,6 +11,8 @@ import torch
 # in place (an extend's requests are runs); a batch with a slot of more runs (a decode batch: one
 # row each) takes the masked form instead (lora_backend.py).
 MAX_RUNS = 4
+# Rows of one slot a GPU kernel program takes (`blocks`): the least M of a tensor-core dot.
+KERNEL_BLOCK_ROWS = 16
 
 
 @dataclass
@@ -27,9 +29,16 @@ class LoRABatchInfo:
     rank_of_slot: torch.Tensor  # [hi] int64
     lo: int  # the batch's slots are lo..hi-1 (others in between are masked out)
     hi: int
+    # A captured CUDA graph's (lora/lora_graph.py): its kernels run whatever batch replays it.
+    captured: bool = False
     masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     slot_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     row_blocks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def runs_delta(self) -> bool:
+        """Whether the forward computes deltas: some row has an adapter, or a graph is captured."""
+        return self.captured or bool(self.segments)
 
     @cached_property
     def scattered(self) -> bool:

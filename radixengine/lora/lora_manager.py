@@ -16,9 +16,10 @@ from torch import nn
 
 from radixengine.layers.linear import OutputDelta
 from radixengine.lora.lora_adapter import BaseShapes, LoRAAdapter, ModuleShape
-from radixengine.lora.lora_backend import apply_lora_delta
-from radixengine.lora.lora_batch_info import LoRABatchInfo
+from radixengine.lora.lora_backend import TRITON_ON_CUDA, apply_lora_delta
+from radixengine.lora.lora_batch_info import KERNEL_BLOCK_ROWS, LoRABatchInfo
 from radixengine.lora.lora_config import TARGET_MODULES, LoRAConfig, LoRALoadError
+from radixengine.lora.lora_graph import LoRAGraphBuffers
 from radixengine.lora.mem_pool import LoRAMemoryPool
 
 DEFAULT_MAX_LORA_RANK = 64
@@ -92,7 +93,7 @@ class LoRAManager:
 
         def add_delta(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             info = self.batch_info
-            if info is None or not info.segments:
+            if info is None or not info.runs_delta:
                 return y
             if y.dtype == a_buf.dtype:
                 return apply_lora_delta(x, y, a_buf, b_buf, info, pieces)
@@ -103,6 +104,17 @@ class LoRAManager:
             return y.add_(delta)
 
         return add_delta
+
+    # ---- CUDA graphs ----
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether CUDA graphs may capture the delta: its Triton kernels read device tables only
+        (the torch forms' shapes follow the batch's adapters)."""
+        return torch.device(self.device).type == "cuda" and TRITON_ON_CUDA
+
+    def graph_buffers(self, max_bs: int) -> LoRAGraphBuffers:
+        return LoRAGraphBuffers(max_bs, self.pool.num_slots, KERNEL_BLOCK_ROWS, torch.device(self.device))
 
     # ---- adapters in host memory (the scheduler's thread) ----
 

@@ -9,7 +9,9 @@ fit in a quarter of the GPU memory free after the KV pool. A larger batch runs e
 log says so once.
 
 Needs a graph-safe attention backend (`supports_cuda_graph`): no host-side shapes may depend on
-the batch's sequence lengths.
+the batch's sequence lengths. With LoRA adapters the graphs capture the delta's Triton kernels
+over static block tables, refilled from the batch's `LoRABatchInfo` before each replay
+(lora/lora_graph.py); padded rows have no adapter.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from radixengine.layers.logits_processor import LogitsProcessorOutput
 from radixengine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ForwardResources
 
 if TYPE_CHECKING:
+    from radixengine.lora.lora_manager import LoRAManager
     from radixengine.model_loader.model_config import ModelConfig
     from radixengine.server_args import ServerArgs
 
@@ -41,6 +44,7 @@ class GraphModelRunner(ForwardResources, Protocol):
     model: nn.Module
     model_config: ModelConfig
     dtype: torch.dtype
+    lora_manager: LoRAManager | None
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -124,6 +128,8 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, LogitsProcessorOutput] = {}
+        lora = model_runner.lora_manager
+        self.lora_graph = None if lora is None else lora.graph_buffers(self.max_bs)
         start = time.perf_counter()
         self.capture()
         logger.info(
@@ -167,10 +173,14 @@ class CudaGraphRunner:
             pool = graph.pool()
             self.graphs[bs], self.outputs[bs] = graph, out
         torch.cuda.synchronize(self.model_runner.device)
+        if self.lora_graph is not None:  # eager forwards prepare their own
+            self.model_runner.lora_manager.batch_info = None
 
     def _forward(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         runner = self.model_runner
         runner.attn_backend.init_forward_metadata(fb)
+        if self.lora_graph is not None:
+            runner.lora_manager.batch_info = self.lora_graph.captured_info(fb.batch_size)
         return runner.model(fb.input_ids, fb.positions, fb)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
@@ -204,6 +214,8 @@ class CudaGraphRunner:
         self.seq_lens[:bs].copy_(forward_batch.seq_lens, non_blocking=True)
         self.out_cache_loc[:bs].copy_(forward_batch.out_cache_loc, non_blocking=True)
         self.positions[:bs].copy_(forward_batch.positions, non_blocking=True)
+        if self.lora_graph is not None:  # the batch's LoRA info: prepared before this forward
+            self.lora_graph.fill(self.model_runner.lora_manager.batch_info, padded)
         self.graphs[padded].replay()
         # A copy: the graph's output buffer is overwritten by the next replay.
         logits = self.outputs[padded].next_token_logits[:bs].clone()

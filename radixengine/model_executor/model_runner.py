@@ -115,8 +115,10 @@ class ModelRunner:
     def _make_cuda_graph_runner(self):
         from radixengine.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_supported
 
-        if self.lora_manager is not None:
-            return None  # the LoRA delta reads per-batch host data: decode runs eagerly
+        if self.lora_manager is not None and not self.lora_manager.graph_safe:
+            if self.device.type == "cuda" and not self.server_args.disable_cuda_graph:
+                logger.info("CUDA graphs off: the LoRA delta's torch forms (RADIXENGINE_TRITON_LORA=0)")
+            return None
         if self.device.type == "cuda" and self.tp_size > 1 and not self.server_args.disable_cuda_graph:
             logger.info(
                 "CUDA graphs off: --tp-size %d (graphs around NCCL collectives are not captured yet)",

@@ -1,7 +1,8 @@
 """The batched LoRA delta on a GPU in two launches per target linear, whatever the number of
 adapters in the batch (the torch forms take three or more, and a mask built per batch): a shrink
-`h = x A_s^T` and an expand `y += h B_s`, each program a block of up to BLOCK_T rows of one
-adapter slot, reading only that slot's rank (docs/lora.md "The delta").
+`h = x A_s^T` and an expand `y += h B_s`, each program a block of up to `block_rows` rows of one
+adapter slot (the caller's block table: a power of two, at least 16, the least M a tensor-core dot
+takes), reading only that slot's rank (docs/lora.md "The delta").
 
 The pool's layout (radixengine/lora/mem_pool.py): A `[slots, R, stack, in]`, B `[slots, R, stack,
 out]`, stacked module k's B in its own output columns `offsets[k] .. offsets[k + 1]`. `h` is fp32
@@ -15,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 16  # rows of one slot a program (the least M a tensor-core dot takes)
 BLOCK_K = 64
 BLOCK_N = 64
 
@@ -93,9 +93,10 @@ def lora_delta(
     rank_of_slot: torch.Tensor,
     offsets: torch.Tensor,
     widest_piece: int,
+    block_rows: int,
 ) -> None:
     """`y [rows, out] += x A_s^T B_s` in place for the rows of `blocks` (int32 `[n, 3]`: first row,
-    rows (at most BLOCK_T), slot); `offsets` (int32, stack + 1) the stacked modules' columns on
+    rows (at most `block_rows`), slot; an entry of no rows does nothing); `offsets` (int32, stack + 1) the stacked modules' columns on
     the device, `widest_piece` the most columns of one. Rows of unit stride; the buffers
     contiguous."""
     if blocks.shape[0] == 0:
@@ -108,12 +109,12 @@ def lora_delta(
     _shrink_kernel[(num_blocks,)](
         x, a_buf, h, blocks, rank_of_slot,
         x.stride(0), a_buf.stride(0), h.stride(0), fan_in, stack,
-        BLOCK_T=BLOCK_T, BLOCK_RS=max(16, triton.next_power_of_2(max_rank * stack)), BLOCK_K=BLOCK_K,
+        BLOCK_T=block_rows, BLOCK_RS=max(16, triton.next_power_of_2(max_rank * stack)), BLOCK_K=BLOCK_K,
         F32_DOT=f32_dot,
     )  # fmt: skip
     _expand_kernel[(num_blocks, stack, triton.cdiv(widest_piece, BLOCK_N))](
         h, b_buf, y, blocks, rank_of_slot, offsets,
         h.stride(0), b_buf.stride(0), y.stride(0), fan_out, stack,
-        BLOCK_T=BLOCK_T, BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=BLOCK_N,
+        BLOCK_T=block_rows, BLOCK_R=max(16, triton.next_power_of_2(max_rank)), BLOCK_N=BLOCK_N,
         F32_DOT=f32_dot,
     )  # fmt: skip
