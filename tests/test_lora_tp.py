@@ -2,8 +2,9 @@
 whole and B's output rows of its heads for q/k/v and gate/up; A's input columns and B whole for
 o and down, whose delta joins the partial output before the ranks' sum), so a batch mixing
 adapters and the base model gives transformers + peft's greedy tokens on 2 ranks and on 4 (the
-key/value heads replicated), in both loops; a bf16 model gives one rank's tokens; adapters load
-and unload at run time on every rank; the adapter's digest is every rank's."""
+key/value heads replicated), in both loops, and with n-gram speculation; a bf16 model gives one
+rank's tokens; adapters load and unload at run time on every rank; the adapter's digest is every
+rank's."""
 
 from __future__ import annotations
 
@@ -73,13 +74,16 @@ def _generate(engine: Engine, prompts, names) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "tp_size,loop", [(2, "overlap"), (2, "normal"), (4, "normal")], ids=["tp2-overlap", "tp2-normal", "tp4"]
+    "tp_size,loop,spec",
+    [(2, "overlap", None), (2, "normal", None), (4, "normal", None), (2, "overlap", "NGRAM")],
+    ids=["tp2-overlap", "tp2-normal", "tp4", "tp2-ngram"],
 )
-def test_mixed_adapters_on_tp_ranks_match_peft(folders, prompts, expected, tp_size, loop):
-    engine = _engine(folders, tp_size, dtype="float32", **LOOPS[loop])
+def test_mixed_adapters_on_tp_ranks_match_peft(folders, prompts, expected, tp_size, loop, spec):
+    engine = _engine(folders, tp_size, dtype="float32", speculative_algorithm=spec, **LOOPS[loop])
     try:
         assert _generate(engine, prompts, which(prompts)) == expected
-        wait_for_idle_accounting(engine.get_server_info, 20.0)
+        info = wait_for_idle_accounting(engine.get_server_info, 20.0)
+        assert (info["num_spec_verify_reqs"] > 0) == (spec is not None)
     finally:
         engine.shutdown()
 
