@@ -84,7 +84,6 @@ class HiCacheArgs(Protocol):
     hicache_storage_dir: str | None
     hicache_storage_max_bytes: int | None
     hicache_host_tier_on_cpu: bool
-    tp_size: int
 
 
 def resolve_storage_dir(args: HiCacheArgs) -> str:
@@ -119,11 +118,6 @@ def validate_hicache(args: HiCacheArgs) -> None:
         return
     if args.disable_radix_cache:
         raise ValueError("--enable-hierarchical-cache backs the radix cache: not with --disable-radix-cache")
-    if args.hicache_storage_backend is not None and args.tp_size > 1:
-        raise ValueError(
-            "--hicache-storage-backend with --tp-size > 1 is not supported yet: each rank reads its own "
-            "pages in its own time, and the ranks' batches would differ"
-        )
     if args.device == "cpu":
         _validate_cpu(args)
 

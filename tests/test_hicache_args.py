@@ -52,9 +52,6 @@ def test_defaults_follow_sglang():
         ({**STORAGE, "hicache_storage_prefetch_policy": "never"}, "--hicache-storage-prefetch-policy"),
         ({"enable_hierarchical_cache": True, "hicache_storage_backend": "s3"}, "--hicache-storage-backend"),
         ({**STORAGE, "hicache_storage_max_bytes": -1}, "--hicache-storage-max-bytes"),
-        # The ranks would read different pages in their own time: their batches, and the
-        # collectives of their forwards, would differ.
-        ({**STORAGE, "tp_size": 2}, "--hicache-storage-backend with --tp-size > 1"),
     ],
 )
 def test_unusable_combinations_are_refused_with_the_reason(kwargs, reason):

@@ -9,6 +9,7 @@ import logging
 import os
 from pathlib import Path
 
+from radixengine.distributed import get_tp_group, tensor_model_parallel_all_reduce_min
 from radixengine.mem_cache.allocator import BaseTokenToKVPoolAllocator
 from radixengine.mem_cache.base_prefix_cache import BasePrefixCache
 from radixengine.mem_cache.chunk_cache import ChunkCache
@@ -76,6 +77,7 @@ def make_radix_cache(
             args.hicache_storage_prefetch_policy,
             max_bytes=min(DEFAULT_MAX_PREFETCH_BYTES, pool.size * HostKVPool.bytes_per_token(pool)),
         ),
+        ranks_min=tensor_model_parallel_all_reduce_min,
         **common,
     )
 
@@ -129,6 +131,8 @@ def kv_identity(args: ServerArgs, pool: MHATokenToKVPool, page_size: int) -> KVI
             f"quantization={args.quantization}",
             f"load_format={args.load_format}",
             f"tp={args.tp_size}",
+            # each rank's pages hold its own heads (one rank: the identity as before ranks)
+            *([f"tp_rank={get_tp_group().rank}"] if args.tp_size > 1 else []),
         )
     )
     return KVIdentity(

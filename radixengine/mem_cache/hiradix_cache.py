@@ -19,6 +19,11 @@ pool slot is ever in flight between tiers, so the token-accounting invariant is 
 cache's. Storage pages are `page_tokens` long (a multiple of the pool's page size); a match that
 ends inside one uses its tail.
 
+Under tensor parallelism each rank stores its own heads' pages (its own identity: a subfolder of
+its own) and reads them in its own time; the ranks' schedulers must still make the same choices,
+so each choice that depends on what arrived (may a request be admitted, how many pages it loads)
+is the least of the ranks' (`ranks_min`, a collective over the CPU group), every call on every rank.
+
 Every walk, load and page key is in the request's radix namespace (`extra_key`, a LoRA
 adapter's id): an adapter's page key chain starts from its namespace's seed (a digest of the
 adapter's weights: storage/namespaces.py), the base model's from nothing, as before namespaces.
@@ -93,7 +98,9 @@ class HiRadixCache(HostRadixCache):
         max_pending_write_bytes: int = 256 << 20,
         host_pool: HostKVPool | None = None,
         host_transfer: HostTransfer | None = None,
+        ranks_min: Callable[[int], int] = lambda value: value,
     ) -> None:
+        """`ranks_min`: the least of a value over the tensor-parallel ranks (one rank: the value)."""
         super().__init__(
             req_to_token_pool,
             token_to_kv_pool_allocator,
@@ -105,6 +112,7 @@ class HiRadixCache(HostRadixCache):
             write_policy,
         )
         self.storage = storage
+        self.ranks_min = ranks_min
         self.page_tokens = storage.identity.page_tokens
         if self.page_tokens % page_size:
             raise ValueError(f"storage pages of {self.page_tokens} tokens with pool pages of {page_size}")
@@ -163,9 +171,13 @@ class HiRadixCache(HostRadixCache):
         return i
 
     def check_prefetch_progress(self, rid: str) -> bool:
-        """Whether request `rid` may be admitted now (SGLang's check_prefetch_progress): its
-        prefetch is done, or the policy does not wait (best_effort), or waited long enough
-        (timeout: since it started; wait_complete: since its last page arrived). Never blocks."""
+        """Whether request `rid` may be admitted now (SGLang's check_prefetch_progress), on every
+        rank: its prefetch is done, or the policy does not wait (best_effort), or waited long
+        enough (timeout: since it started; wait_complete: since its last page arrived). Never
+        blocks."""
+        return bool(self.ranks_min(int(self._prefetch_ready(rid))))
+
+    def _prefetch_ready(self, rid: str) -> bool:
         op = self.prefetcher.get(rid)
         if op is None or op.done.is_set() or self.prefetch_policy == "best_effort":
             return True
@@ -203,13 +215,15 @@ class HiRadixCache(HostRadixCache):
 
     def _load_storage_pages(self, rid: str, key: list[int] | tuple[int, ...], extra_key: str | None) -> int:
         op = self.prefetcher.get(rid)
-        if op is None:
-            return 0
         tokens = self._page_aligned(as_token_key(key))
-        values, node = self._match_prefix_helper(tokens, extra_key) if tokens else ([], self.root_node)
-        matched = sum(len(v) for v in values)
-        pages, keys = self._usable_pages(op, tokens, matched, extra_key)
-        pages, keys = self._fitting_pages(pages, keys)
+        values, node, matched, pages, keys = [], self.root_node, 0, [], []
+        if op is not None:
+            if tokens:
+                values, node = self._match_prefix_helper(tokens, extra_key)
+            matched = sum(len(v) for v in values)
+            pages, keys = self._fitting_pages(*self._usable_pages(op, tokens, matched, extra_key))
+        num = self.ranks_min(len(pages))  # every rank loads the pages all of them have
+        pages, keys = pages[:num], keys[:num]
         if not pages:
             self.prefetcher.release(rid)
             return 0
