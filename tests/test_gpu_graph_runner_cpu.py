@@ -86,22 +86,23 @@ def tiny(tmp_path):
     return tmp_path
 
 
-def test_capture_recomputes_rope_and_replay_pads(tiny, fake_cuda):
-    runner = make_runner(tiny, cuda_graph_max_bs=4)
+def record_captures(runner, fake_cuda: list[dict], monkeypatch) -> None:
+    """Each captured forward checks that the runner's RoPE modules recomputed their cos/sin."""
     ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
     assert ropes
-
     original_forward = CudaGraphRunner._forward
 
     def forward(self, fb):
         fake_cuda.append({"ropes": ropes})
         return original_forward(self, fb)
 
-    CudaGraphRunner._forward = forward
-    try:
-        graphs = CudaGraphRunner(runner)
-    finally:
-        CudaGraphRunner._forward = original_forward
+    monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
+
+
+def test_capture_recomputes_rope_and_replay_pads(tiny, fake_cuda, monkeypatch):
+    runner = make_runner(tiny, cuda_graph_max_bs=4)
+    record_captures(runner, fake_cuda, monkeypatch)
+    graphs = CudaGraphRunner(runner)
     assert graphs.capture_bs == [1, 2, 4]
     # Each captured pass computed RoPE's cos/sin itself (a warm-up's cached copy would be stale).
     captured = [c for c in fake_cuda if "recomputed" in c]
@@ -121,14 +122,7 @@ def test_memory_lowers_the_largest_graph_and_a_larger_batch_is_logged_once(
     tiny, fake_cuda, caplog, monkeypatch
 ):
     runner = make_runner(tiny, cuda_graph_max_bs=8)
-    ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
-    original_forward = CudaGraphRunner._forward
-
-    def forward(self, fb):
-        fake_cuda.append({"ropes": ropes})
-        return original_forward(self, fb)
-
-    monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
+    record_captures(runner, fake_cuda, monkeypatch)
     row = decode_row_bytes(decode_shapes(runner), runner.dtype.itemsize)
     with caplog.at_level("INFO", logger="radixengine.model_executor.cuda_graph_runner"):
         graphs = CudaGraphRunner(runner, free_bytes=4 * 2 * row + 1)  # a quarter: 2 rows
@@ -154,14 +148,7 @@ def test_lora_tables_are_refilled_before_each_replay(tiny, tmp_path, fake_cuda, 
 
     adapters = {n: save_random_adapter(tiny, tmp_path / n, seed=i, r=2 + 2 * i) for i, n in enumerate("ab")}
     runner = make_runner(tiny, cuda_graph_max_bs=4, lora_paths=[f"{n}={p}" for n, p in adapters.items()])
-    ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
-    original_forward = CudaGraphRunner._forward
-
-    def forward(self, fb):
-        fake_cuda.append({"ropes": ropes})
-        return original_forward(self, fb)
-
-    monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
+    record_captures(runner, fake_cuda, monkeypatch)
     graphs = CudaGraphRunner(runner)
     manager = runner.lora_manager
     assert graphs.lora_graph is not None and manager.batch_info is None
