@@ -32,7 +32,6 @@ adapter's weights: storage/namespaces.py), the base model's from nothing, as bef
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +84,8 @@ class PrefetchConfig:
 
 
 class HiRadixCache(HostRadixCache):
+    """`ranks_min`: the least of a value over the tensor-parallel ranks (one rank: the value)."""
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool | None,
@@ -100,7 +101,6 @@ class HiRadixCache(HostRadixCache):
         host_transfer: HostTransfer | None = None,
         ranks_min: Callable[[int], int] = lambda value: value,
     ) -> None:
-        """`ranks_min`: the least of a value over the tensor-parallel ranks (one rank: the value)."""
         super().__init__(
             req_to_token_pool,
             token_to_kv_pool_allocator,
@@ -120,9 +120,7 @@ class HiRadixCache(HostRadixCache):
         self.prefetch_timeout_s = prefetch.timeout_s
         self.prefetch_timeout_per_ki_token_s = prefetch.timeout_per_ki_token_s
         self.writer = StorageWriter(storage, max_pending_write_bytes)
-        dtype = getattr(torch, storage.identity.kv_dtype)
-        page_bytes = math.prod(storage.identity.page_shape()) * dtype.itemsize
-        self.prefetcher = StoragePrefetcher(storage, prefetch.max_bytes, page_bytes)
+        self.prefetcher = StoragePrefetcher(storage, prefetch.max_bytes, storage.identity.page_bytes())
         self.namespaces = NamespaceSeeds()
         self._stored: set[str] = set()  # keys this cache wrote or read (known to be in storage)
         self._touched: dict[str, int] = {}  # key -> pages submitted when its recency was refreshed

@@ -11,6 +11,7 @@ instead of nothing, so its pages never meet another namespace's or the base mode
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -36,6 +37,9 @@ class KVIdentity:
 
     def page_shape(self) -> tuple[int, ...]:
         return (self.layer_num, 2, self.page_tokens, self.head_num, self.head_dim)
+
+    def page_bytes(self) -> int:
+        return math.prod(self.page_shape()) * getattr(torch, self.kv_dtype).itemsize
 
 
 def page_keys(tokens: tuple[int, ...], page_tokens: int, num_pages: int, seed: bytes = b"") -> list[str]:
