@@ -232,15 +232,12 @@ class Engine:
         """Load a LoRA adapter at run time (as POST /load_lora_adapter; docs/lora.md); a refused
         one raises `RequestError` with the reason. Returns the adapters loaded now (name → path)."""
         self._run(self.tokenizer_manager.lora.load(lora_name, lora_path, pinned))
-        return self._loaded_adapters()
+        return self.tokenizer_manager.lora.loaded()
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         """Unload it once its requests in flight finish (new ones naming it are refused at once)."""
         self._run(self.tokenizer_manager.lora.unload(lora_name))
-        return self._loaded_adapters()
-
-    def _loaded_adapters(self) -> dict[str, str]:
-        return {ref.lora_name: ref.lora_path for ref in self.tokenizer_manager.lora.registry.refs()}
+        return self.tokenizer_manager.lora.loaded()
 
     def get_server_info(self) -> dict:
         state = self._run(self.tokenizer_manager.get_internal_state())

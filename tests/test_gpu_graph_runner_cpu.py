@@ -142,8 +142,8 @@ def test_memory_lowers_the_largest_graph_and_a_larger_batch_is_logged_once(
 
 def test_lora_tables_are_refilled_before_each_replay(tiny, tmp_path, fake_cuda, monkeypatch):
     """With LoRA adapters the graphs read the block table and the slots' ranks from static
-    tensors: each replay refills them from its batch (blocks of its adapters' rows, then empty
-    entries up to the graph's size), leaving nothing of the batch before."""
+    tensors: each replay refills them from its batch (block i is row i: one row of its slot, none
+    for a base-model or padded row), leaving nothing of the batch before."""
     from lora_utils import save_random_adapter
 
     adapters = {n: save_random_adapter(tiny, tmp_path / n, seed=i, r=2 + 2 * i) for i, n in enumerate("ab")}
@@ -159,9 +159,9 @@ def test_lora_tables_are_refilled_before_each_replay(tiny, tmp_path, fake_cuda, 
     driver.decode({"x": 7, "y": 8, "z": 9})  # 3 rows, padded to the graph of 4
     slot = manager.pool.slot_of
     table = graphs.lora_graph.blocks[:4].tolist()
-    assert table == [[0, 1, slot[ids["a"]]], [2, 1, slot[ids["b"]]], [0, 0, 0], [0, 0, 0]]
+    assert table == [[0, 1, slot[ids["a"]]], [1, 0, 0], [2, 1, slot[ids["b"]]], [3, 0, 0]]
     ranks = graphs.lora_graph.rank_of_slot
     assert ranks[slot[ids["a"]]] == 2 and ranks[slot[ids["b"]]] == 4
     del driver.lora_ids["x"]
     driver.decode({"x": 1, "y": 2, "z": 3})
-    assert graphs.lora_graph.blocks[:4].tolist() == [[2, 1, slot[ids["b"]]], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
+    assert graphs.lora_graph.blocks[:4].tolist() == [[0, 0, 0], [1, 0, 0], [2, 1, slot[ids["b"]]], [3, 0, 0]]

@@ -137,8 +137,8 @@ def test_pool_evicts_by_policy_and_never_a_pinned_or_used_slot(policy, victim):
 
 def test_adapter_digest_names_its_weights():
     # The hierarchical cache keys an adapter's storage pages by it (docs/lora.md).
-    assert _adapter(2, 1.0).digest() == _adapter(2, 1.0).digest()
-    assert len({_adapter(2, 1.0).digest(), _adapter(2, 2.0).digest(), _adapter(3, 1.0).digest()}) == 3
+    assert _adapter(2, 1.0).digest == _adapter(2, 1.0).digest
+    assert len({_adapter(2, 1.0).digest, _adapter(2, 2.0).digest, _adapter(3, 1.0).digest}) == 3
 
 
 def test_no_adapter_takes_the_served_model_name():

@@ -63,7 +63,6 @@ def test_a_captured_graphs_static_tables_give_the_batchs_delta():
     batch of 5 decode rows for the graph of 8, they give the batch's own delta and leave the
     padded rows alone; refilled from a smaller batch, the entries of the one before are gone."""
     from radixengine.lora.lora_backend import triton_delta
-    from radixengine.lora.lora_batch_info import KERNEL_BLOCK_ROWS
     from radixengine.lora.lora_graph import LoRAGraphBuffers
 
     gen = torch.Generator().manual_seed(5)
@@ -72,7 +71,7 @@ def test_a_captured_graphs_static_tables_give_the_batchs_delta():
     b = torch.randn(4, max_rank, 2, sum(pieces), generator=gen).to(DEVICE)
     x = torch.randn(8, fan_in, generator=gen).to(DEVICE)
     y = torch.randn(8, sum(pieces), generator=gen).to(DEVICE)
-    graph = LoRAGraphBuffers(8, 3, KERNEL_BLOCK_ROWS, torch.device(DEVICE))
+    graph = LoRAGraphBuffers(8, 3, torch.device(DEVICE))
     for slots in ([1, 0, 3, 3, 2], [0, 2]):
         bs = len(slots)
         batch = LoRABatchInfo.build(slots, [1] * bs, {1: 4, 2: 1, 3: 3}, torch.device(DEVICE))

@@ -42,5 +42,4 @@ def _string(body: dict, name: str) -> str:
 
 def _answer(tm: TokenizerManager) -> dict:
     """SGLang's answer: success and the adapters loaded now (name -> path)."""
-    loaded = {ref.lora_name: ref.lora_path for ref in tm.lora.registry.refs()}
-    return {"success": True, "error_message": None, "loaded_adapters": loaded}
+    return {"success": True, "error_message": None, "loaded_adapters": tm.lora.loaded()}

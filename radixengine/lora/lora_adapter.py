@@ -69,18 +69,15 @@ BaseShapes = dict[tuple[int, str], ModuleShape]
 class LoRAAdapter:
     """Per (layer, fused module): `a` [r, stack, in] and `b` [r, stack, out] (B already scaled,
     each part's B in its own output rows; under tensor parallelism this rank's slice); modules
-    the adapter does not target are absent. `weights_digest`: see `weights_digest`."""
+    the adapter does not target are absent. `digest`: `weights_digest` of the whole weights."""
 
     config: LoRAConfig
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    weights_digest: bytes
+    digest: bytes
 
     @property
     def rank(self) -> int:
         return self.config.r
-
-    def digest(self) -> bytes:
-        return self.weights_digest
 
     @classmethod
     def load(cls, config: LoRAConfig, shapes: BaseShapes, dtype: torch.dtype) -> LoRAAdapter:
@@ -157,7 +154,8 @@ def _pairs(config: LoRAConfig, tensors: dict[str, torch.Tensor]) -> dict[tuple[i
         m = _KEY.fullmatch(key)
         if m is None or (m[2] not in TARGET_MODULES and m[2] not in FUSED_PEFT_MODULES):
             raise LoRALoadError(
-                f"adapter {config.path}: tensor {key} is not supported (only q/k/v/o/gate/up/down LoRA A/B)"
+                f"adapter {config.path}: tensor {key} is not supported (only q/k/v/o/gate/up/down LoRA A/B, "
+                "or the fused qkv/gate_up)"
             )
         if m[2] not in config.target_modules:
             raise LoRALoadError(f"adapter {config.path}: tensor {key} is for a module not in target_modules")

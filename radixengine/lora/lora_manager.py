@@ -17,7 +17,7 @@ from torch import nn
 from radixengine.layers.linear import OutputDelta
 from radixengine.lora.lora_adapter import BaseShapes, LoRAAdapter, ModuleShape
 from radixengine.lora.lora_backend import TRITON_ON_CUDA, apply_lora_delta
-from radixengine.lora.lora_batch_info import KERNEL_BLOCK_ROWS, LoRABatchInfo
+from radixengine.lora.lora_batch_info import LoRABatchInfo
 from radixengine.lora.lora_config import TARGET_MODULES, LoRAConfig, LoRALoadError
 from radixengine.lora.lora_graph import LoRAGraphBuffers
 from radixengine.lora.mem_pool import LoRAMemoryPool
@@ -114,7 +114,7 @@ class LoRAManager:
         return torch.device(self.device).type == "cuda" and TRITON_ON_CUDA
 
     def graph_buffers(self, max_bs: int) -> LoRAGraphBuffers:
-        return LoRAGraphBuffers(max_bs, self.pool.num_slots, KERNEL_BLOCK_ROWS, torch.device(self.device))
+        return LoRAGraphBuffers(max_bs, self.pool.num_slots, torch.device(self.device))
 
     # ---- adapters in host memory (the scheduler's thread) ----
 
@@ -141,7 +141,7 @@ class LoRAManager:
         """The digest of a loaded adapter's weights (LoRAAdapter.digest); None if not loaded."""
         with self._lock:
             adapter = self.adapters.get(lora_id)
-        return None if adapter is None else adapter.digest()
+        return None if adapter is None else adapter.digest
 
     def _check_config(self, config: LoRAConfig) -> None:
         if config.r > self.max_lora_rank:

@@ -59,6 +59,10 @@ class TokenizerLoRA:
     def names(self) -> list[str]:
         return [r.lora_name for r in self.registry.refs()]
 
+    def loaded(self) -> dict[str, str]:
+        """The adapters loaded now, name → path (SGLang's `loaded_adapters`)."""
+        return {r.lora_name: r.lora_path for r in self.registry.refs()}
+
     async def load(self, name: str, path: str, pinned: bool = False) -> LoRARef:
         self._check_enabled()
         if name in self.registry or name in self._busy:
