@@ -153,15 +153,16 @@ def test_lora_tables_are_refilled_before_each_replay(tiny, tmp_path, fake_cuda, 
     manager = runner.lora_manager
     assert graphs.lora_graph is not None and manager.batch_info is None
     ids = {ref.split("-", 2)[2]: ref for ref in manager.adapters}
-    driver = ModelDriver(runner, {"x": ids["a"], "z": ids["b"]})
-    driver.extend({"x": [1, 2, 3], "y": [4, 5], "z": [6]})
+    driver = ModelDriver(runner, {"x": ids["a"], "z": ids["b"], "w": ids["a"]})
+    driver.extend({"x": [1, 2, 3], "y": [4, 5], "z": [6], "w": [7]})
     runner.cuda_graph_runner = graphs
-    driver.decode({"x": 7, "y": 8, "z": 9})  # 3 rows, padded to the graph of 4
+    driver.decode({"x": 7, "y": 8, "z": 9, "w": 1})  # 4 rows: the graph of 4
     slot = manager.pool.slot_of
-    table = graphs.lora_graph.blocks[:4].tolist()
-    assert table == [[0, 1, slot[ids["a"]]], [1, 0, 0], [2, 1, slot[ids["b"]]], [3, 0, 0]]
+    a, b = slot[ids["a"]], slot[ids["b"]]
+    assert graphs.lora_graph.blocks[:4].tolist() == [[0, 1, a], [1, 0, 0], [2, 1, b], [3, 1, a]]
     ranks = graphs.lora_graph.rank_of_slot
-    assert ranks[slot[ids["a"]]] == 2 and ranks[slot[ids["b"]]] == 4
+    assert ranks[a] == 2 and ranks[b] == 4
+    driver.free("w")
     del driver.lora_ids["x"]
-    driver.decode({"x": 1, "y": 2, "z": 3})
-    assert graphs.lora_graph.blocks[:4].tolist() == [[0, 0, 0], [1, 0, 0], [2, 1, slot[ids["b"]]], [3, 0, 0]]
+    driver.decode({"x": 1, "y": 2, "z": 3})  # 3 rows, padded to 4: the padded row has no adapter
+    assert graphs.lora_graph.blocks[:4].tolist() == [[0, 0, 0], [1, 0, 0], [2, 1, b], [3, 0, 0]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from radixengine.lora.lora_batch_info import KERNEL_BLOCK_ROWS, LoRABatchInfo, LoRASegment
+from radixengine.lora.lora_batch_info import KERNEL_BLOCK_ROWS, LoRABatchInfo
 
 
 class LoRAGraphBuffers:
@@ -23,7 +23,7 @@ class LoRAGraphBuffers:
     def captured_info(self, bs: int) -> LoRABatchInfo:
         """The batch a graph of `bs` rows captures: the static tables, `bs` blocks."""
         info = LoRABatchInfo(
-            segments=[LoRASegment(0, 0, [])],
+            segments=[],
             row_slot=self.blocks[:bs, 2],
             rank_of_slot=self.rank_of_slot,
             lo=0,
