@@ -127,9 +127,13 @@ def test_evicted_prefix_comes_back_from_storage(tmp_path, page, kv, overlap, pol
     opts = dict(page_size=page, kv_cache_dtype=kv, overlap=overlap, radix_eviction_policy=policy)
     sched = hicache_scheduler(tmp_path, max_total_tokens=512, **opts)
     run(sched, PROMPTS, "a")
-    run(sched, OTHER, "b")  # 300-token prefix: the pool of 512 evicts the first prefix
+    run(sched, OTHER, "b")  # 300-token prefix: the pool of 512 evicts most of the first prefix
+    # How much the pressure evicted depends on how the requests were batched, which waits on the
+    # storage threads' prefetches (wait_complete): evict what it left, so that every prompt is
+    # read back from storage whatever the timing.
+    sched.tree_cache.evict(sched.tree_cache.evictable_size())
     sched.tree_cache.flush_storage()
-    assert sched.tree_cache.match_prefix(PROMPTS[0][:-1]).device_indices.numel() < 128
+    assert sched.tree_cache.match_prefix(PROMPTS[0][:-1]).device_indices.numel() == 0
     _, again = run(sched, PROMPTS, "c")
     _assert_same(expected, again, "c")
     assert sched.tree_cache.storage_hit_tokens >= 128
