@@ -142,11 +142,17 @@ def test_host_tier_and_storage_load_device_then_host_then_storage(tmp_path):
         for i, rid in enumerate(m.rids)
         if m.finished_reasons[i]
     }
-    # The 144-token shared prefix comes from the host once (to whichever request is admitted
-    # first: c0 waits for its storage prefetch), then from the device; c0's next page from
-    # storage: 160 in all.
-    assert sorted(host for _, host, _ in final.values()) == [0, 0, 144], final
-    assert final["c0"][0] == 160 and final["c0"][2] == 16, final
+    # The 144-token shared prefix comes from the host once, to whichever request is admitted
+    # first, then from the device; c0's 160 tokens all come from a tier, its next page from the
+    # host or else from storage. Which one depends on the order in which eviction wrote pages to
+    # the host pool (160 tokens), and that on the batching of OTHER, which waits on the storage
+    # threads' prefetches (wait_complete): the host holds the prefix and c0's next page (c0 is
+    # admitted first, with 160 from the host), or the prefix alone (c0 waits for its storage
+    # prefetch: 144 from the host to another request, 16 from storage to c0).
+    hosts = sorted(host for _, host, _ in final.values())
+    assert hosts in ([0, 0, 144], [0, 0, 160]), final
+    assert final["c0"][0] == 160, final
+    assert final["c0"][2] == (16 if hosts[-1] == 144 else 0), final
     sched.close()
 
 
